@@ -1,0 +1,181 @@
+"""The domain error hierarchy.
+
+Each error carries its gRPC status code and an ``ErrorInfo`` reason. One server
+interceptor turns them into rich gRPC statuses; the gateway turns those into
+HTTP statuses and OpenAI error codes with one table.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+__all__ = [
+    "BerthError",
+    "NotFound",
+    "InvalidArgument",
+    "FailedPrecondition",
+    "EnvironmentInUse",
+    "InitializationRunning",
+    "SessionActive",
+    "EnvironmentFailed",
+    "Conflict",
+    "Unavailable",
+    "SandboxUnavailable",
+    "PermissionDenied",
+    "Unauthenticated",
+    "ERROR_DOMAIN",
+    "to_rpc_status",
+    "reason_from_rpc_error",
+]
+
+ERROR_DOMAIN = "berth.dev"
+
+
+class BerthError(Exception):
+    """Base of all domain errors."""
+
+    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    reason: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, message: str, *, param: str | None = None, **metadata: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.metadata = dict(metadata)
+        if param is not None:
+            self.metadata.setdefault("param", param)
+
+
+class NotFound(BerthError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
+
+
+class InvalidArgument(BerthError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "VALIDATION_ERROR"
+
+
+class PathOutsideWorkspace(InvalidArgument):
+    reason = "PATH_OUTSIDE_WORKSPACE"
+
+
+class FailedPrecondition(BerthError):
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+
+class EnvironmentInUse(FailedPrecondition):
+    reason = "ENVIRONMENT_IN_USE"
+
+
+class InitializationRunning(FailedPrecondition):
+    reason = "INITIALIZATION_RUNNING"
+
+
+class SessionActive(FailedPrecondition):
+    reason = "SESSION_ACTIVE"
+
+
+class EnvironmentFailed(FailedPrecondition):
+    reason = "ENVIRONMENT_FAILED"
+
+
+class Conflict(BerthError):
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+    reason = "CONFLICT"
+
+
+class Unavailable(BerthError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+
+
+class SandboxUnavailable(Unavailable):
+    reason = "SANDBOX_UNAVAILABLE"
+
+
+class PermissionDenied(BerthError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "INSUFFICIENT_SCOPES"
+
+
+class Unauthenticated(BerthError):
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+def to_rpc_status(error: BerthError) -> status_pb2.Status:
+    """Builds the google.rpc.Status for ``error`` with its ErrorInfo detail."""
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return status_pb2.Status(code=error.grpc_code.value[0], message=error.message, details=[detail])
+
+
+def reason_from_rpc_error(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    """Extracts the ErrorInfo reason and metadata from a failed call, if any."""
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    except Exception:  # a malformed trailer must not hide the original error
+        return "", {}
+    if status is None:
+        return "", {}
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason, dict(info.metadata)
+    return "", {}
+
+
+_BY_REASON: dict[str, type[BerthError]] = {
+    cls.reason: cls
+    for cls in (
+        NotFound,
+        InvalidArgument,
+        PathOutsideWorkspace,
+        FailedPrecondition,
+        EnvironmentInUse,
+        InitializationRunning,
+        SessionActive,
+        EnvironmentFailed,
+        Conflict,
+        Unavailable,
+        SandboxUnavailable,
+        PermissionDenied,
+        Unauthenticated,
+    )
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[BerthError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ALREADY_EXISTS: Conflict,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> BerthError:
+    """Rebuilds the domain error a downstream service raised, so it passes
+    through a hop with its reason intact. Unknown failures become Unavailable
+    when the peer could not be reached and BerthError (INTERNAL) otherwise."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    reason, metadata = reason_from_rpc_error(exc)
+    cls = _BY_REASON.get(reason) or _BY_CODE.get(code, BerthError)
+    param = metadata.pop("param", None)
+    return cls(details or code.name, param=param, **metadata)
+
+
+__all__ += ["PathOutsideWorkspace", "from_rpc_error"]

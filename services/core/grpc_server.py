@@ -1,0 +1,103 @@
+"""gRPC server bootstrap: interceptors, health, reflection, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.core.interceptors import ClientContextInterceptors, ServerContextInterceptor
+from services.core.logging import get_logger
+
+__all__ = ["RunningServer", "start_grpc_server", "open_channel", "wait_for_termination_signal", "MAX_MESSAGE_BYTES"]
+
+log = get_logger("berth.grpc")
+
+MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+# Retries only for UNAVAILABLE, and only on methods marked idempotent by the
+# caller's service name list (reads); writes are never retried blindly.
+_RETRY_POLICY = {
+    "maxAttempts": 4,
+    "initialBackoff": "0.05s",
+    "maxBackoff": "1s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: list[str] = field(default_factory=list)
+
+    async def stop(self, grace: float) -> None:
+        for name in [*self.service_names, ""]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+
+
+async def start_grpc_server(
+    address: str,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+) -> RunningServer:
+    """Starts a server on ``address`` (port 0 picks a free one). ``register``
+    adds the servicers and returns their full service names."""
+    server = grpc.aio.server(
+        interceptors=[ServerContextInterceptor()],
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    names = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    await server.start()
+    for name in [*names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("grpc_server_started", address=address, port=port, services=names)
+    return RunningServer(server=server, port=port, health=health_servicer, service_names=names)
+
+
+def open_channel(address: str, *, timeout_s: float, idempotent_methods: Iterable[tuple[str, str]] = ()) -> grpc.aio.Channel:
+    """A channel that propagates request context, sets deadlines and retries
+    UNAVAILABLE on the listed (service, method) pairs."""
+    import json
+
+    names = [{"service": s, "method": m} for s, m in idempotent_methods]
+    config = {"methodConfig": [{"name": names, "retryPolicy": _RETRY_POLICY}]} if names else {}
+    options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1)]
+    if config:
+        options.append(("grpc.service_config", json.dumps(config)))
+    return grpc.aio.insecure_channel(address, options=options, interceptors=ClientContextInterceptors(timeout_s))
+
+
+async def wait_for_termination_signal() -> None:
+    """Returns on SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
