@@ -1,0 +1,60 @@
+"""What every service factory returns, and the shared ``__main__`` runner."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.core.grpc_server import RunningServer, wait_for_termination_signal
+from services.core.logging import configure_logging, get_logger
+from services.core.metrics import start_metrics_server
+from services.core.settings import Settings
+
+__all__ = ["ServiceHandle", "run_service_main"]
+
+log = get_logger("berth.service")
+
+
+@dataclass
+class ServiceHandle:
+    """A started service: its gRPC server plus what must be closed after it."""
+
+    name: str
+    grpc: RunningServer
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc.port}"
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Health goes NOT_SERVING, in-flight RPCs get ``grace`` seconds, then
+        dependencies (channels, engines, background tasks) close in reverse order."""
+        await self.grpc.stop(grace)
+        for close in reversed(self.closers):
+            try:
+                await close()
+            except Exception:
+                log.exception("service_close_failed", service=self.name)
+
+
+def run_service_main(name: str, start: Callable[[Settings], Awaitable[ServiceHandle]]) -> None:
+    """Entry point body for ``python -m services.<name>``: build settings,
+    start, wait for SIGTERM, stop gracefully."""
+    settings = Settings()
+    configure_logging(settings.log_level, json=settings.log_json)
+
+    async def main() -> None:
+        start_metrics_server(settings.metrics_port)
+        handle = await start(settings)
+        log.info("service_ready", service=name, port=handle.port)
+        await wait_for_termination_signal()
+        log.info("service_stopping", service=name)
+        await handle.stop(settings.grace_s)
+
+    asyncio.run(main())
