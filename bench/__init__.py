@@ -1,0 +1,1 @@
+"""Berth benchmarks. Run all with ``make bench`` (``python -m bench``)."""

@@ -1,0 +1,43 @@
+"""Runs every benchmark and prints one table of p50/p95 and ratios to a
+baseline measured in the same run.
+
+    python -m bench              # all
+    python -m bench gateway exec # a selection
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import tempfile
+from pathlib import Path
+
+from bench.runner import Result, print_table
+from services.core.logging import configure_logging
+
+BENCHMARKS = ["gateway", "exec", "environment", "turn"]
+
+
+async def _main(names: list[str]) -> None:
+    results: list[Result] = []
+    for name in names:
+        module = importlib.import_module(f"bench.bench_{name}")
+        with tempfile.TemporaryDirectory(prefix=f"berth-bench-{name}-") as tmp:
+            try:
+                results.extend(await module.run(Path(tmp)))
+            except Exception as exc:  # one broken benchmark must not hide the others
+                print(f"benchmark {name} failed: {type(exc).__name__}: {exc}")
+    print_table(results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", default=BENCHMARKS)
+    args = parser.parse_args()
+    configure_logging("ERROR")
+    asyncio.run(_main(args.names or BENCHMARKS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The ``berth`` command: ``serve``, ``keys`` and ``status``.
+
+``berth serve`` is the embedded default: all four servers in one process,
+each built by the same factory its stand-alone ``__main__`` uses, on SQLite
+under ``BERTH_DATA_DIR`` and the local sandbox backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+
+
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.core.logging import configure_logging, get_logger
+from services.core.settings import Settings
+
+__all__ = ["main"]
+
+log = get_logger("berth.cli")
+
+ALL_SCOPES = ("tasks:read", "tasks:write")
+
+
+async def _serve(settings: Settings) -> None:
+    from gateway.app import start_gateway
+    from gateway.keys import ensure_dev_key
+    from services.core.grpc_server import wait_for_termination_signal
+    from services.core.metrics import start_metrics_server
+    from services.environment.server import start_environment_service
+    from services.sandbox.server import start_sandbox_service
+    from services.session.server import start_session_service
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    start_metrics_server(settings.metrics_port)
+    sandbox = await start_sandbox_service(settings)
+    environment = await start_environment_service(settings)
+    session = await start_session_service(settings)
+    gateway = await start_gateway(settings)
+    try:
+        key = await ensure_dev_key(gateway.database, settings.dev_org)
+        base = f"http://{settings.gateway_host}:{gateway.port}"
+        print(f"Berth is running at {base}/v1 (data in {settings.data_dir.resolve()})", flush=True)
+        if settings.sandbox_isolation == "none":
+            print("WARNING: BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host.", flush=True)
+        if key is not None:
+            print(f"Created organization {settings.dev_org!r} with API key (shown once):\n  {key}", flush=True)
+            print(
+                "Try it:\n"
+                f"  curl -s {base}/v1/agents/environments \\\n"
+                f"    -H 'Authorization: Bearer {key}' -H 'OpenAI-Beta: agents=v1' \\\n"
+                "    -H 'Content-Type: application/json' -d '{\"environment\":{\"type\":\"openai_hosted\"}}'",
+                flush=True,
+            )
+        else:
+            print(f"Organization {settings.dev_org!r} exists; create a key with: berth keys create --org {settings.dev_org}", flush=True)
+        await wait_for_termination_signal()
+    finally:
+        await gateway.stop()
+        await session.stop(settings.grace_s)
+        await environment.stop(settings.grace_s)
+        await sandbox.stop(settings.grace_s)
+
+
+async def _keys(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.db import open_gateway_database
+    from gateway.keys import create_key, list_keys, revoke_key
+
+    db = await open_gateway_database(settings)
+    try:
+        if args.keys_command == "create":
+            scopes = [s for s in ",".join(args.scopes).split(",") if s] or list(ALL_SCOPES)
+            record, plaintext = await create_key(db, args.org, scopes, name=args.name)
+            print(json.dumps({"id": record.id, "org": args.org, "scopes": record.scopes, "key": plaintext}))
+        elif args.keys_command == "list":
+            for rec in await list_keys(db, args.org):
+                print(
+                    json.dumps(
+                        {
+                            "id": rec.id,
+                            "org": rec.org_name,
+                            "prefix": rec.prefix,
+                            "scopes": rec.scopes,
+                            "revoked": rec.revoked_at is not None,
+                        }
+                    )
+                )
+        elif args.keys_command == "revoke":
+            rec = await revoke_key(db, args.key_id)
+            print(json.dumps({"id": rec.id, "revoked": True}))
+        return 0
+    finally:
+        await db.dispose()
+
+
+async def _check_grpc(address: str) -> str:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            return f"unreachable ({exc.code().name})"
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+async def _check_http(url: str) -> str:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            resp = await client.get(url)
+    except httpx.HTTPError as exc:
+        return f"unreachable ({type(exc).__name__})"
+    return "SERVING" if resp.status_code == 200 else f"NOT_SERVING (HTTP {resp.status_code})"
+
+
+async def _status(settings: Settings) -> int:
+    rows: list[tuple[str, str, str]] = [
+        ("gateway", f"{settings.gateway_host}:{settings.gateway_port}", await _check_http(f"http://{settings.gateway_host}:{settings.gateway_port}/healthz")),
+        ("session", settings.session_addr, await _check_grpc(settings.session_addr)),
+        ("environment", settings.environment_addr, await _check_grpc(settings.environment_addr)),
+        ("sandbox", settings.sandbox_addr, await _check_grpc(settings.sandbox_addr)),
+    ]
+    width = max(len(r[1]) for r in rows)
+    for name, addr, state in rows:
+        print(f"{name:<12} {addr:<{width}}  {state}")
+    if settings.sandbox_isolation == "none":
+        print("WARNING: sandbox isolation is 'none' (BERTH_SANDBOX_ISOLATION): sandboxes run unconfined.")
+    return 0 if all(r[2] == "SERVING" for r in rows) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="berth", description="Berth: a self-hostable Agents API runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run all four services in one process (embedded default)")
+    keys = sub.add_parser("keys", help="manage organization API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create an API key (shown once)")
+    create.add_argument("--org", required=True)
+    create.add_argument("--scopes", nargs="*", default=[], help="e.g. tasks:read tasks:write (default both)")
+    create.add_argument("--name", default=None)
+    lst = keys_sub.add_parser("list", help="list keys (never their secrets)")
+    lst.add_argument("--org", default=None)
+    revoke = keys_sub.add_parser("revoke", help="revoke a key; it fails immediately")
+    revoke.add_argument("key_id")
+    sub.add_parser("status", help="print the health of each service")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = Settings()
+    if args.command == "serve":
+        configure_logging(settings.log_level, json=settings.log_json)
+        try:
+            asyncio.run(_serve(settings))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    configure_logging("WARNING", json=settings.log_json)
+    if args.command == "keys":
+        return asyncio.run(_keys(settings, args))
+    if args.command == "status":
+        return asyncio.run(_status(settings))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+

@@ -1,0 +1,330 @@
+"""Sandbox lifecycle and operations, independent of gRPC.
+
+The manager owns the rows, the backend and one daemon connection per
+sandbox. Every operation marks the sandbox active and resumes it first if it
+is paused, so pausing is invisible to callers; an idle reaper pauses
+sandboxes with no operation in flight, no recent activity and no keepalive
+process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+
+from services.core.db import Database
+from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
+from services.core.logging import get_logger
+from services.core.metrics import SANDBOXES
+from services.sandbox.backends.base import Backend, BackendHandle, SandboxSpec
+from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
+from services.sandbox.models import SandboxRow
+
+__all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class CreateParams:
+    sandbox_id: str
+    labels: Mapping[str, str]
+    network: Mapping[str, object]
+    env: Mapping[str, str]
+    size: int
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    org_id: str
+    state: str
+    backend: str
+    isolation: str
+    labels: dict[str, str]
+    network: dict[str, object]
+    size: int
+    error: str
+    created_at: float
+    last_active_at: float
+
+    @classmethod
+    def from_row(cls, row: SandboxRow) -> SandboxRecord:
+        return cls(
+            sandbox_id=row.sandbox_id,
+            org_id=row.org_id,
+            state=row.state,
+            backend=row.backend,
+            isolation=row.isolation,
+            labels=json.loads(row.labels_json),
+            network=json.loads(row.network_json),
+            size=row.size,
+            error=row.error,
+            created_at=row.created_at,
+            last_active_at=row.last_active_at,
+        )
+
+
+@dataclass
+class _Live:
+    handle: BackendHandle
+    client: DaemonClient
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    in_flight: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+    paused: bool = False
+
+
+class SandboxManager:
+    def __init__(self, db: Database, backend: Backend, *, backend_name: str, isolation: str, idle_pause_s: float) -> None:
+        self._db = db
+        self._backend = backend
+        self._backend_name = backend_name
+        self._isolation = isolation
+        self._idle_pause_s = idle_pause_s
+        self._live: dict[str, _Live] = {}
+        self._create_locks: dict[str, asyncio.Lock] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    # --- lifecycle of the manager itself -------------------------------------------------
+
+    async def start(self) -> None:
+        """Reconnects to sandboxes that outlived a previous service process."""
+        adopted = {h.sandbox_id: h for h in await self._backend.adopt()}
+        async with self._db.transaction() as s:
+            rows = (await s.execute(select(SandboxRow).where(SandboxRow.state.in_(("running", "paused", "creating"))))).scalars().all()
+            for row in rows:
+                handle = adopted.get(row.sandbox_id)
+                if handle is None:
+                    row.state = "error"
+                    row.error = "sandbox did not survive a restart of its host"
+                    continue
+                live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)))
+                live.paused = row.state == "paused"
+                self._live[row.sandbox_id] = live
+                log.info("sandbox_adopted", sandbox_id=row.sandbox_id, state=row.state)
+        if self._idle_pause_s > 0:
+            self._reaper = asyncio.create_task(self._reap_idle(), name="sandbox-idle-reaper")
+        await self._update_gauge()
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        for live in self._live.values():
+            await live.client.close()
+
+    # --- rows ---------------------------------------------------------------------------
+
+    async def _row(self, org_id: str, sandbox_id: str) -> SandboxRecord:
+        async with self._db.transaction() as s:
+            row = await s.get(SandboxRow, sandbox_id)
+            if row is None or row.org_id != org_id or row.state == "destroyed":
+                raise NotFound(f"sandbox {sandbox_id} not found")
+            return SandboxRecord.from_row(row)
+
+    async def _set_state(self, sandbox_id: str, state: str, *, error: str = "", handle: BackendHandle | None = None) -> None:
+        async with self._db.transaction() as s:
+            row = await s.get(SandboxRow, sandbox_id)
+            if row is None:
+                return
+            row.state = state
+            row.error = error
+            row.last_active_at = time.time()
+            if handle is not None:
+                row.handle_json = json.dumps({"socket_path": handle.socket_path, **handle.data})
+        await self._update_gauge()
+
+    async def _update_gauge(self) -> None:
+        async with self._db.transaction() as s:
+            rows = (await s.execute(select(SandboxRow.state))).scalars().all()
+        counts: dict[str, int] = {}
+        for state in rows:
+            counts[state] = counts.get(state, 0) + 1
+        for state in ("creating", "running", "paused", "destroyed", "error"):
+            SANDBOXES.labels(state=state).set(counts.get(state, 0))
+
+    # --- transitions --------------------------------------------------------------------
+
+    async def create(self, org_id: str, params: CreateParams) -> SandboxRecord:
+        if not params.sandbox_id or len(params.sandbox_id) > 64 or not params.sandbox_id.replace("_", "").replace("-", "").isalnum():
+            raise InvalidArgument("sandbox_id must be 1-64 characters of [A-Za-z0-9_-]", param="sandbox_id")
+        lock = self._create_locks.setdefault(params.sandbox_id, asyncio.Lock())
+        async with lock:
+            async with self._db.transaction() as s:
+                row = await s.get(SandboxRow, params.sandbox_id)
+                if row is not None:
+                    if row.org_id != org_id:
+                        raise Conflict(f"sandbox {params.sandbox_id} already exists")
+                    if row.state in ("running", "paused") and params.sandbox_id in self._live:
+                        return SandboxRecord.from_row(row)
+                    if row.state == "destroyed":
+                        raise Conflict(f"sandbox {params.sandbox_id} was destroyed; identities are not reused")
+                now = time.time()
+                if row is None:
+                    row = SandboxRow(
+                        sandbox_id=params.sandbox_id,
+                        org_id=org_id,
+                        state="creating",
+                        backend=self._backend_name,
+                        isolation=self._isolation,
+                        labels_json=json.dumps(dict(params.labels)),
+                        network_json=json.dumps(dict(params.network)),
+                        env_json=json.dumps(dict(params.env)),
+                        size=params.size,
+                        handle_json="{}",
+                        error="",
+                        created_at=now,
+                        last_active_at=now,
+                    )
+                    s.add(row)
+            spec = SandboxSpec(
+                sandbox_id=params.sandbox_id,
+                network=str(params.network.get("access") or "enabled"),
+                env=dict(params.env),
+                labels={**dict(params.labels), "berth.sandbox_id": params.sandbox_id, "berth.org": org_id},
+                size=params.size,
+            )
+            try:
+                handle = await self._backend.create(spec)
+            except Exception as exc:
+                log.warning("sandbox_create_failed", sandbox_id=params.sandbox_id, error=str(exc))
+                await self._set_state(params.sandbox_id, "error", error=str(exc))
+                raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
+            self._live[params.sandbox_id] = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)))
+            await self._set_state(params.sandbox_id, "running", handle=handle)
+            log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
+            return await self._row(org_id, params.sandbox_id)
+
+    async def get(self, org_id: str, sandbox_id: str) -> SandboxRecord:
+        return await self._row(org_id, sandbox_id)
+
+    async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
+        size = page_size if 0 < page_size <= 1000 else 100
+        async with self._db.transaction() as s:
+            q = select(SandboxRow).where(SandboxRow.org_id == org_id, SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
+            if page_token:
+                q = q.where(SandboxRow.sandbox_id > page_token)
+            rows = (await s.execute(q)).scalars().all()
+        records = [SandboxRecord.from_row(r) for r in rows]
+        records = [r for r in records if all(r.labels.get(k) == v for k, v in selector.items())]
+        page = records[:size]
+        token = page[-1].sandbox_id if len(records) > size else ""
+        return page, token
+
+    async def pause(self, org_id: str, sandbox_id: str) -> SandboxRecord:
+        await self._row(org_id, sandbox_id)
+        live = self._require_live(sandbox_id)
+        async with live.lock:
+            if not live.paused:
+                await self._backend.pause(live.handle)
+                live.paused = True
+                await self._set_state(sandbox_id, "paused")
+                log.info("sandbox_paused", sandbox_id=sandbox_id)
+        return await self._row(org_id, sandbox_id)
+
+    async def resume(self, org_id: str, sandbox_id: str) -> SandboxRecord:
+        await self._row(org_id, sandbox_id)
+        live = self._require_live(sandbox_id)
+        await self._resume_live(sandbox_id, live)
+        return await self._row(org_id, sandbox_id)
+
+    async def destroy(self, org_id: str, sandbox_id: str) -> None:
+        async with self._db.transaction() as s:
+            row = await s.get(SandboxRow, sandbox_id)
+            if row is None or row.org_id != org_id:
+                raise NotFound(f"sandbox {sandbox_id} not found")
+            if row.state == "destroyed":
+                return
+        live = self._live.pop(sandbox_id, None)
+        if live is not None:
+            await live.client.close()
+            await self._backend.destroy(live.handle)
+        await self._set_state(sandbox_id, "destroyed")
+        log.info("sandbox_destroyed", sandbox_id=sandbox_id)
+
+    # --- operations ---------------------------------------------------------------------
+
+    def _require_live(self, sandbox_id: str) -> _Live:
+        live = self._live.get(sandbox_id)
+        if live is None:
+            raise SandboxUnavailable(f"sandbox {sandbox_id} is not running on this host")
+        return live
+
+    async def _resume_live(self, sandbox_id: str, live: _Live) -> None:
+        if not live.paused:
+            return
+        async with live.lock:
+            if live.paused:
+                await self._backend.resume(live.handle)
+                live.paused = False
+                await self._set_state(sandbox_id, "running")
+                log.info("sandbox_resumed", sandbox_id=sandbox_id)
+
+    @asynccontextmanager
+    async def operation(self, org_id: str, sandbox_id: str) -> AsyncIterator[DaemonClient]:
+        """Yields the daemon client of a running sandbox for one operation:
+        checks ownership, resumes a paused sandbox, keeps it from idle pause
+        while the operation runs, and turns connection failures into
+        SandboxUnavailable (never into a replacement sandbox)."""
+        await self._row(org_id, sandbox_id)
+        live = self._require_live(sandbox_id)
+        live.in_flight += 1
+        try:
+            await self._resume_live(sandbox_id, live)
+            try:
+                yield live.client
+            except DaemonUnavailable as exc:
+                raise SandboxUnavailable(f"sandbox {sandbox_id} is unreachable: {exc}") from exc
+            except DaemonError as exc:
+                raise _daemon_error(exc) from exc
+        finally:
+            live.in_flight -= 1
+            live.last_active = time.monotonic()
+
+    async def _reap_idle(self) -> None:
+        interval = max(0.05, min(self._idle_pause_s / 4, 10.0))
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for sandbox_id, live in list(self._live.items()):
+                if live.paused or live.in_flight or now - live.last_active < self._idle_pause_s:
+                    continue
+                try:
+                    processes = await live.client.list_processes()
+                    if any(p.keepalive and p.running for p in processes):
+                        live.last_active = now
+                        continue
+                    async with live.lock:
+                        if live.in_flight or live.paused or time.monotonic() - live.last_active < self._idle_pause_s:
+                            continue
+                        await self._backend.pause(live.handle)
+                        live.paused = True
+                    await self._set_state(sandbox_id, "paused")
+                    log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
+                except Exception as exc:  # one broken sandbox must not stop the reaper
+                    log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))
+
+
+def _daemon_error(exc: DaemonError) -> Exception:
+    from services.core.errors import BerthError, FailedPrecondition, PathOutsideWorkspace
+
+    mapping: dict[str, type[BerthError]] = {
+        "not_found": NotFound,
+        "invalid_argument": InvalidArgument,
+        "permission_denied": PathOutsideWorkspace,
+        "failed_precondition": FailedPrecondition,
+    }
+    cls = mapping.get(exc.code)
+    if cls is None:
+        return SandboxUnavailable(f"sandbox daemon error: {exc.message}")
+    return cls(exc.message, param="path" if cls is not NotFound else None)

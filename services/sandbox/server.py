@@ -1,0 +1,65 @@
+"""Composition root of the Sandbox service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from services.core.db import open_database
+from services.core.grpc_server import start_grpc_server
+from services.core.logging import get_logger
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.sandbox.backends.base import Backend
+from services.sandbox.manager import SandboxManager
+from services.sandbox.servicer import SandboxServicer
+
+__all__ = ["start_sandbox_service", "build_backend"]
+
+log = get_logger(__name__)
+
+_MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+
+
+def build_backend(settings: Settings) -> tuple[Backend, str, str]:
+    """Returns (backend, backend name, isolation)."""
+    if settings.sandbox_backend == "docker":
+        from services.sandbox.backends.docker import DockerBackend
+
+        return DockerBackend(settings), "docker", "docker"
+    from services.sandbox.backends.local import LocalBackend
+
+    extra_env = _proxy_env(settings)
+    backend = LocalBackend(settings.data_dir.resolve(), settings.sandbox_isolation, extra_env=extra_env)
+    if settings.sandbox_isolation == "none":
+        log.warning("sandbox_isolation_disabled", detail="BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host")
+    return backend, "local", settings.sandbox_isolation
+
+
+def _proxy_env(settings: Settings) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for key, value in (
+        ("HTTP_PROXY", settings.sandbox_http_proxy),
+        ("HTTPS_PROXY", settings.sandbox_https_proxy),
+        ("NO_PROXY", settings.sandbox_no_proxy),
+    ):
+        if value:
+            env[key] = value
+            env[key.lower()] = value
+    return env
+
+
+async def start_sandbox_service(settings: Settings, *, address: str | None = None) -> ServiceHandle:
+    backend, name, isolation = build_backend(settings)
+    db = await open_database(settings.database_url("sandbox"), "sandbox", _MIGRATIONS)
+    manager = SandboxManager(db, backend, backend_name=name, isolation=isolation, idle_pause_s=settings.sandbox_idle_pause_s)
+    await manager.start()
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        sandbox_service_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(manager), server)
+        return [sandbox_service_pb2.DESCRIPTOR.services_by_name["SandboxService"].full_name]
+
+    running = await start_grpc_server(address or settings.sandbox_addr, register)
+    return ServiceHandle(name="sandbox", grpc=running, closers=[db.dispose, manager.close])

@@ -1,0 +1,221 @@
+"""Thin gRPC servicer for the Sandbox service: protos in, manager calls, protos out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from berth.common.v1 import common_pb2
+from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
+from services.core.context import current_org
+from services.core.errors import InvalidArgument
+from services.sandbox.daemon_client import ExitStatus, FileEntry, OutputChunk, ProcessInfo
+from services.sandbox.manager import CreateParams, SandboxManager, SandboxRecord
+
+__all__ = ["SandboxServicer"]
+
+_STATES = {
+    "creating": sandbox_pb2.SANDBOX_STATE_CREATING,
+    "running": sandbox_pb2.SANDBOX_STATE_RUNNING,
+    "paused": sandbox_pb2.SANDBOX_STATE_PAUSED,
+    "destroyed": sandbox_pb2.SANDBOX_STATE_DESTROYED,
+    "error": sandbox_pb2.SANDBOX_STATE_ERROR,
+}
+_ACCESS = {
+    common_pb2.NETWORK_ACCESS_UNSPECIFIED: "enabled",
+    common_pb2.NETWORK_ACCESS_ENABLED: "enabled",
+    common_pb2.NETWORK_ACCESS_DISABLED: "disabled",
+    common_pb2.NETWORK_ACCESS_RESTRICTED: "restricted",
+}
+_ACCESS_BACK = {v: k for k, v in _ACCESS.items() if k != common_pb2.NETWORK_ACCESS_UNSPECIFIED}
+_FILE_TYPES = {"file": common_pb2.FILE_TYPE_FILE, "dir": common_pb2.FILE_TYPE_DIRECTORY, "symlink": common_pb2.FILE_TYPE_SYMLINK}
+_STREAMS = {"stdout": common_pb2.OUTPUT_STREAM_STDOUT, "stderr": common_pb2.OUTPUT_STREAM_STDERR}
+_READ_CHUNK = 1024 * 1024
+
+
+def _ts(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def _sandbox(rec: SandboxRecord) -> sandbox_pb2.Sandbox:
+    network = rec.network
+    return sandbox_pb2.Sandbox(
+        sandbox_id=rec.sandbox_id,
+        state=_STATES.get(rec.state, sandbox_pb2.SANDBOX_STATE_UNSPECIFIED),
+        backend=rec.backend,
+        labels=rec.labels,
+        network=common_pb2.NetworkPolicy(
+            access=_ACCESS_BACK.get(str(network.get("access", "enabled")), common_pb2.NETWORK_ACCESS_ENABLED),
+            allowed_domains=[str(d) for d in network.get("allowed_domains", []) or []],  # type: ignore[union-attr]
+            blocked_domains=[str(d) for d in network.get("blocked_domains", []) or []],  # type: ignore[union-attr]
+        ),
+        error=rec.error,
+        create_time=_ts(rec.created_at),
+        last_active_time=_ts(rec.last_active_at),
+        isolation=rec.isolation,
+        size=rec.size,  # type: ignore[arg-type]
+    )
+
+
+def _entry(e: FileEntry) -> common_pb2.FileEntry:
+    return common_pb2.FileEntry(
+        path=e.path, type=_FILE_TYPES.get(e.type, common_pb2.FILE_TYPE_UNSPECIFIED), size_bytes=e.size, mode=e.mode, mtime=e.mtime
+    )
+
+
+def _process(p: ProcessInfo) -> sandbox_pb2.Process:
+    proc = sandbox_pb2.Process(
+        process_id=p.process_id,
+        name=p.name,
+        pid=p.pid,
+        running=p.running,
+        keepalive=p.keepalive,
+        start_time=_ts(p.started_at),
+        next_seq=p.next_seq,
+    )
+    if not p.running and p.exit_code is not None:
+        proc.exit.CopyFrom(common_pb2.ExitStatus(exit_code=p.exit_code))
+    return proc
+
+
+def _command(argv: list[str], shell: str) -> tuple[list[str] | None, str | None]:
+    if bool(argv) == bool(shell):
+        raise InvalidArgument("exactly one of argv and shell is required", param="argv")
+    return (list(argv) or None), (shell or None)
+
+
+def _chunk(ev: OutputChunk) -> common_pb2.OutputChunk:
+    return common_pb2.OutputChunk(stream=_STREAMS.get(ev.stream, common_pb2.OUTPUT_STREAM_UNSPECIFIED), seq=ev.seq, data=ev.data)
+
+
+def _exit(ev: ExitStatus) -> common_pb2.ExitStatus:
+    return common_pb2.ExitStatus(exit_code=ev.exit_code, timed_out=ev.timed_out, duration_ms=ev.duration_ms)
+
+
+class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
+    def __init__(self, manager: SandboxManager) -> None:
+        self._m = manager
+
+    async def CreateSandbox(self, request: pb.CreateSandboxRequest, context: grpc.aio.ServicerContext) -> pb.CreateSandboxResponse:
+        params = CreateParams(
+            sandbox_id=request.sandbox_id,
+            labels=dict(request.labels),
+            network={
+                "access": _ACCESS[request.network.access],
+                "allowed_domains": list(request.network.allowed_domains),
+                "blocked_domains": list(request.network.blocked_domains),
+            },
+            env=dict(request.env),
+            size=int(request.size),
+        )
+        return pb.CreateSandboxResponse(sandbox=_sandbox(await self._m.create(current_org(), params)))
+
+    async def GetSandbox(self, request: pb.GetSandboxRequest, context: grpc.aio.ServicerContext) -> pb.GetSandboxResponse:
+        return pb.GetSandboxResponse(sandbox=_sandbox(await self._m.get(current_org(), request.sandbox_id)))
+
+    async def ListSandboxes(self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext) -> pb.ListSandboxesResponse:
+        records, token = await self._m.list(current_org(), dict(request.label_selector), request.page_size, request.page_token)
+        return pb.ListSandboxesResponse(sandboxes=[_sandbox(r) for r in records], next_page_token=token)
+
+    async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecResponse]:
+        argv, shell = _command(list(request.argv), request.shell)
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            stream = client.exec(
+                argv=argv,
+                shell=shell,
+                cwd=request.cwd or None,
+                env=dict(request.env),
+                timeout_s=request.timeout_ms / 1000 if request.timeout_ms else None,
+                stdin=request.stdin or None,
+            )
+            try:
+                async for ev in stream:
+                    if isinstance(ev, OutputChunk):
+                        yield pb.ExecResponse(chunk=_chunk(ev))
+                    else:
+                        yield pb.ExecResponse(exit=_exit(ev))
+            finally:
+                await stream.aclose()
+
+    async def StartProcess(self, request: pb.StartProcessRequest, context: grpc.aio.ServicerContext) -> pb.StartProcessResponse:
+        argv, shell = _command(list(request.argv), request.shell)
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            info = await client.start_process(
+                name=request.name or "process",
+                argv=argv,
+                shell=shell,
+                cwd=request.cwd or None,
+                env=dict(request.env),
+                keepalive=request.keepalive,
+            )
+        return pb.StartProcessResponse(process=_process(info))
+
+    async def AttachProcess(self, request: pb.AttachProcessRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachProcessResponse]:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            stream = client.attach_process(request.process_id, from_seq=request.from_seq)
+            try:
+                async for ev in stream:
+                    if isinstance(ev, OutputChunk):
+                        yield pb.AttachProcessResponse(chunk=_chunk(ev))
+                    else:
+                        yield pb.AttachProcessResponse(exit=_exit(ev))
+            finally:
+                await stream.aclose()
+
+    async def KillProcess(self, request: pb.KillProcessRequest, context: grpc.aio.ServicerContext) -> pb.KillProcessResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            await client.kill_process(request.process_id, signal=request.signal or 9)
+            procs = {p.process_id: p for p in await client.list_processes()}
+        proc = procs.get(request.process_id)
+        return pb.KillProcessResponse(process=_process(proc) if proc else None)
+
+    async def ListProcesses(self, request: pb.ListProcessesRequest, context: grpc.aio.ServicerContext) -> pb.ListProcessesResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            procs = await client.list_processes()
+        return pb.ListProcessesResponse(processes=[_process(p) for p in procs])
+
+    async def WriteFile(self, request: pb.WriteFileRequest, context: grpc.aio.ServicerContext) -> pb.WriteFileResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            await client.write_file(request.path, request.data, mode=request.mode or None, append=request.append)
+            entry = await client.stat(request.path)
+        return pb.WriteFileResponse(entry=_entry(entry))
+
+    async def ReadFile(self, request: pb.ReadFileRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReadFileResponse]:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            entry = await client.stat(request.path)
+            first = True
+            stream = client.read_file(request.path)
+            try:
+                async for data in stream:
+                    yield pb.ReadFileResponse(data=data, size_bytes=entry.size if first else 0)
+                    first = False
+            finally:
+                await stream.aclose()
+            if first:
+                yield pb.ReadFileResponse(data=b"", size_bytes=entry.size)
+
+    async def ListFiles(self, request: pb.ListFilesRequest, context: grpc.aio.ServicerContext) -> pb.ListFilesResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            entries = await client.list_files(request.path or "/workspace", recursive=request.recursive)
+        return pb.ListFilesResponse(entries=[_entry(e) for e in entries])
+
+    async def RemoveFile(self, request: pb.RemoveFileRequest, context: grpc.aio.ServicerContext) -> pb.RemoveFileResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            await client.remove(request.path, recursive=request.recursive)
+        return pb.RemoveFileResponse()
+
+    async def PauseSandbox(self, request: pb.PauseSandboxRequest, context: grpc.aio.ServicerContext) -> pb.PauseSandboxResponse:
+        return pb.PauseSandboxResponse(sandbox=_sandbox(await self._m.pause(current_org(), request.sandbox_id)))
+
+    async def ResumeSandbox(self, request: pb.ResumeSandboxRequest, context: grpc.aio.ServicerContext) -> pb.ResumeSandboxResponse:
+        return pb.ResumeSandboxResponse(sandbox=_sandbox(await self._m.resume(current_org(), request.sandbox_id)))
+
+    async def DestroySandbox(self, request: pb.DestroySandboxRequest, context: grpc.aio.ServicerContext) -> pb.DestroySandboxResponse:
+        await self._m.destroy(current_org(), request.sandbox_id)
+        return pb.DestroySandboxResponse()
+
+
