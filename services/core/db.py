@@ -54,6 +54,7 @@ def create_engine(url: str) -> AsyncEngine:
 
 def _alembic_config(service: str, versions: Path, connection: Connection) -> Config:
     cfg = Config()
+    cfg.set_main_option("path_separator", "os")
     cfg.set_main_option("script_location", str(_ALEMBIC_DIR))
     cfg.set_main_option("version_locations", str(versions))
     cfg.attributes["connection"] = connection

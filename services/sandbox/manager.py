@@ -22,11 +22,15 @@ from services.core.db import Database
 from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
 from services.core.logging import get_logger
 from services.core.metrics import SANDBOXES
-from services.sandbox.backends.base import Backend, BackendHandle, SandboxSpec
+from services.sandbox.backends.base import BackendHandle, SandboxBackend, SandboxSpec
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
 from services.sandbox.models import SandboxRow
 
-__all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
+__all__ = ["SandboxManager", "SandboxRecord", "CreateParams", "SIZES"]
+
+# container_size -> (CPU millicores, memory MiB); index is the proto enum value
+# (0 unspecified = small, 1 small, 2 medium, 3 large).
+SIZES: dict[int, tuple[int, int]] = {0: (1000, 1024), 1: (1000, 1024), 2: (2000, 4096), 3: (4000, 8192)}
 
 log = get_logger(__name__)
 
@@ -82,7 +86,7 @@ class _Live:
 
 
 class SandboxManager:
-    def __init__(self, db: Database, backend: Backend, *, backend_name: str, isolation: str, idle_pause_s: float) -> None:
+    def __init__(self, db: Database, backend: SandboxBackend, *, backend_name: str, isolation: str, idle_pause_s: float) -> None:
         self._db = db
         self._backend = backend
         self._backend_name = backend_name
@@ -141,7 +145,7 @@ class SandboxManager:
             row.error = error
             row.last_active_at = time.time()
             if handle is not None:
-                row.handle_json = json.dumps({"socket_path": handle.socket_path, **handle.data})
+                row.handle_json = handle.to_json()
         await self._update_gauge()
 
     async def _update_gauge(self) -> None:
@@ -187,12 +191,15 @@ class SandboxManager:
                         last_active_at=now,
                     )
                     s.add(row)
+            access = str(params.network.get("access") or "enabled")
+            cpu_millis, memory_mib = SIZES.get(params.size, SIZES[0])
             spec = SandboxSpec(
                 sandbox_id=params.sandbox_id,
-                network=str(params.network.get("access") or "enabled"),
+                network="disabled" if access == "disabled" else ("restricted" if access == "restricted" else "enabled"),
                 env=dict(params.env),
                 labels={**dict(params.labels), "berth.sandbox_id": params.sandbox_id, "berth.org": org_id},
-                size=params.size,
+                cpu_millis=cpu_millis,
+                memory_mib=memory_mib,
             )
             try:
                 handle = await self._backend.create(spec)

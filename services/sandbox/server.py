@@ -12,7 +12,7 @@ from services.core.grpc_server import start_grpc_server
 from services.core.logging import get_logger
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.sandbox.backends.base import Backend
+from services.sandbox.backends.base import SandboxBackend
 from services.sandbox.manager import SandboxManager
 from services.sandbox.servicer import SandboxServicer
 
@@ -23,7 +23,7 @@ log = get_logger(__name__)
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
 
 
-def build_backend(settings: Settings) -> tuple[Backend, str, str]:
+def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
     """Returns (backend, backend name, isolation)."""
     if settings.sandbox_backend == "docker":
         from services.sandbox.backends.docker import DockerBackend

@@ -168,9 +168,7 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
 
     async def KillProcess(self, request: pb.KillProcessRequest, context: grpc.aio.ServicerContext) -> pb.KillProcessResponse:
         async with self._m.operation(current_org(), request.sandbox_id) as client:
-            await client.kill_process(request.process_id, signal=request.signal or 9)
-            procs = {p.process_id: p for p in await client.list_processes()}
-        proc = procs.get(request.process_id)
+            proc = await client.kill_process(request.process_id, signal=request.signal or 9)
         return pb.KillProcessResponse(process=_process(proc) if proc else None)
 
     async def ListProcesses(self, request: pb.ListProcessesRequest, context: grpc.aio.ServicerContext) -> pb.ListProcessesResponse:

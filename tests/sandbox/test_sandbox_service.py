@@ -1,0 +1,191 @@
+"""The Sandbox service over real gRPC on a real bubblewrap backend."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from berth.common.v1 import common_pb2
+from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.sandbox.server import start_sandbox_service
+
+ORG_A = (("x-berth-org", "org_a"),)
+ORG_B = (("x-berth-org", "org_b"),)
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+class Service:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.handle: ServiceHandle | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
+        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
+        self.channel = grpc.aio.insecure_channel(self.handle.address)
+        return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        if self.handle is not None:
+            await self.handle.stop(0.2)
+
+
+@pytest.fixture
+async def service(tmp_path: Path, bwrap_available: None) -> AsyncIterator[Service]:
+    svc = Service(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0))
+    try:
+        yield svc
+    finally:
+        await svc.stop()
+
+
+async def run(stub: sandbox_service_pb2_grpc.SandboxServiceStub, sandbox_id: str, shell: str) -> tuple[int, bytes, bytes]:
+    out, err, code = b"", b"", None
+    async for msg in stub.Exec(pb.ExecRequest(sandbox_id=sandbox_id, shell=shell), metadata=ORG_A):
+        if msg.HasField("chunk"):
+            if msg.chunk.stream == common_pb2.OUTPUT_STREAM_STDOUT:
+                out += msg.chunk.data
+            else:
+                err += msg.chunk.data
+        else:
+            code = msg.exit.exit_code
+    assert code is not None
+    return code, out, err
+
+
+async def test_create_is_idempotent_and_exec_streams_output_and_exit_code(service: Service) -> None:
+    stub = await service.start()
+    first = await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_one"), metadata=ORG_A)
+    again = await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_one"), metadata=ORG_A)
+    assert first.sandbox.state == sandbox_pb2.SANDBOX_STATE_RUNNING
+    assert again.sandbox.create_time == first.sandbox.create_time
+    code, out, err = await run(stub, "sbx_one", "echo out; echo err >&2; exit 7")
+    assert (code, out, err) == (7, b"out\n", b"err\n")
+
+
+async def test_another_organization_gets_not_found(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_org"), metadata=ORG_A)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_org"), metadata=ORG_B)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.WriteFile(pb.WriteFileRequest(sandbox_id="sbx_org", path="/workspace/x", data=b"x"), metadata=ORG_B)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_call_without_an_organization_is_rejected(service: Service) -> None:
+    stub = await service.start()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_x"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_paths_outside_the_workspace_are_invalid_arguments(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_path"), metadata=ORG_A)
+    for path in ("/etc/passwd", "/workspace/../etc/passwd", "../../etc/shadow"):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.WriteFile(pb.WriteFileRequest(sandbox_id="sbx_path", path=path, data=b"x"), metadata=ORG_A)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_file_written_before_pause_is_read_after_transparent_resume(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
+    await stub.WriteFile(pb.WriteFileRequest(sandbox_id="sbx_pause", path="/workspace/keep.txt", data=b"kept"), metadata=ORG_A)
+    paused = await stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
+    assert paused.sandbox.state == sandbox_pb2.SANDBOX_STATE_PAUSED
+    data = b""
+    async for chunk in stub.ReadFile(pb.ReadFileRequest(sandbox_id="sbx_pause", path="/workspace/keep.txt"), metadata=ORG_A):
+        data += chunk.data
+    assert data == b"kept"
+    got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
+    assert got.sandbox.state == sandbox_pb2.SANDBOX_STATE_RUNNING
+
+
+async def test_an_idle_sandbox_is_paused_and_a_keepalive_process_prevents_it(tmp_path: Path, bwrap_available: None) -> None:
+    svc = Service(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0.3))
+    stub = await svc.start()
+    try:
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_idle"), metadata=ORG_A)
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_keep"), metadata=ORG_A)
+        await stub.StartProcess(
+            pb.StartProcessRequest(sandbox_id="sbx_keep", name="server", shell="sleep 600", keepalive=True), metadata=ORG_A
+        )
+
+        async def idle_paused() -> bool:
+            got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_idle"), metadata=ORG_A)
+            return got.sandbox.state == sandbox_pb2.SANDBOX_STATE_PAUSED
+
+        await wait_until(idle_paused)
+        kept = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_keep"), metadata=ORG_A)
+        assert kept.sandbox.state == sandbox_pb2.SANDBOX_STATE_RUNNING
+        code, out, _ = await run(stub, "sbx_idle", "echo awake")
+        assert (code, out) == (0, b"awake\n")
+    finally:
+        await svc.stop()
+
+
+async def test_a_service_restart_keeps_the_sandbox_and_its_running_process(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_restart"), metadata=ORG_A)
+    started = await stub.StartProcess(
+        pb.StartProcessRequest(sandbox_id="sbx_restart", name="ticker", shell="i=0; while true; do echo $i; i=$((i+1)); sleep 0.05; done"),
+        metadata=ORG_A,
+    )
+    await service.stop()
+    stub = await service.start()
+    listed = await stub.ListProcesses(pb.ListProcessesRequest(sandbox_id="sbx_restart"), metadata=ORG_A)
+    assert [p.process_id for p in listed.processes if p.running] == [started.process.process_id]
+    seen = b""
+    async for msg in stub.AttachProcess(
+        pb.AttachProcessRequest(sandbox_id="sbx_restart", process_id=started.process.process_id, from_seq=0), metadata=ORG_A
+    ):
+        seen += msg.chunk.data
+        if seen.count(b"\n") >= 3:
+            break
+    assert seen.startswith(b"0\n1\n2\n")
+    await stub.KillProcess(pb.KillProcessRequest(sandbox_id="sbx_restart", process_id=started.process.process_id), metadata=ORG_A)
+
+
+async def test_cancelling_an_exec_call_kills_its_command(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_cancel"), metadata=ORG_A)
+    call = stub.Exec(pb.ExecRequest(sandbox_id="sbx_cancel", shell="echo $$ > /workspace/pid; echo started; exec sleep 60"), metadata=ORG_A)
+    first = await call.read()
+    assert first.chunk.data == b"started\n"
+    call.cancel()
+
+    async def gone() -> bool:
+        code, out, _ = await run(stub, "sbx_cancel", "kill -0 $(cat /workspace/pid) 2>/dev/null && echo alive || echo dead")
+        return out.strip() == b"dead"
+
+    await wait_until(gone)
+
+
+async def test_destroy_removes_the_sandbox(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert not (service.settings.data_dir / "sandboxes" / "sbx_gone").exists()
