@@ -79,6 +79,7 @@ class SandboxRecord:
 class _Live:
     handle: BackendHandle
     client: DaemonClient
+    org_id: str
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
@@ -109,7 +110,7 @@ class SandboxManager:
                     row.state = "error"
                     row.error = "sandbox did not survive a restart of its host"
                     continue
-                live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)))
+                live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
                 live.paused = row.state == "paused"
                 self._live[row.sandbox_id] = live
                 log.info("sandbox_adopted", sandbox_id=row.sandbox_id, state=row.state)
@@ -207,7 +208,7 @@ class SandboxManager:
                 log.warning("sandbox_create_failed", sandbox_id=params.sandbox_id, error=str(exc))
                 await self._set_state(params.sandbox_id, "error", error=str(exc))
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
-            self._live[params.sandbox_id] = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)))
+            self._live[params.sandbox_id] = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=org_id)
             await self._set_state(params.sandbox_id, "running", handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)
@@ -283,8 +284,11 @@ class SandboxManager:
         checks ownership, resumes a paused sandbox, keeps it from idle pause
         while the operation runs, and turns connection failures into
         SandboxUnavailable (never into a replacement sandbox)."""
-        await self._row(org_id, sandbox_id)
-        live = self._require_live(sandbox_id)
+        live = self._live.get(sandbox_id)
+        if live is None or live.org_id != org_id:
+            # Not live here: the row decides between NotFound and unavailable.
+            await self._row(org_id, sandbox_id)
+            live = self._require_live(sandbox_id)
         live.in_flight += 1
         try:
             await self._resume_live(sandbox_id, live)
