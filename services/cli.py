@@ -39,9 +39,13 @@ async def _serve(settings: Settings) -> None:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     start_metrics_server(settings.metrics_port)
+    # Each service may listen on port 0; the next one dials the real address.
     sandbox = await start_sandbox_service(settings)
+    settings = settings.model_copy(update={"sandbox_addr": _actual(settings.sandbox_addr, sandbox.port)})
     environment = await start_environment_service(settings)
+    settings = settings.model_copy(update={"environment_addr": _actual(settings.environment_addr, environment.port)})
     session = await start_session_service(settings)
+    settings = settings.model_copy(update={"session_addr": _actual(settings.session_addr, session.port)})
     gateway = await start_gateway(settings)
     try:
         key = await ensure_dev_key(gateway.database, settings.dev_org)
@@ -66,6 +70,11 @@ async def _serve(settings: Settings) -> None:
         await session.stop(settings.grace_s)
         await environment.stop(settings.grace_s)
         await sandbox.stop(settings.grace_s)
+
+
+def _actual(address: str, port: int) -> str:
+    host = address.rsplit(":", 1)[0]
+    return f"{host}:{port}"
 
 
 async def _keys(settings: Settings, args: argparse.Namespace) -> int:

@@ -1,0 +1,111 @@
+"""The interface every sandbox backend implements.
+
+A backend only starts, freezes, thaws and removes sandboxes; everything that
+happens inside one goes through sandboxd on the socket the backend exposes.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "NetworkPolicy",
+    "SandboxSpec",
+    "BackendHandle",
+    "SandboxBackend",
+    "BackendError",
+    "BackendUnavailable",
+    "SandboxStartError",
+    "SandboxGone",
+]
+
+NetworkPolicy = Literal["enabled", "disabled", "restricted"]
+
+
+class BackendError(Exception):
+    """A backend operation failed."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot run on this host (e.g. bubblewrap is not installed)."""
+
+
+class SandboxStartError(BackendError):
+    """The sandbox process started but its daemon never became ready."""
+
+
+class SandboxGone(BackendError):
+    """The sandbox's processes no longer exist."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to create. The backend chooses the host directories (workspace,
+    socket and state) itself, so that ``adopt`` can find every sandbox again
+    and ``destroy`` deletes only what the backend made; the handle reports
+    them."""
+
+    sandbox_id: str
+    network: NetworkPolicy = "disabled"
+    env: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    cpu_millis: int | None = None
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class BackendHandle:
+    """A running sandbox. ``private`` holds backend-specific JSON values (pid,
+    host directories, freezer) and survives a round trip through JSON."""
+
+    sandbox_id: str
+    socket_path: str
+    private: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"sandbox_id": self.sandbox_id, "socket_path": self.socket_path, "private": self.private})
+
+    @classmethod
+    def from_json(cls, text: str) -> BackendHandle:
+        raw = json.loads(text)
+        return cls(sandbox_id=str(raw["sandbox_id"]), socket_path=str(raw["socket_path"]), private=dict(raw["private"]))
+
+
+class SandboxBackend(ABC):
+    """Lifecycle of sandboxes on one host."""
+
+    name: str
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> BackendHandle:
+        """Starts the sandbox and returns once its daemon accepts connections.
+        Creating a sandbox that is already running returns its handle; an
+        existing workspace is reused, never wiped."""
+
+    @abstractmethod
+    async def pause(self, handle: BackendHandle) -> None:
+        """Freezes every process of the sandbox after flushing written files."""
+
+    @abstractmethod
+    async def resume(self, handle: BackendHandle) -> None:
+        """Thaws the sandbox. Resuming a running sandbox does nothing."""
+
+    @abstractmethod
+    async def destroy(self, handle: BackendHandle) -> None:
+        """Stops every process of the sandbox and deletes its directories."""
+
+    @abstractmethod
+    def socket_path(self, handle: BackendHandle) -> str:
+        """Host path of the daemon's unix socket."""
+
+    @abstractmethod
+    async def adopt(self) -> list[BackendHandle]:
+        """Handles of sandboxes still running from an earlier service process."""
+
+    @abstractmethod
+    async def is_alive(self, handle: BackendHandle) -> bool:
+        """Whether the sandbox's processes still exist (paused counts as alive)."""

@@ -1,0 +1,569 @@
+"""Async client for sandboxd, the in-sandbox daemon.
+
+One persistent unix-socket connection carries every request, multiplexed by
+request id, so a warm exec costs a round trip rather than a connect. The
+connection is opened lazily and reopened after it drops. The wire protocol is
+described in ``services/sandbox/daemon/sandboxd.py``.
+
+Streaming calls (``exec``, ``attach_process``, ``read_file``) are async
+generators: closing one early (``aclose()``, ``contextlib.aclosing``, or
+cancelling the task that iterates it) cancels the request in the daemon, which
+kills an exec's whole process tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+import struct
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "MAX_WRITE_BYTES",
+    "DaemonError",
+    "DaemonUnavailable",
+    "OutputChunk",
+    "ExitStatus",
+    "ExecResult",
+    "ProcessInfo",
+    "FileEntry",
+    "DaemonClient",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 96 * 1024 * 1024
+MAX_WRITE_BYTES = 64 * 1024 * 1024
+
+_LENGTH = struct.Struct(">I")
+# Leaves room under the ~108-byte sun_path limit for the NUL terminator.
+_MAX_SOCKET_PATH = 100
+
+_Frame = dict[str, Any]
+_Item = _Frame | BaseException
+
+
+class DaemonError(Exception):
+    """The daemon refused or failed a request.
+
+    ``code`` is one of ``not_found``, ``invalid_argument``,
+    ``permission_denied``, ``failed_precondition`` or ``internal``.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DaemonUnavailable(Exception):
+    """The daemon could not be reached, or the connection dropped mid-request."""
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    stream: Literal["stdout", "stderr"]
+    seq: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """``exit_code`` is ``-signal`` for a command killed by a signal and 124
+    for an exec killed by its timeout (then ``timed_out`` is true)."""
+
+    exit_code: int
+    timed_out: bool
+    duration_ms: int
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    duration_ms: int
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    process_id: str
+    name: str
+    pid: int
+    running: bool
+    exit_code: int | None
+    keepalive: bool
+    started_at: float
+    next_seq: int
+
+
+FileType = Literal["file", "dir", "symlink", "other"]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    type: FileType
+    size: int
+    mode: int
+    mtime: float
+
+
+def _encode(frame: _Frame) -> bytes:
+    body = json.dumps(frame, separators=(",", ":")).encode()
+    return _LENGTH.pack(len(body)) + body
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> _Frame:
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise DaemonUnavailable(f"daemon sent a {length} byte frame, over the {MAX_FRAME_BYTES} byte limit")
+    frame = json.loads(await reader.readexactly(length))
+    if not isinstance(frame, dict):
+        raise DaemonUnavailable("daemon sent a frame that is not a JSON object")
+    return cast(_Frame, frame)
+
+
+def _raise_for_error(frame: _Frame) -> None:
+    error = frame.get("error")
+    if isinstance(error, dict):
+        raise DaemonError(str(error.get("code", "internal")), str(error.get("message", "")))
+
+
+def _exit_status(frame: _Frame) -> ExitStatus:
+    return ExitStatus(
+        exit_code=int(frame["exit_code"]),
+        timed_out=bool(frame.get("timed_out", False)),
+        duration_ms=int(frame.get("duration_ms", 0)),
+    )
+
+
+def _output_chunk(frame: _Frame) -> OutputChunk:
+    stream: Literal["stdout", "stderr"] = "stderr" if frame.get("stream") == "stderr" else "stdout"
+    return OutputChunk(stream=stream, seq=int(frame["seq"]), data=base64.b64decode(frame["data_b64"]))
+
+
+def _process_info(raw: Mapping[str, Any]) -> ProcessInfo:
+    exit_code = raw.get("exit_code")
+    return ProcessInfo(
+        process_id=str(raw["process_id"]),
+        name=str(raw.get("name", "")),
+        pid=int(raw["pid"]),
+        running=bool(raw.get("running", True)),
+        exit_code=None if exit_code is None else int(exit_code),
+        keepalive=bool(raw.get("keepalive", False)),
+        started_at=float(raw.get("started_at", 0.0)),
+        next_seq=int(raw.get("next_seq", 0)),
+    )
+
+
+def _file_entry(raw: Mapping[str, Any]) -> FileEntry:
+    kind = str(raw.get("type", "other"))
+    return FileEntry(
+        path=str(raw["path"]),
+        type=cast(FileType, kind if kind in ("file", "dir", "symlink") else "other"),
+        size=int(raw.get("size", 0)),
+        mode=int(raw.get("mode", 0)),
+        mtime=float(raw.get("mtime", 0.0)),
+    )
+
+
+def _command(argv: list[str] | None, shell: str | None, cwd: str | None, env: Mapping[str, str] | None) -> _Frame:
+    if (argv is None) == (shell is None):
+        raise ValueError("pass exactly one of argv and shell")
+    fields: _Frame = {"argv": list(argv)} if argv is not None else {"shell": shell}
+    if cwd is not None:
+        fields["cwd"] = cwd
+    if env:
+        fields["env"] = dict(env)
+    return fields
+
+
+async def _open_unix(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
+        return await asyncio.open_unix_connection(path, limit=1024 * 1024)
+    # A host data dir can push the socket path past sun_path; connecting
+    # through a /proc/self/fd alias of its directory keeps it short.
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        alias = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
+        return await asyncio.open_unix_connection(alias, limit=1024 * 1024)
+    finally:
+        os.close(dir_fd)
+
+
+class _Connection:
+    """One open socket and the reader task that routes frames by request id."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: _Frame) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.hello = hello
+        self.closed = False
+        self._queues: dict[int, asyncio.Queue[_Item]] = {}
+        self._drain_lock = asyncio.Lock()
+        self._reader_task = asyncio.create_task(self._route())
+
+    def register(self, rid: int) -> asyncio.Queue[_Item]:
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[rid] = queue
+        return queue
+
+    def unregister(self, rid: int) -> None:
+        self._queues.pop(rid, None)
+
+    async def send(self, frame: _Frame) -> None:
+        if self.closed:
+            raise DaemonUnavailable("connection to the sandbox daemon is closed")
+        try:
+            self.writer.write(_encode(frame))
+            async with self._drain_lock:
+                await self.writer.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            self._fail(DaemonUnavailable(f"connection to the sandbox daemon dropped: {exc}"))
+            raise DaemonUnavailable(f"connection to the sandbox daemon dropped: {exc}") from exc
+
+    def send_nowait(self, frame: _Frame) -> None:
+        """For cancellation from finalizers, where awaiting is not possible."""
+        if not self.closed and not self.writer.is_closing():
+            self.writer.write(_encode(frame))
+
+    async def _route(self) -> None:
+        try:
+            while True:
+                frame = await _read_frame(self.reader)
+                rid = frame.get("id")
+                queue = self._queues.get(rid) if isinstance(rid, int) else None
+                if queue is not None:
+                    queue.put_nowait(frame)
+        except asyncio.CancelledError:
+            self._fail(DaemonUnavailable("connection to the sandbox daemon was closed"))
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError, DaemonUnavailable) as exc:
+            self._fail(DaemonUnavailable(f"connection to the sandbox daemon dropped: {exc!r}"))
+
+    def _fail(self, error: DaemonUnavailable) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        self.writer.close()
+
+    async def close(self) -> None:
+        self._reader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader_task
+        self._fail(DaemonUnavailable("client closed"))
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.writer.wait_closed()
+
+
+class DaemonClient:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 60.0,
+    ) -> None:
+        """``request_timeout_s`` bounds each non-streaming request, so a
+        frozen or wedged sandbox surfaces as DaemonUnavailable."""
+        self.socket_path = socket_path
+        self._connect_timeout_s = connect_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._conn: _Connection | None = None
+        self._connect_lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+
+    @property
+    def hello(self) -> Mapping[str, Any]:
+        """The daemon's handshake answer (pid, workspace, root, isolation)."""
+        if self._conn is None:
+            raise DaemonUnavailable("not connected")
+        return self._conn.hello
+
+    async def __aenter__(self) -> DaemonClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        await self._connection()
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def _connection(self) -> _Connection:
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        async with self._connect_lock:
+            if self._conn is not None and not self._conn.closed:
+                return self._conn
+            try:
+                self._conn = await asyncio.wait_for(self._handshake(), self._connect_timeout_s)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                raise DaemonUnavailable(f"cannot connect to sandbox daemon at {self.socket_path}: {exc!r}") from exc
+            except TimeoutError as exc:
+                raise DaemonUnavailable(f"timed out connecting to sandbox daemon at {self.socket_path}") from exc
+            return self._conn
+
+    async def _handshake(self) -> _Connection:
+        reader, writer = await _open_unix(self.socket_path)
+        try:
+            writer.write(_encode({"op": "hello", "v": PROTOCOL_VERSION}))
+            await writer.drain()
+            hello = await _read_frame(reader)
+            if not hello.get("ok"):
+                _raise_for_error(hello)
+                raise DaemonUnavailable(f"unexpected handshake answer {hello!r}")
+        except BaseException:
+            writer.close()
+            raise
+        return _Connection(reader, writer, hello)
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _stream(self, op: str, fields: _Frame) -> AsyncGenerator[_Frame, None]:
+        """Yields every frame of one request, the final one included."""
+        conn = await self._connection()
+        rid = next(self._ids)
+        queue = conn.register(rid)
+        finished = False
+        try:
+            await conn.send({"id": rid, "op": op, **fields})
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.get("final"):
+                    finished = True
+                    _raise_for_error(item)
+                    yield item
+                    return
+                yield item
+        finally:
+            conn.unregister(rid)
+            if not finished:
+                conn.send_nowait({"op": "cancel", "target": rid})
+
+    async def _request(self, op: str, fields: _Frame | None = None, *, timeout_s: float | None = None) -> _Frame:
+        deadline = self._request_timeout_s if timeout_s is None else timeout_s
+
+        async def first_final() -> _Frame:
+            stream = self._stream(op, fields or {})
+            try:
+                async for frame in stream:
+                    if frame.get("final"):
+                        return frame
+            finally:
+                await stream.aclose()
+            raise DaemonUnavailable(f"{op} ended without a final frame")
+
+        try:
+            return await asyncio.wait_for(first_final(), deadline)
+        except TimeoutError as exc:
+            raise DaemonUnavailable(f"sandbox daemon did not answer {op} within {deadline}s") from exc
+
+    # ------------------------------------------------------------ general
+
+    async def ping(self) -> dict[str, object]:
+        frame = await self._request("ping")
+        return {k: v for k, v in frame.items() if k not in ("id", "final")}
+
+    async def shutdown(self) -> None:
+        """Kills every process in the sandbox and stops the daemon."""
+        await self._request("shutdown")
+        await self.close()
+
+    # ------------------------------------------------------------ exec
+
+    async def exec(
+        self,
+        *,
+        argv: list[str] | None = None,
+        shell: str | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+    ) -> AsyncGenerator[OutputChunk | ExitStatus, None]:
+        """Streams a command's output chunks, then its ExitStatus."""
+        fields = _command(argv, shell, cwd, env)
+        if timeout_s is not None:
+            fields["timeout_s"] = timeout_s
+        if stdin is not None:
+            fields["stdin_b64"] = base64.b64encode(stdin).decode()
+        stream = self._stream("exec", fields)
+        try:
+            async for frame in stream:
+                if frame.get("type") == "chunk":
+                    yield _output_chunk(frame)
+                elif frame.get("type") == "exit":
+                    yield _exit_status(frame)
+        finally:
+            await stream.aclose()
+
+    async def run(
+        self,
+        *,
+        argv: list[str] | None = None,
+        shell: str | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Runs a command to completion and collects its output."""
+        stdout: list[bytes] = []
+        stderr: list[bytes] = []
+        status: ExitStatus | None = None
+        stream = self.exec(argv=argv, shell=shell, cwd=cwd, env=env, timeout_s=timeout_s, stdin=stdin)
+        try:
+            async for item in stream:
+                if isinstance(item, OutputChunk):
+                    (stdout if item.stream == "stdout" else stderr).append(item.data)
+                else:
+                    status = item
+        finally:
+            await stream.aclose()
+        if status is None:
+            raise DaemonUnavailable("exec ended without an exit status")
+        return ExecResult(
+            exit_code=status.exit_code,
+            stdout=b"".join(stdout),
+            stderr=b"".join(stderr),
+            timed_out=status.timed_out,
+            duration_ms=status.duration_ms,
+        )
+
+    # ------------------------------------------------------------ background processes
+
+    async def start_process(
+        self,
+        *,
+        name: str = "",
+        argv: list[str] | None = None,
+        shell: str | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> ProcessInfo:
+        """Starts a process that outlives this request and this connection."""
+        fields = _command(argv, shell, cwd, env)
+        fields.update(name=name, keepalive=keepalive)
+        frame = await self._request("process.start", fields)
+        return ProcessInfo(
+            process_id=str(frame["process_id"]),
+            name=str(frame.get("name", name)),
+            pid=int(frame["pid"]),
+            running=True,
+            exit_code=None,
+            keepalive=bool(frame.get("keepalive", keepalive)),
+            started_at=float(frame.get("started_at", 0.0)),
+            next_seq=0,
+        )
+
+    async def attach_process(self, process_id: str, from_seq: int = 0) -> AsyncGenerator[OutputChunk | ExitStatus, None]:
+        """Replays output from ``from_seq`` on, follows live output, and ends
+        with the ExitStatus once the process has exited."""
+        stream = self._stream("process.attach", {"process_id": process_id, "from_seq": from_seq})
+        try:
+            async for frame in stream:
+                if frame.get("type") == "chunk":
+                    yield _output_chunk(frame)
+                elif frame.get("type") == "exit":
+                    yield _exit_status(frame)
+        finally:
+            await stream.aclose()
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        frame = await self._request("process.list")
+        return [_process_info(raw) for raw in frame.get("processes", [])]
+
+    async def wait_process(self, process_id: str, timeout_s: float) -> ExitStatus | None:
+        """The exit status, or None if the process still runs after ``timeout_s``."""
+        frame = await self._request(
+            "process.wait",
+            {"process_id": process_id, "timeout_s": timeout_s},
+            timeout_s=timeout_s + self._request_timeout_s,
+        )
+        if frame.get("running"):
+            return None
+        return _exit_status(frame)
+
+    async def kill_process(self, process_id: str, signal: int = 9) -> ProcessInfo | None:
+        """Signals the process's whole tree, including children that escaped
+        into their own session. With SIGKILL it returns once the process has
+        exited; returns the process as it is afterwards."""
+        await self._request("process.kill", {"process_id": process_id, "signal": signal})
+        for info in await self.list_processes():
+            if info.process_id == process_id:
+                return info
+        return None
+
+    # ------------------------------------------------------------ files
+
+    async def write_file(self, path: str, data: bytes, *, mode: int | None = None, append: bool = False) -> int:
+        """Writes atomically (temp file, fsync, rename) unless appending;
+        returns the file's size. At most MAX_WRITE_BYTES per call."""
+        if len(data) > MAX_WRITE_BYTES:
+            raise ValueError(f"write_file takes at most {MAX_WRITE_BYTES} bytes per call")
+        fields: _Frame = {"path": path, "data_b64": base64.b64encode(data).decode(), "append": append}
+        if mode is not None:
+            fields["mode"] = mode
+        frame = await self._request("file.write", fields)
+        return int(frame["size"])
+
+    async def read_file(self, path: str, *, offset: int = 0, length: int | None = None) -> AsyncGenerator[bytes, None]:
+        """Streams the file in chunks of at most 1 MiB."""
+        fields: _Frame = {"path": path, "offset": offset}
+        if length is not None:
+            fields["length"] = length
+        stream = self._stream("file.read", fields)
+        try:
+            async for frame in stream:
+                if frame.get("type") == "chunk":
+                    yield base64.b64decode(frame["data_b64"])
+        finally:
+            await stream.aclose()
+
+    async def read_file_bytes(self, path: str) -> bytes:
+        parts: list[bytes] = []
+        stream = self.read_file(path)
+        try:
+            async for part in stream:
+                parts.append(part)
+        finally:
+            await stream.aclose()
+        return b"".join(parts)
+
+    async def list_files(self, path: str = "/workspace", recursive: bool = False) -> list[FileEntry]:
+        frame = await self._request("file.list", {"path": path, "recursive": recursive})
+        return [_file_entry(raw) for raw in frame.get("entries", [])]
+
+    async def stat(self, path: str) -> FileEntry:
+        """Describes the path itself; a symlink is reported, not followed."""
+        frame = await self._request("file.stat", {"path": path})
+        return _file_entry(frame["entry"])
+
+    async def mkdir(self, path: str, parents: bool = True) -> None:
+        await self._request("file.mkdir", {"path": path, "parents": parents})
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._request("file.remove", {"path": path, "recursive": recursive})
