@@ -7,6 +7,7 @@ cursor pagination can order by ID alone, on SQLite and PostgreSQL alike.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from typing import Final, Literal
 
@@ -27,10 +28,31 @@ def _encode(value: int, width: int) -> str:
     return "".join(reversed(out))
 
 
+_lock = threading.Lock()
+_last_ms = 0
+_last_rand = 0
+
+
+def _next() -> tuple[int, int]:
+    """Within one process IDs are strictly increasing: inside the same
+    millisecond the random part is incremented instead of redrawn."""
+    global _last_ms, _last_rand
+    with _lock:
+        now = time.time_ns() // 1_000_000
+        if now <= _last_ms:
+            now = _last_ms
+            _last_rand += 1 + secrets.randbits(16)
+        else:
+            _last_rand = secrets.randbits(80)
+        _last_ms = now
+        return now, _last_rand
+
+
 def new_id(prefix: Prefix) -> str:
     """Returns ``<prefix>_<9 time chars><16 random chars>``; ``file`` uses ``file-``
     as the OpenAI Files API does."""
-    body = _encode(time.time_ns() // 1_000_000, 9) + _encode(secrets.randbits(82), 16)
+    ms, rand = _next()
+    body = _encode(ms, 9) + _encode(rand, 16)
     sep = "-" if prefix == "file" else "_"
     return f"{prefix}{sep}{body}"
 

@@ -113,6 +113,7 @@ class InitialFile(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     FILE_ID_FIELD_NUMBER: _builtins.int
     ID_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Absolute destination path under /workspace."""
     data: _builtins.bytes
@@ -121,6 +122,10 @@ class InitialFile(_message.Message):
     """An uploaded file in the Berth file store."""
     id: _builtins.str
     """Stable ID reported in the environment's files list."""
+    size_bytes: _builtins.int
+    """Decoded size in bytes, set by the service (needed for file_id sources,
+    whose bytes are not carried here) so the gateway can report it.
+    """
     def __init__(
         self,
         *,
@@ -128,10 +133,11 @@ class InitialFile(_message.Message):
         data: _builtins.bytes = ...,
         file_id: _builtins.str = ...,
         id: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "file_id", b"file_id", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "file_id", b"file_id", "id", b"id", "path", b"path", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "file_id", b"file_id", "id", b"id", "path", b"path", "size_bytes", b"size_bytes", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["data", "file_id"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015

@@ -1,0 +1,175 @@
+"""The Environment service's only path to compute: a small typed interface
+over the Sandbox service.
+
+``Compute`` is what the domain and the init guard depend on; ``SandboxClient``
+implements it with the generated stub. Failed calls surface as domain errors:
+an unreachable Sandbox service is ``SandboxUnavailable`` (the domain adds the
+environment and session IDs), anything else keeps the reason the Sandbox
+service gave it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+import grpc
+
+from berth.common.v1 import common_pb2
+from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2, sandbox_service_pb2_grpc
+from services.core.errors import BerthError, SandboxUnavailable, from_rpc_error
+
+__all__ = [
+    "Compute",
+    "SandboxSpec",
+    "ExecEvent",
+    "SandboxClient",
+    "SANDBOX_IDEMPOTENT_METHODS",
+]
+
+ExecEvent: TypeAlias = common_pb2.OutputChunk | common_pb2.ExitStatus
+
+_SERVICE = "berth.sandbox.v1.SandboxService"
+
+# Safe to retry on UNAVAILABLE: reads, and writes that are idempotent by ID
+# or replace a whole file.
+SANDBOX_IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = tuple(
+    (_SERVICE, m) for m in ("CreateSandbox", "GetSandbox", "ListFiles", "ReadFile", "WriteFile", "DestroySandbox")
+)
+
+_SIZES: Mapping[str, int] = {
+    "": sandbox_pb2.CONTAINER_SIZE_UNSPECIFIED,
+    "small": sandbox_pb2.CONTAINER_SIZE_SMALL,
+    "medium": sandbox_pb2.CONTAINER_SIZE_MEDIUM,
+    "large": sandbox_pb2.CONTAINER_SIZE_LARGE,
+}
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What CreateSandbox needs for one environment."""
+
+    sandbox_id: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    network: common_pb2.NetworkPolicy = field(default_factory=common_pb2.NetworkPolicy)
+    env: Mapping[str, str] = field(default_factory=dict)
+    container_size: str = ""
+
+
+class Compute(Protocol):
+    """Sandbox operations used by the Environment service."""
+
+    async def create_sandbox(self, spec: SandboxSpec) -> None: ...
+
+    async def destroy_sandbox(self, sandbox_id: str) -> None: ...
+
+    def exec(
+        self,
+        sandbox_id: str,
+        *,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        timeout_ms: int = 0,
+    ) -> AsyncIterator[ExecEvent]:
+        """Output chunks, then exactly one ExitStatus. Closing the iterator
+        early (or cancelling its consumer) cancels the command."""
+        ...
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry: ...
+
+    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
+        """(chunk, total size) pairs; the size is set on the first chunk."""
+        ...
+
+    async def list_files(self, sandbox_id: str, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]: ...
+
+
+def _translate(exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return SandboxUnavailable(f"sandbox {sandbox_id} is unavailable: {exc.details() or 'unreachable'}")
+    return from_rpc_error(exc)
+
+
+class SandboxClient:
+    """``Compute`` over the Sandbox service's gRPC API."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, create_timeout_s: float) -> None:
+        self._stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
+        self._create_timeout_s = create_timeout_s
+
+    async def create_sandbox(self, spec: SandboxSpec) -> None:
+        request = sandbox_service_pb2.CreateSandboxRequest(
+            sandbox_id=spec.sandbox_id,
+            labels=dict(spec.labels),
+            network=spec.network,
+            env=dict(spec.env),
+            size=_SIZES.get(spec.container_size, sandbox_pb2.CONTAINER_SIZE_UNSPECIFIED),
+        )
+        try:
+            await self._stub.CreateSandbox(request, timeout=self._create_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, spec.sandbox_id) from exc
+
+    async def destroy_sandbox(self, sandbox_id: str) -> None:
+        try:
+            await self._stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox_id))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            raise _translate(exc, sandbox_id) from exc
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        *,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        timeout_ms: int = 0,
+    ) -> AsyncIterator[ExecEvent]:
+        request = sandbox_service_pb2.ExecRequest(
+            sandbox_id=sandbox_id, argv=list(argv), shell=shell, cwd=cwd, env=dict(env or {}), timeout_ms=timeout_ms
+        )
+        call = self._stub.Exec(request)
+        try:
+            async for response in call:
+                if response.HasField("chunk"):
+                    yield response.chunk
+                elif response.HasField("exit"):
+                    yield response.exit
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        finally:
+            # Reached on cancellation or early close as well: cancelling the
+            # call makes the Sandbox service kill the command's process tree.
+            call.cancel()
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
+        request = sandbox_service_pb2.WriteFileRequest(sandbox_id=sandbox_id, path=path, data=data, mode=mode)
+        try:
+            response = await self._stub.WriteFile(request)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return response.entry
+
+    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
+        call = self._stub.ReadFile(sandbox_service_pb2.ReadFileRequest(sandbox_id=sandbox_id, path=path))
+        try:
+            async for response in call:
+                yield response.data, response.size_bytes
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        finally:
+            call.cancel()
+
+    async def list_files(self, sandbox_id: str, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]:
+        request = sandbox_service_pb2.ListFilesRequest(sandbox_id=sandbox_id, path=path, recursive=recursive)
+        try:
+            response = await self._stub.ListFiles(request)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return list(response.entries)

@@ -1,0 +1,587 @@
+"""Environment service logic as plain typed async methods.
+
+The servicer translates protos to these calls; everything here is testable
+without gRPC, with a fake ``Compute``. Every method takes the caller's
+organization: another organization's resources are ``NotFound``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.exc import IntegrityError
+
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2
+from services.core.db import Database
+from services.core.errors import (
+    EnvironmentFailed,
+    EnvironmentInUse,
+    InitializationRunning,
+    InvalidArgument,
+    NotFound,
+    SandboxUnavailable,
+)
+from services.core.ids import has_prefix, new_id
+from services.core.logging import get_logger
+from services.core.settings import Settings
+from services.environment import repository as repo
+from services.environment.compute import Compute, ExecEvent
+from services.environment.file_store import FileStore
+from services.environment.init_guard import InitGuard
+from services.environment.models import (
+    LIFETIME_PRIVATE,
+    ROLE_OWNER,
+    ROLE_REFERENCE,
+    STATUS_FAILED,
+    STATUS_INITIALIZING,
+    STATUS_PENDING,
+    STATUS_READY,
+    BindingRow,
+    EnvironmentRow,
+    RegisteredFileRow,
+)
+from services.environment.setup_steps import parse_capabilities
+from services.environment.workspace_paths import (
+    OWNER_OUTPUT_DIR,
+    SESSIONS_OUTPUT_DIR,
+    WORKSPACE,
+    session_output_dir,
+    validate_session_id,
+    workspace_dir_path,
+    workspace_file_path,
+)
+
+__all__ = ["EnvironmentDomain", "LiveFile", "output_env"]
+
+log = get_logger(__name__)
+
+_CONTAINER_SIZES = frozenset({"", "small", "medium", "large"})
+_MAX_VAULTS = 10
+
+
+@dataclass(frozen=True)
+class LiveFile:
+    """A live workspace file with its registration, if any."""
+
+    environment_id: str
+    path: str
+    size_bytes: int
+    id: str = ""
+    source: str = ""
+    file_id: str = ""
+
+
+def output_env(session_id: str, output_dir: str) -> dict[str, str]:
+    """The variables that tell a command where its session's deliverables go."""
+    return {
+        "REBYTE_OUTPUT_DIR": output_dir,
+        "REBYTE_SESSION_ID": session_id,
+        "BERTH_OUTPUT_DIR": output_dir,
+        "BERTH_SESSION_ID": session_id,
+    }
+
+
+def _path_key(path: str) -> list[str]:
+    # The files API sorts by case-sensitive path components.
+    return path.split("/")
+
+
+@contextlib.contextmanager
+def _sandbox_errors(environment_id: str, session_id: str = "") -> Iterator[None]:
+    """An unreachable sandbox is reported with the IDs needed for diagnosis.
+    It never changes the environment: no replacement, no failure mark."""
+    try:
+        yield
+    except SandboxUnavailable as exc:
+        where = f"environment {environment_id}" + (f", session {session_id}" if session_id else "")
+        ids = {"environment_id": environment_id} | ({"session_id": session_id} if session_id else {})
+        raise SandboxUnavailable(f"the sandbox is unavailable ({where})", **ids) from exc
+
+
+def _require_env_id(environment_id: str) -> None:
+    if not has_prefix(environment_id, "env"):
+        raise NotFound(f"environment {environment_id} not found")
+
+
+def _not_found(environment_id: str) -> NotFound:
+    return NotFound(f"environment {environment_id} not found")
+
+
+class EnvironmentDomain:
+    def __init__(self, db: Database, guard: InitGuard, compute: Compute, file_store: FileStore, settings: Settings) -> None:
+        self._db = db
+        self._guard = guard
+        self._compute = compute
+        self._files = file_store
+        self._settings = settings
+        # (environment_id, session_id) whose output directory exists already.
+        self._output_dirs: set[tuple[str, str]] = set()
+
+    # Environments -------------------------------------------------------------
+
+    async def create_environment(
+        self, org_id: str, config: environment_pb2.EnvironmentConfig, vault_ids: Sequence[str], owner_session_id: str
+    ) -> tuple[EnvironmentRow, BindingRow | None]:
+        config = await self._validated_config(org_id, config)
+        if len(vault_ids) > _MAX_VAULTS or any(not v for v in vault_ids):
+            raise InvalidArgument(f"vault_ids takes up to {_MAX_VAULTS} non-empty IDs", param="vault_ids")
+        if owner_session_id:
+            validate_session_id(owner_session_id, param="owner_session_id")
+        now = time.time()
+        row = EnvironmentRow(
+            id=new_id("env"),
+            org_id=org_id,
+            status=STATUS_PENDING,
+            lifetime=LIFETIME_PRIVATE,
+            ever_shared=False,
+            deleting=False,
+            sandbox_id=new_id("sbx"),
+            sandbox_requested=False,
+            config=config.SerializeToString(),
+            vault_ids_json=json.dumps(list(vault_ids)),
+            owner_session_id=owner_session_id,
+            session_count=1 if owner_session_id else 0,
+            error_code="",
+            error_message="",
+            init_version=0,
+            lease_owner="",
+            lease_expires_at=0.0,
+            create_time=now,
+            update_time=now,
+        )
+        binding = None
+        if owner_session_id:
+            binding = BindingRow(
+                environment_id=row.id,
+                session_id=owner_session_id,
+                org_id=org_id,
+                role=ROLE_OWNER,
+                output_dir=OWNER_OUTPUT_DIR,
+                create_time=now,
+            )
+        async with self._db.transaction() as s:
+            s.add(row)
+            if binding is not None:
+                s.add(binding)
+        log.info("environment_created", environment_id=row.id, owner_session_id=owner_session_id or None)
+        return row, binding
+
+    async def _validated_config(
+        self, org_id: str, config: environment_pb2.EnvironmentConfig
+    ) -> environment_pb2.EnvironmentConfig:
+        config = environment_pb2.EnvironmentConfig.FromString(config.SerializeToString())
+        for i, f in enumerate(config.files):
+            workspace_file_path(f.path, param=f"environment.files[{i}].path")
+            source = f.WhichOneof("source")
+            if source is None:
+                raise InvalidArgument("a file needs data or file_id", param=f"environment.files[{i}]")
+            if source == "file_id":
+                try:
+                    stored = await self._files.get(org_id, f.file_id)
+                except NotFound:
+                    raise InvalidArgument(f"file {f.file_id} not found", param=f"environment.files[{i}].file_id") from None
+                f.size_bytes = stored.size_bytes
+            elif len(f.data) > self._settings.max_body_bytes:
+                raise InvalidArgument("inline file is too large", param=f"environment.files[{i}].data")
+            else:
+                f.size_bytes = len(f.data)
+            if not f.id:
+                f.id = new_id("file")
+        for key in config.env:
+            if not key or "=" in key or "\x00" in key:
+                raise InvalidArgument(f"invalid environment variable name {key!r}", param="environment.env")
+        for i, cmd in enumerate(config.setup_commands):
+            if not cmd.command.strip():
+                raise InvalidArgument("setup command is empty", param=f"environment.setup_commands[{i}].command")
+            if cmd.cwd:
+                workspace_dir_path(cmd.cwd, param=f"environment.setup_commands[{i}].cwd")
+        for i, directory in enumerate(config.capability_directories):
+            if not directory.startswith("/") or "\x00" in directory:
+                raise InvalidArgument("must be an absolute path", param=f"environment.capability_directories[{i}]")
+        if config.container_size not in _CONTAINER_SIZES:
+            raise InvalidArgument("container_size must be small, medium or large", param="environment.container_size")
+        _validate_network(config.network)
+        for kind, raw in (("skill", config.skills_json), ("plugin", config.plugins_json)):
+            try:
+                parse_capabilities(raw, kind=kind, max_bytes=self._settings.max_body_bytes * 4)
+            except ValueError as exc:
+                index = exc.args[1] if len(exc.args) > 1 else None
+                param = f"environment.{kind}s" + (f"[{index}]" if index is not None else "")
+                raise InvalidArgument(str(exc.args[0]), param=param) from None
+        return config
+
+    async def get_environment(self, org_id: str, environment_id: str, *, with_config: bool = True) -> EnvironmentRow:
+        _require_env_id(environment_id)
+        async with self._db.transaction() as s:
+            row = await repo.get_environment(s, environment_id, org_id, with_config=with_config)
+        if row is None:
+            raise _not_found(environment_id)
+        return row
+
+    async def list_environments(
+        self, org_id: str, *, page_size: int, after: str, order: str
+    ) -> tuple[Sequence[EnvironmentRow], bool]:
+        limit = _page_size(page_size, param="limit")
+        ascending = _order(order) == "asc"
+        async with self._db.transaction() as s:
+            rows = await repo.list_environments(s, org_id, after=after, ascending=ascending, limit=limit + 1)
+        return rows[:limit], len(rows) > limit
+
+    async def delete_environment(self, org_id: str, environment_id: str) -> None:
+        _require_env_id(environment_id)
+        async with self._db.transaction() as s:
+            marked = await repo.mark_deleting(s, environment_id, org_id, require_unbound=True, require_never_shared=False)
+            if marked:
+                row = await repo.get_environment_by_id(s, environment_id)
+            else:
+                row = await repo.get_environment(s, environment_id, org_id)
+        if row is None:
+            raise _not_found(environment_id)
+        if not marked:
+            if row.session_count > 0:
+                raise EnvironmentInUse(f"environment {environment_id} has attached sessions", environment_id=environment_id)
+            if row.status == STATUS_INITIALIZING:
+                raise InitializationRunning(f"environment {environment_id} is initializing", environment_id=environment_id)
+            raise _not_found(environment_id)
+        await self._teardown(row)
+        log.info("environment_deleted", environment_id=environment_id)
+
+    async def _teardown(self, row: EnvironmentRow, session_id: str = "") -> None:
+        """Destroys the sandbox (if one was ever requested) and removes the
+        rows of an environment already marked as deleting."""
+        if row.sandbox_requested:
+            try:
+                with _sandbox_errors(row.id, session_id):
+                    await self._compute.destroy_sandbox(row.sandbox_id)
+            except BaseException:
+                async with self._db.transaction() as s:
+                    await repo.clear_deleting(s, row.id)
+                raise
+        async with self._db.transaction() as s:
+            await repo.delete_environment_rows(s, row.id)
+        self._output_dirs = {k for k in self._output_dirs if k[0] != row.id}
+
+    # Bindings -----------------------------------------------------------------
+
+    async def attach_session(self, org_id: str, environment_id: str, session_id: str) -> tuple[EnvironmentRow, BindingRow]:
+        validate_session_id(session_id)
+        _require_env_id(environment_id)
+        try:
+            async with self._db.transaction() as s:
+                if await repo.get_environment(s, environment_id, org_id) is None:
+                    raise _not_found(environment_id)
+                binding = await repo.get_binding(s, environment_id, session_id)
+                if binding is None:
+                    now = time.time()
+                    if not await repo.attach_reference(s, environment_id, org_id, now=now):
+                        current = await repo.get_environment(s, environment_id, org_id)
+                        if current is not None and current.status == STATUS_INITIALIZING:
+                            raise InitializationRunning(
+                                f"environment {environment_id} is initializing; attach after setup ends",
+                                environment_id=environment_id,
+                            )
+                        raise _not_found(environment_id)
+                    binding = BindingRow(
+                        environment_id=environment_id,
+                        session_id=session_id,
+                        org_id=org_id,
+                        role=ROLE_REFERENCE,
+                        output_dir=session_output_dir(session_id),
+                        create_time=now,
+                    )
+                    s.add(binding)
+                    log.info("session_attached", environment_id=environment_id, session_id=session_id)
+        except IntegrityError:
+            # The same session attached concurrently: attaching is idempotent.
+            async with self._db.transaction() as s:
+                binding = await repo.get_binding(s, environment_id, session_id)
+            if binding is None:
+                raise
+        return await self.get_environment(org_id, environment_id), binding
+
+    async def get_binding(self, org_id: str, environment_id: str, session_id: str) -> BindingRow:
+        _require_env_id(environment_id)
+        async with self._db.transaction() as s:
+            binding = await repo.get_binding(s, environment_id, session_id)
+        if binding is None or binding.org_id != org_id:
+            raise NotFound(f"session {session_id} is not attached to environment {environment_id}")
+        return binding
+
+    async def detach_session(self, org_id: str, environment_id: str, session_id: str) -> bool:
+        """Removes the binding; returns True when the private environment was
+        deleted with it. Detaching a session that is not bound is a no-op."""
+        _require_env_id(environment_id)
+        deadline = time.monotonic() + self._settings.setup_timeout_s
+        while True:
+            async with self._db.transaction() as s:
+                row = await repo.get_environment(s, environment_id, org_id)
+                if row is None:
+                    raise _not_found(environment_id)
+                binding = await repo.get_binding(s, environment_id, session_id)
+                if binding is None:
+                    return False
+                private_owner = binding.role == ROLE_OWNER and row.lifetime == LIFETIME_PRIVATE and not row.ever_shared
+                if not private_owner:
+                    await repo.remove_binding(s, environment_id, session_id, now=time.time())
+                    self._output_dirs.discard((environment_id, session_id))
+                    log.info("session_detached", environment_id=environment_id, session_id=session_id)
+                    return False
+                marked = await repo.mark_deleting(
+                    s, environment_id, org_id, require_unbound=False, require_never_shared=True
+                )
+                doomed = await repo.get_environment_by_id(s, environment_id) if marked else None
+            if doomed is not None:
+                await self._teardown(doomed, session_id)
+                log.info("environment_deleted", environment_id=environment_id, reason="owner_detached")
+                return True
+            if row.status == STATUS_INITIALIZING:
+                # Setup of a private environment ends before it is deleted.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise InitializationRunning(
+                        f"environment {environment_id} is initializing", environment_id=environment_id
+                    )
+                await self._guard.wait_settled(environment_id, org_id, timeout_s=remaining)
+
+    # The init guard and sandbox operations ------------------------------------
+
+    async def ensure_ready(self, org_id: str, environment_id: str) -> EnvironmentRow:
+        _require_env_id(environment_id)
+        with _sandbox_errors(environment_id):
+            row = await self._guard.ensure_ready(environment_id, org_id)
+        return await self.get_environment(org_id, row.id)
+
+    async def _ready(self, org_id: str, environment_id: str, session_id: str = "") -> EnvironmentRow:
+        _require_env_id(environment_id)
+        with _sandbox_errors(environment_id, session_id):
+            row = await self._guard.ensure_ready(environment_id, org_id)
+        if row.status == STATUS_FAILED:
+            raise EnvironmentFailed(
+                f"environment {environment_id} failed to initialize: {row.error_message}",
+                environment_id=environment_id,
+                error_code=row.error_code,
+            )
+        return row
+
+    async def exec_command(
+        self,
+        org_id: str,
+        environment_id: str,
+        *,
+        session_id: str,
+        argv: Sequence[str],
+        shell: str,
+        cwd: str,
+        env: Mapping[str, str],
+        timeout_ms: int,
+    ) -> AsyncIterator[ExecEvent]:
+        if bool(argv) == bool(shell):
+            raise InvalidArgument("exactly one of argv and shell is required", param="argv")
+        cwd = workspace_dir_path(cwd or WORKSPACE, param="cwd")
+        if timeout_ms < 0:
+            raise InvalidArgument("timeout_ms must not be negative", param="timeout_ms")
+        command_env = dict(env)
+        binding = None
+        if session_id:
+            binding = await self.get_binding(org_id, environment_id, session_id)
+            # Config variables were given to the sandbox at creation; these win over them.
+            command_env.update(output_env(session_id, binding.output_dir))
+        row = await self._ready(org_id, environment_id, session_id)
+        with _sandbox_errors(environment_id, session_id):
+            if binding is not None:
+                await self._ensure_output_dir(row, binding)
+            async for event in self._compute.exec(
+                row.sandbox_id, argv=argv, shell=shell, cwd=cwd, env=command_env, timeout_ms=timeout_ms
+            ):
+                yield event
+
+    async def _ensure_output_dir(self, row: EnvironmentRow, binding: BindingRow) -> None:
+        key = (row.id, binding.session_id)
+        if key in self._output_dirs:
+            return
+        exit_code = -1
+        async for event in self._compute.exec(row.sandbox_id, argv=["mkdir", "-p", binding.output_dir], cwd=WORKSPACE):
+            if isinstance(event, common_pb2.ExitStatus):
+                exit_code = event.exit_code
+        if exit_code == 0:
+            self._output_dirs.add(key)
+        else:
+            log.warning(
+                "output_dir_create_failed", environment_id=row.id, session_id=binding.session_id, exit_code=exit_code
+            )
+
+    async def read_workspace_file(self, org_id: str, environment_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
+        path = workspace_file_path(path)
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            async for chunk in self._compute.read_file(row.sandbox_id, path):
+                yield chunk
+
+    async def write_workspace_file(self, org_id: str, environment_id: str, path: str, data: bytes) -> common_pb2.FileEntry:
+        path = workspace_file_path(path)
+        if len(data) > self._settings.max_body_bytes:
+            raise InvalidArgument("file is too large", param="data")
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            return await self._compute.write_file(row.sandbox_id, path, data)
+
+    async def list_workspace_files(
+        self, org_id: str, environment_id: str, path: str, *, recursive: bool
+    ) -> list[common_pb2.FileEntry]:
+        path = workspace_dir_path(path)
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            return await self._compute.list_files(row.sandbox_id, path, recursive=recursive)
+
+    async def _list_or_empty(self, row: EnvironmentRow, path: str, session_id: str = "") -> list[common_pb2.FileEntry]:
+        try:
+            with _sandbox_errors(row.id, session_id):
+                return await self._compute.list_files(row.sandbox_id, path, recursive=True)
+        except NotFound:
+            return []
+
+    async def list_session_outputs(
+        self, org_id: str, environment_id: str, session_id: str
+    ) -> tuple[str, list[common_pb2.FileEntry]]:
+        binding = await self.get_binding(org_id, environment_id, session_id)
+        row = await self.get_environment(org_id, environment_id, with_config=False)
+        if row.status == STATUS_INITIALIZING:
+            row = await self._guard.wait_settled(environment_id, org_id, timeout_s=self._settings.setup_timeout_s)
+        if row.status != STATUS_READY:
+            # Never initialized (or failed before anything could run): nothing to publish.
+            return binding.output_dir, []
+        entries = [
+            e
+            for e in await self._list_or_empty(row, binding.output_dir, session_id)
+            if e.type == common_pb2.FILE_TYPE_FILE
+            and e.path.startswith(binding.output_dir + "/")
+            # Only referencing sessions write under sessions/; the owner never publishes it.
+            and not (binding.role == ROLE_OWNER and e.path.startswith(SESSIONS_OUTPUT_DIR + "/"))
+        ]
+        entries.sort(key=lambda e: e.path)
+        return binding.output_dir, entries
+
+    # Files API ----------------------------------------------------------------
+
+    async def create_environment_file(
+        self, org_id: str, environment_id: str, path: str, *, data: bytes | None, file_id: str | None
+    ) -> RegisteredFileRow:
+        path = workspace_file_path(path)
+        if data is None and not file_id:
+            raise InvalidArgument("data or file_id is required", param="data")
+        if file_id:
+            try:
+                content = await self._files.read(org_id, file_id)
+            except NotFound:
+                raise InvalidArgument(f"file {file_id} not found", param="file_id") from None
+            source = "file_id"
+        else:
+            content = data or b""
+            source = "inline"
+        if len(content) > self._settings.max_body_bytes:
+            raise InvalidArgument("file is too large", param="data")
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            await self._compute.write_file(row.sandbox_id, path, content)
+        async with self._db.transaction() as s:
+            return await repo.upsert_registered_file(
+                s,
+                RegisteredFileRow(
+                    environment_id=environment_id,
+                    path=path,
+                    id=new_id("file"),
+                    source=source,
+                    file_id=file_id or "",
+                    size_bytes=len(content),
+                    create_time=time.time(),
+                ),
+            )
+
+    async def list_environment_files(
+        self, org_id: str, environment_id: str, *, path: str, order: str, page_size: int, page_token: str
+    ) -> tuple[list[LiveFile], str]:
+        directory = workspace_dir_path(path)
+        order = _order(order)
+        limit = _page_size(page_size, param="limit")
+        after = _decode_token(page_token, directory=directory, order=order) if page_token else None
+        row = await self._ready(org_id, environment_id)
+        entries = [e for e in await self._list_or_empty(row, directory) if e.type == common_pb2.FILE_TYPE_FILE]
+        descending = order == "desc"
+        entries.sort(key=lambda e: _path_key(e.path), reverse=descending)
+        if after is not None:
+            cursor = _path_key(after)
+            entries = [e for e in entries if (_path_key(e.path) < cursor if descending else _path_key(e.path) > cursor)]
+        page = entries[:limit]
+        async with self._db.transaction() as s:
+            registered = await repo.registered_files_by_path(s, environment_id)
+        files = []
+        for e in page:
+            reg = registered.get(e.path)
+            files.append(
+                LiveFile(
+                    environment_id=environment_id,
+                    path=e.path,
+                    size_bytes=e.size_bytes,
+                    id=reg.id if reg else "",
+                    source=reg.source if reg else "",
+                    file_id=reg.file_id if reg else "",
+                )
+            )
+        next_token = _encode_token(directory, order, page[-1].path) if len(entries) > limit else ""
+        return files, next_token
+
+
+def _validate_network(network: common_pb2.NetworkPolicy) -> None:
+    restricted = network.access == common_pb2.NETWORK_ACCESS_RESTRICTED
+    if network.blocked_domains:
+        if not restricted:
+            raise InvalidArgument("blocked_domains requires access: restricted", param="environment.network.blocked_domains")
+        if network.allowed_domains:
+            raise InvalidArgument(
+                "blocked_domains cannot be combined with allowed_domains", param="environment.network.blocked_domains"
+            )
+    if network.allowed_domains and not restricted:
+        raise InvalidArgument("allowed_domains requires access: restricted", param="environment.network.allowed_domains")
+    for field_name in ("allowed_domains", "blocked_domains"):
+        for domain in getattr(network, field_name):
+            if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
+                raise InvalidArgument(f"invalid domain {domain!r}", param=f"environment.network.{field_name}")
+
+
+def _page_size(page_size: int, *, param: str) -> int:
+    if page_size == 0:
+        return 20
+    if not 1 <= page_size <= 100:
+        raise InvalidArgument("limit must be between 1 and 100", param=param)
+    return page_size
+
+
+def _order(order: str) -> str:
+    if order not in ("", "asc", "desc"):
+        raise InvalidArgument("order must be asc or desc", param="order")
+    return order or "desc"
+
+
+def _encode_token(directory: str, order: str, last_path: str) -> str:
+    raw = json.dumps({"d": directory, "o": order, "a": last_path}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _decode_token(token: str, *, directory: str, order: str) -> str:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        value = json.loads(raw)
+        after = value["a"]
+        ok = isinstance(after, str) and value["d"] == directory and value["o"] == order
+    except (binascii.Error, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise InvalidArgument("invalid page token; keep the same path and order", param="page")
+    return str(after)

@@ -1,0 +1,119 @@
+"""Tables owned by the Environment service.
+
+Timestamps are float Unix seconds. The setup configuration is stored as the
+serialized ``EnvironmentConfig`` proto, so the schema does not follow every
+contract change.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "Base",
+    "EnvironmentRow",
+    "BindingRow",
+    "RegisteredFileRow",
+    "StoredFileRow",
+    "StoredBlobRow",
+    "STATUS_PENDING",
+    "STATUS_INITIALIZING",
+    "STATUS_READY",
+    "STATUS_FAILED",
+    "LIFETIME_PRIVATE",
+    "LIFETIME_SHARED",
+    "ROLE_OWNER",
+    "ROLE_REFERENCE",
+]
+
+STATUS_PENDING = "pending"
+STATUS_INITIALIZING = "initializing"
+STATUS_READY = "ready"
+STATUS_FAILED = "failed"
+
+LIFETIME_PRIVATE = "private"
+LIFETIME_SHARED = "shared"
+
+ROLE_OWNER = "owner"
+ROLE_REFERENCE = "reference"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class EnvironmentRow(Base):
+    __tablename__ = "environments"
+    __table_args__ = (Index("ix_environments_org_id_id", "org_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    lifetime: Mapped[str] = mapped_column(String(16))
+    ever_shared: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Set while DeleteEnvironment/DetachSession tear the environment down;
+    # blocks attach and init, and hides the row.
+    deleting: Mapped[bool] = mapped_column(Boolean, default=False)
+    sandbox_id: Mapped[str] = mapped_column(String(64))
+    # True once CreateSandbox was attempted, so deletion knows to destroy.
+    sandbox_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    config: Mapped[bytes] = mapped_column(LargeBinary)
+    vault_ids_json: Mapped[str] = mapped_column(Text, default="[]")
+    owner_session_id: Mapped[str] = mapped_column(String(128), default="")
+    session_count: Mapped[int] = mapped_column(Integer, default=0)
+    error_code: Mapped[str] = mapped_column(String(64), default="")
+    error_message: Mapped[str] = mapped_column(Text, default="")
+    init_version: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_owner: Mapped[str] = mapped_column(String(128), default="")
+    lease_expires_at: Mapped[float] = mapped_column(Float, default=0.0)
+    create_time: Mapped[float] = mapped_column(Float)
+    update_time: Mapped[float] = mapped_column(Float)
+
+
+class BindingRow(Base):
+    __tablename__ = "bindings"
+
+    environment_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    output_dir: Mapped[str] = mapped_column(Text)
+    create_time: Mapped[float] = mapped_column(Float)
+
+
+class RegisteredFileRow(Base):
+    __tablename__ = "registered_files"
+
+    environment_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    path: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    id: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(16))
+    file_id: Mapped[str] = mapped_column(String(64), default="")
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    create_time: Mapped[float] = mapped_column(Float)
+
+
+class StoredFileRow(Base):
+    __tablename__ = "stored_files"
+    __table_args__ = (Index("ix_stored_files_org_id_id", "org_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    filename: Mapped[str] = mapped_column(Text)
+    purpose: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    create_time: Mapped[float] = mapped_column(Float)
+    expire_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class StoredBlobRow(Base):
+    """Reference count of a content-addressed blob; its row lock serializes
+    the create that writes a blob with the delete that unlinks it."""
+
+    __tablename__ = "stored_blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    ref_count: Mapped[int] = mapped_column(Integer)

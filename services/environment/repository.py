@@ -1,0 +1,388 @@
+"""Queries on the Environment service's tables.
+
+Functions take an ``AsyncSession`` and never commit; the caller owns the
+transaction. Every state change is a compare-and-set (``UPDATE ... WHERE``
+the expected state, then check the row count), which behaves the same on
+SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from sqlalchemy import delete, false, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import defer
+
+from services.environment.models import (
+    LIFETIME_SHARED,
+    STATUS_FAILED,
+    STATUS_INITIALIZING,
+    STATUS_PENDING,
+    BindingRow,
+    EnvironmentRow,
+    RegisteredFileRow,
+    StoredBlobRow,
+    StoredFileRow,
+)
+
+__all__ = [
+    "get_environment",
+    "get_environment_by_id",
+    "get_environment_config",
+    "list_environments",
+    "start_init",
+    "renew_lease",
+    "finish_init",
+    "revert_init",
+    "fail_expired_init",
+    "mark_sandbox_requested",
+    "attach_reference",
+    "get_binding",
+    "list_bindings",
+    "remove_binding",
+    "mark_deleting",
+    "clear_deleting",
+    "delete_environment_rows",
+    "upsert_registered_file",
+    "registered_files_by_path",
+    "get_stored_file",
+    "list_stored_files",
+    "delete_stored_file",
+    "acquire_blob",
+    "release_blob",
+]
+
+
+def _rowcount(result: Any) -> int:
+    return int(cast(CursorResult[Any], result).rowcount)
+
+
+def _insert(session: AsyncSession, table: Any) -> Any:
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+# Environments ---------------------------------------------------------------
+
+
+def _select_environment(with_config: bool) -> Any:
+    stmt = select(EnvironmentRow)
+    if not with_config:
+        # The configuration can hold megabytes of inline files; hot paths skip it.
+        stmt = stmt.options(defer(EnvironmentRow.config, raiseload=True))
+    return stmt
+
+
+async def get_environment(
+    session: AsyncSession, environment_id: str, org_id: str, *, with_config: bool = False
+) -> EnvironmentRow | None:
+    """The organization's environment, unless absent or being deleted."""
+    stmt = _select_environment(with_config).where(
+        EnvironmentRow.id == environment_id,
+        EnvironmentRow.org_id == org_id,
+        EnvironmentRow.deleting == false(),
+    )
+    return cast(EnvironmentRow | None, (await session.execute(stmt)).scalar_one_or_none())
+
+
+async def get_environment_by_id(session: AsyncSession, environment_id: str) -> EnvironmentRow | None:
+    stmt = _select_environment(False).where(EnvironmentRow.id == environment_id)
+    return cast(EnvironmentRow | None, (await session.execute(stmt)).scalar_one_or_none())
+
+
+async def get_environment_config(session: AsyncSession, environment_id: str) -> bytes:
+    stmt = select(EnvironmentRow.config).where(EnvironmentRow.id == environment_id)
+    return bytes((await session.execute(stmt)).scalar_one())
+
+
+async def list_environments(
+    session: AsyncSession, org_id: str, *, after: str, ascending: bool, limit: int
+) -> Sequence[EnvironmentRow]:
+    stmt = _select_environment(True).where(EnvironmentRow.org_id == org_id, EnvironmentRow.deleting == false())
+    if after:
+        stmt = stmt.where(EnvironmentRow.id > after if ascending else EnvironmentRow.id < after)
+    stmt = stmt.order_by(EnvironmentRow.id.asc() if ascending else EnvironmentRow.id.desc()).limit(limit)
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def start_init(
+    session: AsyncSession, environment_id: str, *, version: int, owner: str, lease_expires_at: float, now: float
+) -> bool:
+    """CAS ``pending -> initializing``; exactly one caller gets True."""
+    result = await session.execute(
+        update(EnvironmentRow)
+        .where(
+            EnvironmentRow.id == environment_id,
+            EnvironmentRow.status == STATUS_PENDING,
+            EnvironmentRow.init_version == version,
+            EnvironmentRow.deleting == false(),
+        )
+        .values(
+            status=STATUS_INITIALIZING,
+            init_version=version + 1,
+            lease_owner=owner,
+            lease_expires_at=lease_expires_at,
+            update_time=now,
+        )
+    )
+    return _rowcount(result) == 1
+
+
+def _fenced(environment_id: str, version: int, owner: str) -> Any:
+    return (
+        EnvironmentRow.id == environment_id,
+        EnvironmentRow.status == STATUS_INITIALIZING,
+        EnvironmentRow.init_version == version,
+        EnvironmentRow.lease_owner == owner,
+    )
+
+
+async def renew_lease(
+    session: AsyncSession, environment_id: str, *, version: int, owner: str, lease_expires_at: float
+) -> bool:
+    result = await session.execute(
+        update(EnvironmentRow).where(*_fenced(environment_id, version, owner)).values(lease_expires_at=lease_expires_at)
+    )
+    return _rowcount(result) == 1
+
+
+async def mark_sandbox_requested(session: AsyncSession, environment_id: str, *, version: int, owner: str) -> bool:
+    result = await session.execute(
+        update(EnvironmentRow).where(*_fenced(environment_id, version, owner)).values(sandbox_requested=True)
+    )
+    return _rowcount(result) == 1
+
+
+async def finish_init(
+    session: AsyncSession,
+    environment_id: str,
+    *,
+    version: int,
+    owner: str,
+    status: str,
+    error_code: str,
+    error_message: str,
+    now: float,
+) -> bool:
+    """CAS ``initializing -> ready|failed``, fenced by version and lease owner."""
+    result = await session.execute(
+        update(EnvironmentRow)
+        .where(*_fenced(environment_id, version, owner))
+        .values(
+            status=status,
+            init_version=version + 1,
+            error_code=error_code,
+            error_message=error_message,
+            lease_owner="",
+            lease_expires_at=0.0,
+            update_time=now,
+        )
+    )
+    return _rowcount(result) == 1
+
+
+async def revert_init(session: AsyncSession, environment_id: str, *, version: int, owner: str, now: float) -> bool:
+    """CAS ``initializing -> pending`` when nothing ran (the sandbox service was unreachable)."""
+    result = await session.execute(
+        update(EnvironmentRow)
+        .where(*_fenced(environment_id, version, owner))
+        .values(status=STATUS_PENDING, init_version=version + 1, lease_owner="", lease_expires_at=0.0, update_time=now)
+    )
+    return _rowcount(result) == 1
+
+
+async def fail_expired_init(
+    session: AsyncSession, environment_id: str, *, version: int, now: float, error_code: str, error_message: str
+) -> bool:
+    """CAS ``initializing -> failed`` when the owner's lease has expired."""
+    result = await session.execute(
+        update(EnvironmentRow)
+        .where(
+            EnvironmentRow.id == environment_id,
+            EnvironmentRow.status == STATUS_INITIALIZING,
+            EnvironmentRow.init_version == version,
+            EnvironmentRow.lease_expires_at < now,
+        )
+        .values(
+            status=STATUS_FAILED,
+            init_version=version + 1,
+            error_code=error_code,
+            error_message=error_message,
+            lease_owner="",
+            lease_expires_at=0.0,
+            update_time=now,
+        )
+    )
+    return _rowcount(result) == 1
+
+
+async def attach_reference(session: AsyncSession, environment_id: str, org_id: str, *, now: float) -> bool:
+    """CAS that makes the environment shared for good and counts the new
+    session; it loses against a concurrent init start or deletion."""
+    result = await session.execute(
+        update(EnvironmentRow)
+        .where(
+            EnvironmentRow.id == environment_id,
+            EnvironmentRow.org_id == org_id,
+            EnvironmentRow.status != STATUS_INITIALIZING,
+            EnvironmentRow.deleting == false(),
+        )
+        .values(
+            lifetime=LIFETIME_SHARED,
+            ever_shared=True,
+            session_count=EnvironmentRow.session_count + 1,
+            update_time=now,
+        )
+    )
+    return _rowcount(result) == 1
+
+
+async def mark_deleting(
+    session: AsyncSession, environment_id: str, org_id: str, *, require_unbound: bool, require_never_shared: bool
+) -> bool:
+    conditions: list[Any] = [
+        EnvironmentRow.id == environment_id,
+        EnvironmentRow.org_id == org_id,
+        EnvironmentRow.status != STATUS_INITIALIZING,
+        EnvironmentRow.deleting == false(),
+    ]
+    if require_unbound:
+        conditions.append(EnvironmentRow.session_count == 0)
+    if require_never_shared:
+        conditions.append(EnvironmentRow.ever_shared == false())
+    result = await session.execute(update(EnvironmentRow).where(*conditions).values(deleting=True))
+    return _rowcount(result) == 1
+
+
+async def clear_deleting(session: AsyncSession, environment_id: str) -> None:
+    await session.execute(update(EnvironmentRow).where(EnvironmentRow.id == environment_id).values(deleting=False))
+
+
+async def delete_environment_rows(session: AsyncSession, environment_id: str) -> None:
+    await session.execute(delete(RegisteredFileRow).where(RegisteredFileRow.environment_id == environment_id))
+    await session.execute(delete(BindingRow).where(BindingRow.environment_id == environment_id))
+    await session.execute(delete(EnvironmentRow).where(EnvironmentRow.id == environment_id))
+
+
+# Bindings -------------------------------------------------------------------
+
+
+async def get_binding(session: AsyncSession, environment_id: str, session_id: str) -> BindingRow | None:
+    stmt = select(BindingRow).where(BindingRow.environment_id == environment_id, BindingRow.session_id == session_id)
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def list_bindings(session: AsyncSession, environment_id: str) -> Sequence[BindingRow]:
+    stmt = select(BindingRow).where(BindingRow.environment_id == environment_id).order_by(BindingRow.create_time)
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def remove_binding(session: AsyncSession, environment_id: str, session_id: str, *, now: float) -> bool:
+    result = await session.execute(
+        delete(BindingRow).where(BindingRow.environment_id == environment_id, BindingRow.session_id == session_id)
+    )
+    if _rowcount(result) != 1:
+        return False
+    await session.execute(
+        update(EnvironmentRow)
+        .where(EnvironmentRow.id == environment_id)
+        .values(session_count=EnvironmentRow.session_count - 1, update_time=now)
+    )
+    return True
+
+
+# Registered files -----------------------------------------------------------
+
+
+async def upsert_registered_file(session: AsyncSession, row: RegisteredFileRow) -> RegisteredFileRow:
+    """Registers ``row.path``; an existing registration keeps its ID."""
+    values = {
+        "environment_id": row.environment_id,
+        "path": row.path,
+        "id": row.id,
+        "source": row.source,
+        "file_id": row.file_id,
+        "size_bytes": row.size_bytes,
+        "create_time": row.create_time,
+    }
+    stmt = _insert(session, RegisteredFileRow).values(**values)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["environment_id", "path"],
+        set_={"source": row.source, "file_id": row.file_id, "size_bytes": row.size_bytes, "create_time": row.create_time},
+    )
+    await session.execute(stmt)
+    stored = (
+        await session.execute(
+            select(RegisteredFileRow).where(
+                RegisteredFileRow.environment_id == row.environment_id, RegisteredFileRow.path == row.path
+            )
+        )
+    ).scalar_one()
+    return stored
+
+
+async def registered_files_by_path(session: AsyncSession, environment_id: str) -> dict[str, RegisteredFileRow]:
+    rows = (
+        await session.execute(select(RegisteredFileRow).where(RegisteredFileRow.environment_id == environment_id))
+    ).scalars()
+    return {r.path: r for r in rows}
+
+
+# Stored files ---------------------------------------------------------------
+
+
+async def get_stored_file(session: AsyncSession, file_id: str, org_id: str, *, now: float) -> StoredFileRow | None:
+    row = (
+        await session.execute(select(StoredFileRow).where(StoredFileRow.id == file_id, StoredFileRow.org_id == org_id))
+    ).scalar_one_or_none()
+    if row is None or (row.expire_time is not None and row.expire_time <= now):
+        return None
+    return row
+
+
+async def list_stored_files(
+    session: AsyncSession, org_id: str, *, after: str, purpose: str, limit: int, now: float
+) -> Sequence[StoredFileRow]:
+    stmt = select(StoredFileRow).where(StoredFileRow.org_id == org_id)
+    stmt = stmt.where((StoredFileRow.expire_time.is_(None)) | (StoredFileRow.expire_time > now))
+    if purpose:
+        stmt = stmt.where(StoredFileRow.purpose == purpose)
+    if after:
+        stmt = stmt.where(StoredFileRow.id < after)
+    stmt = stmt.order_by(StoredFileRow.id.desc()).limit(limit)
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def delete_stored_file(session: AsyncSession, file_id: str, org_id: str) -> StoredFileRow | None:
+    row = (
+        await session.execute(select(StoredFileRow).where(StoredFileRow.id == file_id, StoredFileRow.org_id == org_id))
+    ).scalar_one_or_none()
+    if row is None:
+        return None
+    result = await session.execute(delete(StoredFileRow).where(StoredFileRow.id == file_id))
+    return row if _rowcount(result) == 1 else None
+
+
+async def acquire_blob(session: AsyncSession, sha256: str, size_bytes: int) -> None:
+    """Counts one more reference to a blob; holds the blob row's lock until
+    the transaction ends."""
+    stmt = _insert(session, StoredBlobRow).values(sha256=sha256, size_bytes=size_bytes, ref_count=1)
+    stmt = stmt.on_conflict_do_update(index_elements=["sha256"], set_={"ref_count": StoredBlobRow.ref_count + 1})
+    await session.execute(stmt)
+
+
+async def release_blob(session: AsyncSession, sha256: str) -> bool:
+    """Drops one reference; True when it was the last (the row is gone and
+    the caller unlinks the blob before committing)."""
+    await session.execute(
+        update(StoredBlobRow).where(StoredBlobRow.sha256 == sha256).values(ref_count=StoredBlobRow.ref_count - 1)
+    )
+    result = await session.execute(
+        delete(StoredBlobRow).where(StoredBlobRow.sha256 == sha256, StoredBlobRow.ref_count <= 0)
+    )
+    return _rowcount(result) == 1

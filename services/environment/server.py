@@ -1,0 +1,70 @@
+"""Composition root of the Environment service."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
+from services.core.db import open_database
+from services.core.grpc_server import open_channel, start_grpc_server
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, Compute, SandboxClient
+from services.environment.domain import EnvironmentDomain
+from services.environment.file_store import FileStore
+from services.environment.init_guard import InitGuard
+from services.environment.servicer import EnvironmentServicer
+from services.environment.setup_steps import EnvironmentSetup
+
+__all__ = ["start_environment_service"]
+
+_MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+
+
+def _instance_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+async def start_environment_service(
+    settings: Settings, *, address: str | None = None, compute: Compute | None = None
+) -> ServiceHandle:
+    """Opens the database, wires the guard and domain, and serves
+    ``berth.environment.v1.EnvironmentService``. ``compute`` replaces the
+    Sandbox service client (tests); by default it dials ``settings.sandbox_addr``."""
+    db = await open_database(settings.database_url("environment"), "environment", _MIGRATIONS)
+    closers: list[Callable[[], Awaitable[None]]] = [db.dispose]
+    try:
+        if compute is None:
+            channel = open_channel(
+                settings.sandbox_addr, timeout_s=settings.rpc_timeout_s, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
+            )
+            closers.append(channel.close)
+            compute = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0))
+        file_store = FileStore(db, settings.data_dir / "blobs", max_bytes=settings.max_body_bytes)
+        guard = InitGuard(
+            db,
+            EnvironmentSetup(compute, file_store, db, settings),
+            instance_id=_instance_id(),
+            lease_s=settings.init_lease_s,
+            setup_timeout_s=settings.setup_timeout_s,
+        )
+        closers.append(guard.close)
+        domain = EnvironmentDomain(db, guard, compute, file_store, settings)
+        servicer = EnvironmentServicer(domain, file_store)
+
+        def register(server: grpc.aio.Server) -> list[str]:
+            environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
+            return [environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name]
+
+        running = await start_grpc_server(address or settings.environment_addr, register)
+    except BaseException:
+        for close in reversed(closers):
+            await close()
+        raise
+    return ServiceHandle(name="environment", grpc=running, closers=closers)

@@ -1,0 +1,257 @@
+"""gRPC servicer: protos in, domain calls, protos out. Domain errors pass
+through to the interceptor, which maps them to statuses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TypeAlias
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
+from services.core.context import current_org
+from services.environment.domain import EnvironmentDomain, LiveFile
+from services.environment.file_store import FileStore
+from services.environment.models import (
+    LIFETIME_SHARED,
+    ROLE_OWNER,
+    STATUS_FAILED,
+    STATUS_INITIALIZING,
+    STATUS_PENDING,
+    STATUS_READY,
+    BindingRow,
+    EnvironmentRow,
+    RegisteredFileRow,
+    StoredFileRow,
+)
+
+__all__ = ["EnvironmentServicer", "environment_to_proto"]
+
+_Context: TypeAlias = grpc.aio.ServicerContext
+
+_STATUS = {
+    STATUS_PENDING: environment_pb2.ENVIRONMENT_STATUS_PENDING,
+    STATUS_INITIALIZING: environment_pb2.ENVIRONMENT_STATUS_INITIALIZING,
+    STATUS_READY: environment_pb2.ENVIRONMENT_STATUS_READY,
+    STATUS_FAILED: environment_pb2.ENVIRONMENT_STATUS_FAILED,
+}
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def environment_to_proto(row: EnvironmentRow, *, with_config: bool = True) -> environment_pb2.Environment:
+    env = environment_pb2.Environment(
+        id=row.id,
+        org_id=row.org_id,
+        status=_STATUS[row.status],
+        lifetime=environment_pb2.LIFETIME_SHARED if row.lifetime == LIFETIME_SHARED else environment_pb2.LIFETIME_PRIVATE,
+        sandbox_id=row.sandbox_id,
+        vault_ids=json.loads(row.vault_ids_json),
+        owner_session_id=row.owner_session_id,
+        session_count=row.session_count,
+        create_time=_timestamp(row.create_time),
+        update_time=_timestamp(row.update_time),
+        init_version=row.init_version,
+        ever_shared=row.ever_shared,
+    )
+    if with_config:
+        env.config.ParseFromString(row.config)
+        for command in env.config.setup_commands:
+            command.command = ""  # confidential: bodies never leave the service
+    if row.status == STATUS_FAILED:
+        env.error.code = row.error_code
+        env.error.message = row.error_message
+    return env
+
+
+def _binding(row: BindingRow) -> environment_pb2.Binding:
+    return environment_pb2.Binding(
+        environment_id=row.environment_id,
+        session_id=row.session_id,
+        role=environment_pb2.BINDING_ROLE_OWNER if row.role == ROLE_OWNER else environment_pb2.BINDING_ROLE_REFERENCE,
+        output_dir=row.output_dir,
+        create_time=_timestamp(row.create_time),
+    )
+
+
+def _registered(row: RegisteredFileRow | LiveFile) -> environment_pb2.RegisteredFile:
+    return environment_pb2.RegisteredFile(
+        environment_id=row.environment_id,
+        path=row.path,
+        size_bytes=row.size_bytes,
+        source=row.source,
+        file_id=row.file_id,
+        id=row.id,
+    )
+
+
+def _stored(row: StoredFileRow) -> environment_pb2.StoredFile:
+    out = environment_pb2.StoredFile(
+        id=row.id,
+        filename=row.filename,
+        purpose=row.purpose,
+        size_bytes=row.size_bytes,
+        create_time=_timestamp(row.create_time),
+        sha256=row.sha256,
+    )
+    if row.expire_time is not None:
+        out.expire_time.CopyFrom(_timestamp(row.expire_time))
+    return out
+
+
+class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
+    def __init__(self, domain: EnvironmentDomain, file_store: FileStore) -> None:
+        self._domain = domain
+        self._files = file_store
+
+    async def CreateEnvironment(
+        self, request: pb.CreateEnvironmentRequest, context: _Context
+    ) -> pb.CreateEnvironmentResponse:
+        row, binding = await self._domain.create_environment(
+            current_org(), request.config, list(request.vault_ids), request.owner_session_id
+        )
+        response = pb.CreateEnvironmentResponse(environment=environment_to_proto(row))
+        if binding is not None:
+            response.binding.CopyFrom(_binding(binding))
+        return response
+
+    async def GetEnvironment(self, request: pb.GetEnvironmentRequest, context: _Context) -> pb.GetEnvironmentResponse:
+        row = await self._domain.get_environment(current_org(), request.environment_id)
+        return pb.GetEnvironmentResponse(environment=environment_to_proto(row))
+
+    async def ListEnvironments(self, request: pb.ListEnvironmentsRequest, context: _Context) -> pb.ListEnvironmentsResponse:
+        rows, has_more = await self._domain.list_environments(
+            current_org(), page_size=request.page_size, after=request.after, order=request.order
+        )
+        return pb.ListEnvironmentsResponse(environments=[environment_to_proto(r) for r in rows], has_more=has_more)
+
+    async def DeleteEnvironment(
+        self, request: pb.DeleteEnvironmentRequest, context: _Context
+    ) -> pb.DeleteEnvironmentResponse:
+        await self._domain.delete_environment(current_org(), request.environment_id)
+        return pb.DeleteEnvironmentResponse(environment_id=request.environment_id)
+
+    async def AttachSession(self, request: pb.AttachSessionRequest, context: _Context) -> pb.AttachSessionResponse:
+        row, binding = await self._domain.attach_session(current_org(), request.environment_id, request.session_id)
+        return pb.AttachSessionResponse(environment=environment_to_proto(row), binding=_binding(binding))
+
+    async def DetachSession(self, request: pb.DetachSessionRequest, context: _Context) -> pb.DetachSessionResponse:
+        deleted = await self._domain.detach_session(current_org(), request.environment_id, request.session_id)
+        return pb.DetachSessionResponse(environment_deleted=deleted)
+
+    async def GetBinding(self, request: pb.GetBindingRequest, context: _Context) -> pb.GetBindingResponse:
+        binding = await self._domain.get_binding(current_org(), request.environment_id, request.session_id)
+        return pb.GetBindingResponse(binding=_binding(binding))
+
+    async def EnsureEnvironmentReady(
+        self, request: pb.EnsureEnvironmentReadyRequest, context: _Context
+    ) -> pb.EnsureEnvironmentReadyResponse:
+        row = await self._domain.ensure_ready(current_org(), request.environment_id)
+        return pb.EnsureEnvironmentReadyResponse(environment=environment_to_proto(row))
+
+    async def ExecCommand(self, request: pb.ExecCommandRequest, context: _Context) -> AsyncIterator[pb.ExecCommandResponse]:
+        events = self._domain.exec_command(
+            current_org(),
+            request.environment_id,
+            session_id=request.session_id,
+            argv=list(request.argv),
+            shell=request.shell,
+            cwd=request.cwd,
+            env=dict(request.env),
+            timeout_ms=request.timeout_ms,
+        )
+        async for event in events:
+            if isinstance(event, common_pb2.ExitStatus):
+                yield pb.ExecCommandResponse(exit=event)
+            else:
+                yield pb.ExecCommandResponse(chunk=event)
+
+    async def ReadWorkspaceFile(
+        self, request: pb.ReadWorkspaceFileRequest, context: _Context
+    ) -> AsyncIterator[pb.ReadWorkspaceFileResponse]:
+        async for data, size in self._domain.read_workspace_file(current_org(), request.environment_id, request.path):
+            yield pb.ReadWorkspaceFileResponse(data=data, size_bytes=size)
+
+    async def WriteWorkspaceFile(
+        self, request: pb.WriteWorkspaceFileRequest, context: _Context
+    ) -> pb.WriteWorkspaceFileResponse:
+        entry = await self._domain.write_workspace_file(current_org(), request.environment_id, request.path, request.data)
+        return pb.WriteWorkspaceFileResponse(entry=entry)
+
+    async def ListWorkspaceFiles(
+        self, request: pb.ListWorkspaceFilesRequest, context: _Context
+    ) -> pb.ListWorkspaceFilesResponse:
+        entries = await self._domain.list_workspace_files(
+            current_org(), request.environment_id, request.path, recursive=request.recursive
+        )
+        return pb.ListWorkspaceFilesResponse(entries=entries)
+
+    async def ListSessionOutputs(
+        self, request: pb.ListSessionOutputsRequest, context: _Context
+    ) -> pb.ListSessionOutputsResponse:
+        output_dir, entries = await self._domain.list_session_outputs(
+            current_org(), request.environment_id, request.session_id
+        )
+        return pb.ListSessionOutputsResponse(output_dir=output_dir, entries=entries)
+
+    async def CreateEnvironmentFile(
+        self, request: pb.CreateEnvironmentFileRequest, context: _Context
+    ) -> pb.CreateEnvironmentFileResponse:
+        source = request.WhichOneof("source")
+        row = await self._domain.create_environment_file(
+            current_org(),
+            request.environment_id,
+            request.path,
+            data=request.data if source == "data" else None,
+            file_id=request.file_id if source == "file_id" else None,
+        )
+        return pb.CreateEnvironmentFileResponse(file=_registered(row))
+
+    async def ListEnvironmentFiles(
+        self, request: pb.ListEnvironmentFilesRequest, context: _Context
+    ) -> pb.ListEnvironmentFilesResponse:
+        files, token = await self._domain.list_environment_files(
+            current_org(),
+            request.environment_id,
+            path=request.path,
+            order=request.order,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return pb.ListEnvironmentFilesResponse(files=[_registered(f) for f in files], next_page_token=token)
+
+    async def CreateStoredFile(self, request: pb.CreateStoredFileRequest, context: _Context) -> pb.CreateStoredFileResponse:
+        row = await self._files.create(
+            current_org(),
+            filename=request.filename,
+            purpose=request.purpose,
+            data=request.data,
+            expires_after_s=request.expires_after_s,
+        )
+        return pb.CreateStoredFileResponse(file=_stored(row))
+
+    async def GetStoredFile(self, request: pb.GetStoredFileRequest, context: _Context) -> pb.GetStoredFileResponse:
+        return pb.GetStoredFileResponse(file=_stored(await self._files.get(current_org(), request.file_id)))
+
+    async def GetStoredFileContent(
+        self, request: pb.GetStoredFileContentRequest, context: _Context
+    ) -> AsyncIterator[pb.GetStoredFileContentResponse]:
+        async for chunk in self._files.chunks(current_org(), request.file_id):
+            yield pb.GetStoredFileContentResponse(data=chunk)
+
+    async def DeleteStoredFile(self, request: pb.DeleteStoredFileRequest, context: _Context) -> pb.DeleteStoredFileResponse:
+        await self._files.delete(current_org(), request.file_id)
+        return pb.DeleteStoredFileResponse(file_id=request.file_id)
+
+    async def ListStoredFiles(self, request: pb.ListStoredFilesRequest, context: _Context) -> pb.ListStoredFilesResponse:
+        rows, has_more = await self._files.list(
+            current_org(), page_size=request.page_size, after=request.after, purpose=request.purpose
+        )
+        return pb.ListStoredFilesResponse(files=[_stored(r) for r in rows], has_more=has_more)

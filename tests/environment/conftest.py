@@ -1,0 +1,125 @@
+"""Fixtures for Environment service tests: databases (SQLite and
+PostgreSQL), the service on port 0 with the in-memory compute or the real
+Sandbox service."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from environment_fakes import FakeCompute
+from environment_helpers import ORGS, Cluster, EnvService, SandboxService, md
+
+from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from services.core.settings import Settings
+
+PG_SERVER = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _require_or_skip(what: str, flag: str, reason: str) -> None:
+    if os.environ.get(flag) == "1":
+        pytest.fail(f"{what} is required ({flag}=1) but unavailable: {reason}")
+    pytest.skip(f"{what} unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped at the end."""
+    import asyncpg
+
+    name = f"berth_test_{secrets.token_hex(4)}"
+
+    async def _admin(sql: str) -> None:
+        conn = await asyncpg.connect(PG_SERVER, timeout=3)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    def admin(sql: str) -> None:
+        # First requested from inside a running event loop: use a thread of its own.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, _admin(sql)).result()
+
+    try:
+        admin(f'CREATE DATABASE "{name}"')
+    except Exception as exc:  # unreachable server, authentication, ...
+        _require_or_skip("PostgreSQL", "BERTH_REQUIRE_POSTGRES", f"{PG_SERVER}: {exc!r}")
+    try:
+        yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The Environment service database, once on SQLite and once on PostgreSQL
+    (an empty schema per test)."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'environment.db'}"
+    import asyncpg
+
+    dsn: str = request.getfixturevalue("postgres_database")
+    conn = await asyncpg.connect(dsn, timeout=3)
+    try:
+        await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
+    finally:
+        await conn.close()
+    return dsn
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'environment.db'}"
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        for service in list(c.services):
+            await c.stop(service)
+
+
+@pytest.fixture
+def fake() -> FakeCompute:
+    return FakeCompute()
+
+
+@pytest.fixture
+async def env_service(cluster: Cluster, sqlite_url: str, fake: FakeCompute) -> EnvService:
+    """One Environment service on SQLite with the in-memory compute."""
+    return await cluster.start(sqlite_url, compute=fake)
+
+
+@pytest.fixture
+async def sandbox_service(tmp_path: Path) -> AsyncIterator[SandboxService]:
+    """The real Sandbox service on bubblewrap; its sandboxes are destroyed at teardown."""
+    if shutil.which("bwrap") is None:
+        _require_or_skip("bubblewrap", "BERTH_REQUIRE_BWRAP", "bwrap is not installed (apt-get install -y bubblewrap)")
+    from services.sandbox.server import start_sandbox_service
+
+    settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0)
+    handle = await start_sandbox_service(settings, address="127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(handle.address)
+    service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
+    try:
+        yield service
+    finally:
+        for org in ORGS:
+            listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
+            for sandbox in listed.sandboxes:
+                await service.stub.DestroySandbox(
+                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
+                )
+        await channel.close()
+        await handle.stop(0.2)

@@ -1,0 +1,148 @@
+"""Helpers shared by the Environment service tests (imported by module name,
+so it is unique across the suite)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
+from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.environment.compute import Compute
+from services.environment.server import start_environment_service
+
+ORGS = ("org_a", "org_b")
+EnvStub = environment_service_pb2_grpc.EnvironmentServiceStub
+
+
+def md(org: str = "org_a") -> tuple[tuple[str, str], ...]:
+    return (("x-berth-org", org),)
+
+
+def reason_of(exc: grpc.aio.AioRpcError) -> str:
+    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    if status is None:
+        return ""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return str(info.reason)
+    return ""
+
+
+async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
+    """Polls ``predicate`` until true; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s: {what}")
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class EnvService:
+    handle: ServiceHandle
+    channel: grpc.aio.Channel
+    stub: EnvStub
+    settings: Settings
+
+
+@dataclass
+class Cluster:
+    """Started Environment service instances, stopped at teardown."""
+
+    tmp_path: Path
+    services: list[EnvService] = field(default_factory=list)
+
+    async def start(
+        self, database_url: str, *, compute: Compute | None = None, sandbox_addr: str = "127.0.0.1:1", **overrides: Any
+    ) -> EnvService:
+        settings = Settings(
+            data_dir=self.tmp_path / "berth",
+            environment_database_url=database_url,
+            sandbox_addr=sandbox_addr,
+            rpc_timeout_s=10,
+            **overrides,
+        )
+        handle = await start_environment_service(settings, address="127.0.0.1:0", compute=compute)
+        channel = grpc.aio.insecure_channel(handle.address)
+        service = EnvService(handle, channel, environment_service_pb2_grpc.EnvironmentServiceStub(channel), settings)
+        self.services.append(service)
+        return service
+
+    async def stop(self, service: EnvService) -> None:
+        if service in self.services:
+            self.services.remove(service)
+            await service.channel.close()
+            await service.handle.stop(0.2)
+
+
+@dataclass
+class SandboxService:
+    handle: ServiceHandle
+    channel: grpc.aio.Channel
+    stub: sandbox_service_pb2_grpc.SandboxServiceStub
+
+    @property
+    def address(self) -> str:
+        return self.handle.address
+
+    async def read(self, sandbox_id: str, path: str, org: str = "org_a") -> bytes:
+        data = b""
+        request = sandbox_service_pb2.ReadFileRequest(sandbox_id=sandbox_id, path=path)
+        async for chunk in self.stub.ReadFile(request, metadata=md(org)):
+            data += chunk.data
+        return data
+
+
+async def create_env(stub: EnvStub, org: str = "org_a", **kwargs: Any) -> pb.CreateEnvironmentResponse:
+    config = kwargs.pop("config", None) or environment_pb2.EnvironmentConfig()
+    response: pb.CreateEnvironmentResponse = await stub.CreateEnvironment(
+        pb.CreateEnvironmentRequest(config=config, **kwargs), metadata=md(org)
+    )
+    return response
+
+
+async def get_env(stub: EnvStub, environment_id: str, org: str = "org_a") -> environment_pb2.Environment:
+    response = await stub.GetEnvironment(pb.GetEnvironmentRequest(environment_id=environment_id), metadata=md(org))
+    return response.environment
+
+
+async def ensure(stub: EnvStub, environment_id: str, org: str = "org_a") -> environment_pb2.Environment:
+    response = await stub.EnsureEnvironmentReady(pb.EnsureEnvironmentReadyRequest(environment_id=environment_id), metadata=md(org))
+    return response.environment
+
+
+async def run_command(stub: EnvStub, environment_id: str, shell: str, *, session_id: str = "", org: str = "org_a") -> tuple[int, bytes]:
+    out, code = b"", None
+    request = pb.ExecCommandRequest(environment_id=environment_id, session_id=session_id, shell=shell)
+    async for message in stub.ExecCommand(request, metadata=md(org)):
+        if message.HasField("chunk"):
+            out += message.chunk.data
+        else:
+            code = message.exit.exit_code
+    assert code is not None
+    return code, out
+
+
+def setup_config(*commands: str, **kwargs: Any) -> environment_pb2.EnvironmentConfig:
+    return environment_pb2.EnvironmentConfig(
+        setup_commands=[environment_pb2.SetupCommand(command=c) for c in commands], **kwargs
+    )
