@@ -1,0 +1,299 @@
+"""Contract messages -> Agents API wire JSON.
+
+Shapes follow the SDK models field by field (docs/wire-contract.md); every
+required field is present. Berth-only fields (``lifetime``,
+``session_count``, ``error``...) are additive. Setup command bodies and
+inline file or archive bytes are never rendered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2
+from berth.session.v1 import session_pb2
+
+__all__ = [
+    "seconds",
+    "environment_status",
+    "environment_info",
+    "hosted_environment",
+    "environment_file",
+    "registered_file",
+    "stored_file",
+    "agent",
+    "session",
+    "artifact",
+    "deleted",
+    "cursor_page",
+    "json_or",
+]
+
+T = TypeVar("T")
+
+_ENV_STATUS = {
+    environment_pb2.ENVIRONMENT_STATUS_PENDING: "pending",
+    # Setup in progress is still "pending" on the wire: the SDK has no
+    # initializing state.
+    environment_pb2.ENVIRONMENT_STATUS_INITIALIZING: "pending",
+    environment_pb2.ENVIRONMENT_STATUS_READY: "ready",
+    environment_pb2.ENVIRONMENT_STATUS_FAILED: "failed",
+}
+_LIFETIME = {environment_pb2.LIFETIME_PRIVATE: "private", environment_pb2.LIFETIME_SHARED: "shared"}
+_NETWORK = {
+    common_pb2.NETWORK_ACCESS_ENABLED: "enabled",
+    common_pb2.NETWORK_ACCESS_DISABLED: "disabled",
+    common_pb2.NETWORK_ACCESS_RESTRICTED: "restricted",
+}
+_SESSION_STATUS = {
+    session_pb2.SESSION_STATUS_IDLE: "idle",
+    session_pb2.SESSION_STATUS_IN_PROGRESS: "in_progress",
+    session_pb2.SESSION_STATUS_REQUIRES_ACTION: "requires_action",
+    session_pb2.SESSION_STATUS_FAILED: "failed",
+}
+_CONTAINER_SIZES = frozenset({"small", "medium", "large"})
+
+_AGENT_DEFAULTS: dict[str, Callable[[], Any]] = {
+    "multi_agent": lambda: {"enabled": False},
+    "reasoning": lambda: {"effort": None, "summary": None},
+    "service_tier": lambda: "auto",
+    "text": lambda: {"format": {"type": "text"}, "verbosity": "medium"},
+    "tools": list,
+}
+
+
+def seconds(ts: Timestamp) -> int:
+    return int(ts.seconds)
+
+
+def json_or(text: str, default: T) -> Any | T:
+    """Parses service-produced JSON; empty means ``default``."""
+    if not text:
+        return default
+    return json.loads(text)
+
+
+def environment_status(env: environment_pb2.Environment) -> str:
+    return _ENV_STATUS.get(env.status, "pending")
+
+
+def _files(env: environment_pb2.Environment) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for f in env.config.files:
+        size = f.size_bytes or len(f.data)
+        if f.WhichOneof("source") == "file_id":
+            out.append({"type": "file_id", "id": f.id, "file_id": f.file_id, "path": f.path, "size_bytes": size})
+        else:
+            out.append({"type": "inline", "id": f.id, "path": f.path, "size_bytes": size})
+    return out
+
+
+def _skills(skills_json: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for skill in json_or(skills_json, []):
+        if skill.get("type") == "skill_reference":
+            skill_id = str(skill.get("skill_id", ""))
+            out.append(
+                {
+                    "type": "skill_reference",
+                    "skill_id": skill_id,
+                    "version": str(skill.get("version") or "latest"),
+                    "name": str(skill.get("name") or skill_id),
+                    "description": str(skill.get("description") or ""),
+                }
+            )
+        else:
+            out.append(
+                {"type": "inline", "name": str(skill.get("name", "")), "description": str(skill.get("description", ""))}
+            )
+    return out
+
+
+def _plugins(plugins_json: str) -> list[dict[str, Any]]:
+    return [
+        {"type": "inline", "name": str(p.get("name", "")), "description": str(p.get("description", ""))}
+        for p in json_or(plugins_json, [])
+    ]
+
+
+def _network(policy: common_pb2.NetworkPolicy) -> dict[str, Any]:
+    return {
+        "access": _NETWORK.get(policy.access, "enabled"),
+        "allowed_domains": list(policy.allowed_domains),
+        "blocked_domains": list(policy.blocked_domains),
+    }
+
+
+def _packages(packages: environment_pb2.Packages) -> dict[str, list[str]]:
+    return {"npm": list(packages.npm), "python": list(packages.python), "system": list(packages.system)}
+
+
+def _error(env: environment_pb2.Environment) -> dict[str, str] | None:
+    if not env.HasField("error") or not (env.error.code or env.error.message):
+        return None
+    return {"code": env.error.code, "message": env.error.message}
+
+
+def _berth_fields(env: environment_pb2.Environment) -> dict[str, Any]:
+    """Fields shared by both environment shapes, beyond what the SDK requires."""
+    cfg = env.config
+    return {
+        "capability_directories": list(cfg.capability_directories),
+        "network": _network(cfg.network),
+        "packages": _packages(cfg.packages),
+        "container_size": cfg.container_size if cfg.container_size in _CONTAINER_SIZES else None,
+        "lifetime": _LIFETIME.get(env.lifetime, "private"),
+        "session_count": int(env.session_count),
+        "error": _error(env),
+        "created_at": seconds(env.create_time),
+    }
+
+
+def environment_info(env: environment_pb2.Environment) -> dict[str, Any]:
+    """``EnvironmentInfo`` (object ``agent.environment``)."""
+    return {
+        "id": env.id,
+        "object": "agent.environment",
+        "type": "openai_hosted",
+        "status": environment_status(env),
+        "files": _files(env),
+        "skills": _skills(env.config.skills_json),
+        "plugins": _plugins(env.config.plugins_json),
+        "vault_ids": list(env.vault_ids),
+        **_berth_fields(env),
+    }
+
+
+def hosted_environment(env: environment_pb2.Environment) -> dict[str, Any]:
+    """``EnvironmentResourceOpenAIHosted``: a session's ``environment``."""
+    return {
+        "type": "openai_hosted",
+        "id": env.id,
+        "files": _files(env),
+        "skills": _skills(env.config.skills_json),
+        "plugins": _plugins(env.config.plugins_json),
+        "status": environment_status(env),
+        **_berth_fields(env),
+    }
+
+
+def environment_file(env_id: str, path: str, size_bytes: int, **extra: Any) -> dict[str, Any]:
+    """``EnvironmentFile`` (object ``agent.environment.file``)."""
+    return {"object": "agent.environment.file", "environment_id": env_id, "path": path, "size_bytes": size_bytes, **extra}
+
+
+def registered_file(f: environment_pb2.RegisteredFile) -> dict[str, Any]:
+    extra: dict[str, Any] = {"id": f.id, "type": f.source or "inline"}
+    if f.file_id:
+        extra["file_id"] = f.file_id
+    return environment_file(f.environment_id, f.path, int(f.size_bytes), **extra)
+
+
+def stored_file(f: environment_pb2.StoredFile) -> dict[str, Any]:
+    """``FileObject`` (object ``file``)."""
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": int(f.size_bytes),
+        "created_at": seconds(f.create_time),
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "expires_at": seconds(f.expire_time) if f.HasField("expire_time") else None,
+        "status_details": None,
+    }
+
+
+def _with_agent_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    for key, default in _AGENT_DEFAULTS.items():
+        if config.get(key) is None:
+            config[key] = default()
+    return config
+
+
+def agent(a: session_pb2.Agent) -> dict[str, Any]:
+    """A saved ``Agent`` (object ``agent``): the service's config plus identity."""
+    config = _with_agent_defaults(dict(json_or(a.config_json, {})))
+    config.update(
+        {
+            "id": a.id,
+            "object": "agent",
+            "created_at": seconds(a.create_time),
+            "updated_at": seconds(a.update_time) or seconds(a.create_time),
+            "metadata": dict(a.metadata) if a.metadata else dict(config.get("metadata") or {}),
+            "name": a.name or config.get("name"),
+        }
+    )
+    config.setdefault("instructions", None)
+    return config
+
+
+def session(s: session_pb2.Session, environment: environment_pb2.Environment | None = None) -> dict[str, Any]:
+    """``AgentSession`` (object ``agent.session``). ``environment`` overrides
+    the embedded one (when the service did not embed it)."""
+    snapshot = _with_agent_defaults(dict(json_or(s.agent_json, {})))
+    snapshot.setdefault("id", s.agent_id)
+    snapshot.pop("object", None)
+    if s.environment_kind == session_pb2.ENVIRONMENT_KIND_HOSTED:
+        env = environment if environment is not None else s.environment
+        if not env.id:
+            env = environment_pb2.Environment(id=s.environment_id)
+        rendered_env: dict[str, Any] = hosted_environment(env)
+    else:
+        rendered_env = {"type": "none"}
+    created = seconds(s.create_time)
+    return {
+        "id": s.id,
+        "object": "agent.session",
+        "agent": snapshot,
+        "created_at": created,
+        "last_active_at": seconds(s.last_active_time) or created,
+        "environment": rendered_env,
+        "error": s.error or None,
+        "metadata": dict(s.metadata),
+        "required_actions": json_or(s.required_actions_json, []),
+        "status": _SESSION_STATUS.get(s.status, "idle"),
+        "usage": json_or(s.usage_json, None),
+        "vault_ids": list(s.vault_ids),
+    }
+
+
+def artifact(a: session_pb2.Artifact) -> dict[str, Any]:
+    """``SessionArtifact`` (object ``agent.session.artifact``)."""
+    return {
+        "id": a.id,
+        "object": "agent.session.artifact",
+        "created_at": seconds(a.create_time),
+        "environment_id": a.environment_id,
+        "path": a.path,
+        "session_id": a.session_id,
+        "size_bytes": int(a.size_bytes),
+        "turn_id": a.turn_id,
+    }
+
+
+def deleted(object_id: str, object_type: str) -> dict[str, Any]:
+    return {"id": object_id, "object": object_type, "deleted": True}
+
+
+def cursor_page(data: Sequence[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """The cursor page every list but environment files uses."""
+    return {
+        "object": "list",
+        "data": list(data),
+        "first_id": data[0].get("id") if data else None,
+        "last_id": data[-1].get("id") if data else None,
+        "has_more": has_more,
+    }
+
+
+def json_items(texts: Iterable[str]) -> list[dict[str, Any]]:
+    return [json.loads(t) for t in texts]
+
+
+__all__ += ["json_items"]

@@ -1,0 +1,193 @@
+"""Environments (``/v1/agents/environments``) and their live files.
+
+Create and delete are Rebyte extensions; retrieve, list and the files
+routes are the SDK's. Creation records configuration only and returns 201
+with status ``pending``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import Query, Request
+from fastapi.responses import Response
+
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2 as env_pb
+from berth.environment.v1 import environment_service_pb2 as pb
+from gateway import render
+from gateway.errors import ApiError
+from gateway.idempotency import IdempotencyDep
+from gateway.routes._common import v1_router, json_response, read_json, require_id
+from gateway.state import EnvironmentStubDep
+from gateway.validation import (
+    EnvironmentCreateBody,
+    EnvironmentFileCreateBody,
+    FileIdFile,
+    HostedEnvironmentConfig,
+    InlineFile,
+    decode_base64,
+    validate_body,
+    workspace_dir,
+)
+
+__all__ = ["router", "environment_config", "check_supported_config"]
+
+router = v1_router()
+
+_ACCESS = {
+    "enabled": common_pb2.NETWORK_ACCESS_ENABLED,
+    "disabled": common_pb2.NETWORK_ACCESS_DISABLED,
+    "restricted": common_pb2.NETWORK_ACCESS_RESTRICTED,
+}
+
+
+def check_supported_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
+    """SDK fields Berth does not implement are rejected, not silently ignored."""
+    if config.environment_template_id is not None:
+        raise ApiError(
+            400,
+            "validation_error",
+            "Environment templates are not supported.",
+            param=f"{param_prefix}.environment_template_id",
+        )
+    if config.desktop is not None and config.desktop.enabled:
+        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
+    network = config.network
+    if network is not None and network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
+        raise ApiError(
+            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
+        )
+
+
+def environment_config(config: HostedEnvironmentConfig, raw: dict[str, Any]) -> env_pb.EnvironmentConfig:
+    """The validated body as the contract's EnvironmentConfig. Skills and
+    plugins travel as the JSON the API received (archives included)."""
+    files: list[env_pb.InitialFile] = []
+    for f in config.files or []:
+        if isinstance(f, InlineFile):
+            files.append(env_pb.InitialFile(path=f.path, data=decode_base64(f.data)))
+        else:
+            assert isinstance(f, FileIdFile)
+            files.append(env_pb.InitialFile(path=f.path, file_id=f.file_id))
+    network = config.network
+    packages = config.packages
+    return env_pb.EnvironmentConfig(
+        files=files,
+        env=config.env or {},
+        packages=env_pb.Packages(
+            python=(packages.python or []) if packages else [],
+            npm=(packages.npm or []) if packages else [],
+            system=(packages.system or []) if packages else [],
+        ),
+        setup_commands=[env_pb.SetupCommand(command=c.command, cwd=c.cwd or "") for c in config.setup_commands or []],
+        network=common_pb2.NetworkPolicy(
+            access=_ACCESS[network.access] if network else common_pb2.NETWORK_ACCESS_UNSPECIFIED,
+            allowed_domains=(network.allowed_domains or []) if network else [],
+            blocked_domains=(network.blocked_domains or []) if network else [],
+        ),
+        skills_json=json.dumps(raw.get("skills") or []),
+        plugins_json=json.dumps(raw.get("plugins") or []),
+        capability_directories=config.capability_directories or [],
+        container_size=config.container_size or "",
+    )
+
+
+@router.post("/agents/environments")
+async def create_environment(request: Request, stub: EnvironmentStubDep, idempotency: IdempotencyDep) -> Response:
+    body = await read_json(request)
+    parsed = validate_body(EnvironmentCreateBody, body.data)
+    check_supported_config(parsed.environment, "environment")
+    config = environment_config(parsed.environment, body.data["environment"])
+    async with idempotency.begin(body.hash) as idem:
+        if idem.replay is not None:
+            return idem.replay.to_response()
+        response = await stub.CreateEnvironment(
+            pb.CreateEnvironmentRequest(config=config, vault_ids=parsed.vault_ids or [])
+        )
+        content = render.environment_info(response.environment)
+        await idem.store(201, json.dumps(content))
+        return json_response(content, 201)
+
+
+@router.get("/agents/environments")
+async def list_environments(
+    stub: EnvironmentStubDep,
+    after: Annotated[str | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+    type: Annotated[Literal["openai_hosted"], Query()] = "openai_hosted",
+) -> dict[str, Any]:
+    response = await stub.ListEnvironments(pb.ListEnvironmentsRequest(page_size=limit, after=after or "", order=order))
+    return render.cursor_page([render.environment_info(e) for e in response.environments], response.has_more)
+
+
+@router.get("/agents/environments/{environment_id}")
+async def retrieve_environment(environment_id: str, stub: EnvironmentStubDep) -> dict[str, Any]:
+    response = await stub.GetEnvironment(pb.GetEnvironmentRequest(environment_id=require_id(environment_id, "env")))
+    return render.environment_info(response.environment)
+
+
+@router.delete("/agents/environments/{environment_id}")
+async def delete_environment(environment_id: str, stub: EnvironmentStubDep) -> dict[str, Any]:
+    response = await stub.DeleteEnvironment(
+        pb.DeleteEnvironmentRequest(environment_id=require_id(environment_id, "env"))
+    )
+    return render.deleted(response.environment_id or environment_id, "agent.environment.deleted")
+
+
+@router.post("/agents/environments/{environment_id}/files")
+async def create_environment_file(
+    environment_id: str, request: Request, stub: EnvironmentStubDep, idempotency: IdempotencyDep
+) -> Response:
+    require_id(environment_id, "env")
+    body = await read_json(request)
+    parsed = validate_body(EnvironmentFileCreateBody, body.data).root
+    if isinstance(parsed, InlineFile):
+        req = pb.CreateEnvironmentFileRequest(
+            environment_id=environment_id, path=parsed.path, data=decode_base64(parsed.data)
+        )
+    else:
+        req = pb.CreateEnvironmentFileRequest(environment_id=environment_id, path=parsed.path, file_id=parsed.file_id)
+    async with idempotency.begin(body.hash) as idem:
+        if idem.replay is not None:
+            return idem.replay.to_response()
+        response = await stub.CreateEnvironmentFile(req)
+        content = render.registered_file(response.file)
+        await idem.store(200, json.dumps(content))
+        return json_response(content)
+
+
+@router.get("/agents/environments/{environment_id}/files")
+async def list_environment_files(
+    environment_id: str,
+    stub: EnvironmentStubDep,
+    limit: Annotated[int | None, Query(ge=1, le=100)] = None,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+    page: Annotated[str | None, Query()] = None,
+    path: Annotated[str | None, Query()] = None,
+) -> dict[str, Any]:
+    require_id(environment_id, "env")
+    directory = ""
+    if path:
+        try:
+            directory = workspace_dir(path)
+        except ValueError as exc:
+            raise ApiError(400, "validation_error", str(exc), param="path") from exc
+    response = await stub.ListEnvironmentFiles(
+        pb.ListEnvironmentFilesRequest(
+            environment_id=environment_id,
+            path=directory,
+            order=order,
+            page_size=limit or 0,
+            page_token=page or "",
+        )
+    )
+    data = [render.registered_file(f) for f in response.files]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": bool(response.next_page_token),
+        "next": response.next_page_token or None,
+    }

@@ -1,0 +1,188 @@
+"""Server-sent events of a session's persisted event log.
+
+Framing. Each event is ``id: <sequence>\\nevent: <type>\\ndata: <event JSON>\\n\\n``;
+``Last-Event-ID: <sequence>`` resumes after that event. Keep-alives are one
+comment line, ``: ping\\n``, sent once ``sse_keepalive_s`` passed without
+anything sent (the service's own keep-alive messages count as a reason to
+send one, at most one per half interval). The comment deliberately has
+no blank line after it: the SDK's decoder (openai/_streaming.py) never
+resets the last event ID, so after any ``id:`` line a lone blank line would
+dispatch an empty event and make ``json.loads("")`` fail in the client. A
+comment line followed directly by the next event is valid SSE and is
+ignored by every decoder.
+
+When a stream ends (found in the SDK, lib/streaming/agents/_streams.py,
+lib/beta/agents/_stream.py and _result.py):
+
+* ``GET /v1/agents/sessions/{id}/events`` is a live subscription and never
+  ends on its own: ``sessions.stream()`` subscribes *before* submitting
+  input, treats ``agent.session.idle`` after its turn (or
+  ``agent.session.failed``) as the end and closes the connection itself, and
+  raises if the server closes first. Tool handlers answer
+  ``requires_action`` on the same connection, so that must not end it
+  either. It ends only when the client disconnects, the service ends the
+  stream (e.g. the session was deleted) or the gateway shuts down.
+* ``POST /v1/agents/sessions`` with ``"stream": true`` replays the new
+  session's log from its first event (``agent.session.created``) and ends
+  after the ``agent.session.idle`` that follows the initial turn's
+  ``turn.completed|failed|cancelled``, or after ``agent.session.failed`` —
+  the same boundary the SDK's result collector uses. A plain ``for event in
+  stream`` in the SDK reads until EOF, so the server must close here.
+* No ``data: [DONE]`` sentinel is sent: the SDK stops on it but treats a
+  clean close the same way, and raw clients would have to special-case it.
+
+A failure of the gRPC stream after the response started is reported as one
+``error`` event (``AgentSessionErrorEvent``), then the response ends.
+Closing the HTTP connection cancels only the gRPC stream, never the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
+from gateway.errors import map_rpc_error
+from services.core.ids import new_id
+from services.core.logging import get_logger
+
+__all__ = ["KEEPALIVE", "SSE_HEADERS", "format_event", "CreateStreamBoundary", "relay_session_events"]
+
+log = get_logger("berth.gateway.sse")
+
+KEEPALIVE = b": ping\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_TURN_END_TYPES = frozenset(
+    {"agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled"}
+)
+
+
+def format_event(sequence: int | None, event_type: str, data: str) -> bytes:
+    lines: list[str] = []
+    if sequence is not None:
+        lines.append(f"id: {sequence}")
+    if event_type:
+        lines.append(f"event: {event_type}")
+    # Multi-line JSON still frames correctly: one data line per line.
+    lines.extend(f"data: {line}" for line in (data.splitlines() or [""]))
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+@dataclass
+class CreateStreamBoundary:
+    """Decides when the ``stream: true`` creation response ends: at the idle
+    that follows the root turn's end, or at ``agent.session.failed``."""
+
+    root_turn_id: str = ""
+    turn_ended: bool = field(default=False, init=False)
+
+    def reached(self, event: session_pb2.SessionEvent) -> bool:
+        kind = event.type
+        if kind == "agent.session.failed":
+            return True
+        if kind == "agent.session.idle":
+            return self.turn_ended
+        if kind == "agent.session.turn.created" and not self.root_turn_id:
+            payload = _payload(event)
+            turn = payload.get("turn") or {}
+            if isinstance(turn, dict) and turn.get("subagent_id") is None:
+                self.root_turn_id = str(payload.get("turn_id") or turn.get("id") or "")
+        elif kind in _TURN_END_TYPES and self.root_turn_id:
+            if _payload(event).get("turn_id") == self.root_turn_id:
+                self.turn_ended = True
+        return False
+
+
+def _payload(event: session_pb2.SessionEvent) -> dict[str, object]:
+    try:
+        value = json.loads(event.event_json)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _error_event(session_id: str, exc: grpc.RpcError) -> bytes:
+    error = map_rpc_error(exc)
+    payload = {
+        "event_id": new_id("evt"),
+        "type": "error",
+        "session_id": session_id,
+        "error": {"type": error.type, "code": error.code, "message": error.message, "param": error.param},
+    }
+    return format_event(None, "error", json.dumps(payload))
+
+
+async def relay_session_events(
+    stub: session_service_pb2_grpc.SessionServiceStub,
+    session_id: str,
+    *,
+    after_sequence: int,
+    keepalive_s: float,
+    closing: asyncio.Event,
+    boundary: CreateStreamBoundary | None = None,
+) -> AsyncIterator[bytes]:
+    """SSE bytes for the session's events after ``after_sequence``, following
+    live ones, until the service ends the stream, ``boundary`` is reached or
+    ``closing`` is set. Cancelling the iterator cancels the gRPC call."""
+    call = stub.StreamSessionEvents(
+        session_service_pb2.StreamSessionEventsRequest(
+            session_id=session_id,
+            after_sequence=after_sequence,
+            follow=True,
+            keepalive_ms=int(keepalive_s * 1000),
+        )
+    )
+    loop = asyncio.get_running_loop()
+    closing_wait = asyncio.ensure_future(closing.wait())
+    pending: asyncio.Future[object] | None = None
+    last_sent = loop.time()
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(call.read())
+            idle_left = max(0.0, keepalive_s - (loop.time() - last_sent))
+            done, _ = await asyncio.wait({pending, closing_wait}, timeout=idle_left, return_when=asyncio.FIRST_COMPLETED)
+            if closing_wait in done and pending not in done:
+                return
+            if pending not in done:
+                # Idle: keep the connection (and proxies) alive; keep waiting
+                # on the same read, since cancelling it would cancel the call.
+                yield KEEPALIVE
+                last_sent = loop.time()
+                continue
+            read, pending = pending, None
+            try:
+                message = read.result()
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    log.warning("event_stream_failed", session_id=session_id, code=exc.code().name)
+                    yield _error_event(session_id, exc)
+                return
+            if message is grpc.aio.EOF:
+                return
+            assert isinstance(message, session_service_pb2.StreamSessionEventsResponse)
+            if message.WhichOneof("message") != "event":
+                # The service's keep-alive (it keeps proxies between us and it
+                # from idling the stream out); relayed unless we just sent one.
+                if loop.time() - last_sent >= keepalive_s / 2:
+                    yield KEEPALIVE
+                    last_sent = loop.time()
+                continue
+            event = message.event
+            yield format_event(event.sequence, event.type, event.event_json)
+            last_sent = loop.time()
+            if boundary is not None and boundary.reached(event):
+                return
+    finally:
+        closing_wait.cancel()
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        call.cancel()

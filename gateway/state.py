@@ -1,0 +1,80 @@
+"""What the lifespan owns (database, gRPC channels and stubs) and the typed
+dependencies that hand it to routes. Nothing here is a module global: the
+state hangs off ``app.state`` for the lifetime of one app."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import grpc
+from fastapi import Depends, Request
+from grpc_health.v1 import health_pb2_grpc
+
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
+from berth.session.v1 import session_service_pb2_grpc as session_grpc
+from services.core.db import Database
+from services.core.settings import Settings
+
+__all__ = [
+    "GatewayState",
+    "get_state",
+    "StateDep",
+    "SessionStubDep",
+    "EnvironmentStubDep",
+    "DatabaseDep",
+    "SettingsDep",
+]
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    db: Database
+    session: session_grpc.SessionServiceStub
+    environment: env_grpc.EnvironmentServiceStub
+    session_health: health_pb2_grpc.HealthStub
+    environment_health: health_pb2_grpc.HealthStub
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+    # Set when the server is stopping, so open event streams end promptly
+    # instead of holding the graceful shutdown.
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def close(self) -> None:
+        self.closing.set()
+        for channel in self.channels:
+            await channel.close()
+        await self.db.dispose()
+
+
+async def get_state(request: Request) -> GatewayState:
+    state = getattr(request.app.state, "berth", None)
+    if not isinstance(state, GatewayState):
+        raise RuntimeError("gateway state is not initialized (lifespan not running)")
+    return state
+
+
+StateDep = Annotated[GatewayState, Depends(get_state)]
+
+
+async def _session_stub(state: StateDep) -> session_grpc.SessionServiceStub:
+    return state.session
+
+
+async def _environment_stub(state: StateDep) -> env_grpc.EnvironmentServiceStub:
+    return state.environment
+
+
+async def _database(state: StateDep) -> Database:
+    return state.db
+
+
+async def _settings(state: StateDep) -> Settings:
+    return state.settings
+
+
+SessionStubDep = Annotated[session_grpc.SessionServiceStub, Depends(_session_stub)]
+EnvironmentStubDep = Annotated[env_grpc.EnvironmentServiceStub, Depends(_environment_stub)]
+DatabaseDep = Annotated[Database, Depends(_database)]
+SettingsDep = Annotated[Settings, Depends(_settings)]

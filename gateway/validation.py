@@ -1,0 +1,504 @@
+"""Request bodies, validated with models that mirror the SDK's params.
+
+Top-level bodies and environment configurations reject unknown fields, so a
+typo fails loudly; nested agent configuration (tools, text formats...) keeps
+unknown keys and is checked only for the fields we know. A failure is a 400
+``validation_error`` whose ``param`` is the dotted path of the first problem
+(``environment.files.0.path``); union tags never appear in it.
+
+Bodies are forwarded as the JSON the client sent (after validation), so an
+explicit ``null`` (clear) stays distinguishable from an absent key (keep).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping
+from posixpath import normpath
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError
+
+from gateway.errors import ApiError
+
+__all__ = [
+    "parse_json_body",
+    "validate_body",
+    "canonical_json",
+    "workspace_path",
+    "workspace_dir",
+    "decode_base64",
+    "AgentCreateBody",
+    "AgentUpdateBody",
+    "EnvironmentCreateBody",
+    "HostedEnvironmentConfig",
+    "SessionCreateBody",
+    "SessionUpdateBody",
+    "EventsCreateBody",
+    "EnvironmentFileCreateBody",
+    "InlineFile",
+    "FileIdFile",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+_MAX_METADATA_PAIRS = 16
+
+
+# --- scalar checks -------------------------------------------------------------------
+
+
+def workspace_path(value: str) -> str:
+    """An absolute, normalized POSIX path strictly under /workspace."""
+    if "\x00" in value or "\\" in value:
+        raise ValueError("path must not contain NUL or backslash characters")
+    if not value.startswith("/workspace/"):
+        raise ValueError("path must be an absolute path under /workspace")
+    parts = value.split("/")[2:]
+    if any(p in ("", ".", "..") for p in parts) or normpath(value) != value:
+        raise ValueError("path must not contain empty, '.' or '..' components")
+    return value
+
+
+def workspace_dir(value: str) -> str:
+    """Like workspace_path, but /workspace itself is allowed."""
+    if value.rstrip("/") == "/workspace":
+        return "/workspace"
+    return workspace_path(value.rstrip("/"))
+
+
+def decode_base64(value: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError("must be standard base64") from exc
+
+
+def _base64(value: str) -> str:
+    decode_base64(value)
+    return value
+
+
+def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if len(value) > _MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {_MAX_METADATA_PAIRS} metadata pairs are allowed")
+    for k, v in value.items():
+        if not 1 <= len(k) <= 64:
+            raise ValueError("metadata keys must be 1 to 64 characters")
+        if len(v) > 512:
+            raise ValueError("metadata values must be at most 512 characters")
+    return value
+
+
+WorkspacePath = Annotated[str, AfterValidator(workspace_path)]
+Base64Str = Annotated[str, AfterValidator(_base64)]
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
+ServiceTier = Literal["auto", "default", "flex", "priority", "fast", "ultrafast"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+# --- environments --------------------------------------------------------------------
+
+
+class InlineFile(_Strict):
+    type: Literal["inline"]
+    path: WorkspacePath
+    data: Base64Str
+
+
+class FileIdFile(_Strict):
+    type: Literal["file_id"]
+    path: WorkspacePath
+    file_id: str = Field(min_length=1)
+
+
+HostedFile = Annotated[InlineFile | FileIdFile, Field(discriminator="type")]
+
+
+class Network(_Strict):
+    access: Literal["enabled", "disabled", "restricted"]
+    allowed_domains: list[str] | None = None
+    blocked_domains: list[str] | None = None
+
+
+class Packages(_Strict):
+    npm: list[str] | None = None
+    python: list[str] | None = None
+    system: list[str] | None = None
+
+
+class SetupCommand(_Strict):
+    command: str = Field(min_length=1)
+    cwd: str | None = None
+
+
+class InlineSource(_Strict):
+    type: Literal["base64"]
+    media_type: Literal["application/zip"]
+    data: Base64Str
+
+
+class SkillReference(_Strict):
+    type: Literal["skill_reference"]
+    skill_id: str = Field(min_length=1)
+    version: str | None = None
+
+
+class InlineCapability(_Strict):
+    type: Literal["inline"]
+    name: str = Field(min_length=1)
+    description: str
+    source: InlineSource
+
+
+HostedSkill = Annotated[SkillReference | InlineCapability, Field(discriminator="type")]
+
+
+class Desktop(_Strict):
+    enabled: bool
+
+
+class HostedEnvironmentConfig(_Strict):
+    """``{"type": "openai_hosted", ...}`` as configuration (no environment_id)."""
+
+    type: Literal["openai_hosted"]
+    capability_directories: list[str] | None = None
+    container_size: Literal["small", "medium", "large"] | None = None
+    desktop: Desktop | None = None
+    env: dict[str, str] | None = None
+    environment_template_id: str | None = None
+    files: list[HostedFile] | None = None
+    network: Network | None = None
+    packages: Packages | None = None
+    plugins: list[InlineCapability] | None = None
+    setup_commands: list[SetupCommand] | None = None
+    skills: list[HostedSkill] | None = None
+
+
+class EnvironmentCreateBody(_Strict):
+    environment: HostedEnvironmentConfig
+    vault_ids: list[str] | None = Field(default=None, max_length=10)
+
+
+class SessionHostedEnvironment(HostedEnvironmentConfig):
+    """In a session, openai_hosted may instead name an existing environment."""
+
+    environment_id: str | None = None
+
+
+class NoEnvironment(_Strict):
+    type: Literal["none"]
+
+
+class ReferenceEnvironment(_Strict):
+    """Rebyte extension: share an existing environment. Only these two keys."""
+
+    type: Literal["reference"]
+    environment_id: str = Field(min_length=1)
+
+
+class SelfHostedEnvironment(_Strict):
+    type: Literal["self_hosted"]
+    workspace_directory: str
+    capability_directories: list[str] | None = None
+
+
+SessionEnvironment = Annotated[
+    NoEnvironment | SessionHostedEnvironment | ReferenceEnvironment | SelfHostedEnvironment,
+    Field(discriminator="type"),
+]
+
+
+# --- agents ----------------------------------------------------------------------------
+
+
+class FunctionTool(_Open):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str
+    parameters: dict[str, Any]
+    defer_loading: bool | None = None
+    async_: bool | None = Field(default=None, alias="async")
+
+
+class McpHttpTransport(_Open):
+    type: Literal["http"]
+    server_url: str = Field(min_length=1)
+    headers: dict[str, str] | None = None
+    authorization: str | None = None
+
+
+class McpStdioTransport(_Open):
+    type: Literal["stdio"]
+    command: str = Field(min_length=1)
+    cwd: str | None = None
+    args: list[str] | None = None
+    env: dict[str, str] | None = None
+    env_vars: list[str] | None = None
+
+
+class McpTool(_Open):
+    type: Literal["mcp"]
+    server_label: str = Field(min_length=1)
+    transport: Annotated[McpHttpTransport | McpStdioTransport, Field(discriminator="type")]
+    allowed_tools: list[str] | None = None
+    connection_origin: Literal["service", "environment"] | None = None
+    credential_id: str | None = None
+    request_metadata: dict[str, Any] | None = None
+    required: bool | None = None
+
+
+class WebSearchTool(_Open):
+    type: Literal["web_search"]
+    allowed_domains: list[str] | None = None
+    context_size: Literal["low", "medium", "high"] | None = None
+    mode: Literal["disabled", "cached", "live"] | None = None
+
+
+class ComputerUseTool(_Open):
+    type: Literal["computer_use"]
+    include_screenshots: bool | None = None
+
+
+class ProgrammaticToolCallingTool(_Open):
+    type: Literal["programmatic_tool_calling"]
+    enabled: bool | None = None
+
+
+class ToolSearchTool(_Open):
+    type: Literal["tool_search"]
+
+
+class AutomationsTool(_Open):
+    type: Literal["automations"]
+
+
+Tool = Annotated[
+    FunctionTool
+    | McpTool
+    | WebSearchTool
+    | ComputerUseTool
+    | ProgrammaticToolCallingTool
+    | ToolSearchTool
+    | AutomationsTool,
+    Field(discriminator="type"),
+]
+
+
+class MultiAgent(_Open):
+    enabled: bool
+    max_concurrent_subagents: int | None = Field(default=None, ge=1)
+
+
+class Reasoning(_Open):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["concise", "detailed", "auto"] | None = None
+
+
+class TextFormatText(_Open):
+    type: Literal["text"]
+
+
+class TextFormatJsonSchema(_Open):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class Text(_Open):
+    format: Annotated[TextFormatText | TextFormatJsonSchema, Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class Compaction(_Open):
+    async_: bool | None = Field(default=None, alias="async")
+
+
+class Experimental(_Open):
+    time_awareness: bool | None = None
+
+
+class _AgentConfig(_Strict):
+    instructions: str | None = None
+    multi_agent: MultiAgent | None = None
+    reasoning: Reasoning | None = None
+    service_tier: ServiceTier | None = None
+    text: Text | None = None
+    tools: list[Tool] | None = None
+    compaction: Compaction | None = None
+    experimental: Experimental | None = None
+
+
+class AgentCreateBody(_AgentConfig):
+    model: str = Field(min_length=1)
+    name: str | None = None
+    metadata: Metadata = None
+
+
+class AgentUpdateBody(_AgentConfig):
+    model: str | None = Field(default=None, min_length=1)
+    name: str | None = None
+    metadata: Metadata = None
+
+
+class InlineAgent(_AgentConfig):
+    model: str | None = Field(default=None, min_length=1)
+
+
+# --- sessions and input ------------------------------------------------------------------
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class InputImage(_Strict):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+
+
+InputContent = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
+class InputMessage(_Strict):
+    role: Literal["user"]
+    content: list[InputContent] = Field(min_length=1)
+    type: Literal["message"] | None = None
+
+
+class PromptCacheOptions(_Strict):
+    ttl: Literal["30m", "12h"] | None = None
+
+
+class StreamOptions(_Strict):
+    include_obfuscation: bool | None = None
+
+
+class SessionCreateBody(_Strict):
+    environment: SessionEnvironment
+    agent: InlineAgent | None = None
+    agent_id: str | None = None
+    input: str | list[InputMessage] | None = None
+    metadata: Metadata = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    review: Literal["none", "auto_review"] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    vault_ids: list[str] | None = None
+
+
+class SessionAgentUpdate(_Strict):
+    model: str | None = Field(default=None, min_length=1)
+    reasoning: Reasoning | None = None
+    service_tier: ServiceTier | None = None
+    tools: list[Tool] | None = None
+
+
+class SessionUpdateBody(_Strict):
+    agent: SessionAgentUpdate | None = None
+    metadata: Metadata = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    review: Literal["none", "auto_review"] | None = None
+
+
+class InputMessageEvent(_Strict):
+    type: Literal["agent.session.input.message"]
+    input: list[InputMessage] = Field(min_length=1)
+
+
+class InputCancelEvent(_Strict):
+    type: Literal["agent.session.input.cancel"]
+
+
+class InputToolResultEvent(_Strict):
+    type: Literal["agent.session.input.tool_result"]
+    turn_id: str = Field(min_length=1)
+    call_id: str = Field(min_length=1)
+    success: bool
+    output: str | list[InputContent] | None = None
+    error: str | None = None
+
+
+InputEvent = Annotated[InputMessageEvent | InputCancelEvent | InputToolResultEvent, Field(discriminator="type")]
+
+
+class EventsCreateBody(_Strict):
+    events: list[InputEvent] = Field(min_length=1)
+
+
+class EnvironmentFileCreateBody(RootModel[HostedFile]):
+    """The files API body is the file object itself: ``{type, path, data | file_id}``."""
+
+
+# --- parsing ----------------------------------------------------------------------------
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The body as JSON; an empty body is ``{}``. Malformed JSON is a 400."""
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(
+            400, "invalid_json", f"We could not parse the JSON body of your request: {exc}", param=None
+        ) from exc
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _param(error: Mapping[str, Any], data: Any) -> str | None:
+    """The dotted path of an error, walking the input so union tags and
+    type names that pydantic puts in ``loc`` are skipped."""
+    loc = list(error.get("loc", ()))
+    parts: list[str] = []
+    cur: Any = data
+    for i, seg in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(cur, list) and isinstance(seg, int):
+            parts.append(str(seg))
+            cur = cur[seg] if 0 <= seg < len(cur) else None
+        elif isinstance(cur, dict) and isinstance(seg, str) and (seg in cur or last and error.get("type") == "missing"):
+            parts.append(seg)
+            cur = cur.get(seg)
+        elif isinstance(cur, dict) and isinstance(seg, str) and last and error.get("type") == "extra_forbidden":
+            parts.append(seg)
+        # Otherwise the segment names a union member, not input: skip it.
+    if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+        parts.append("type")
+    return ".".join(parts) or None
+
+
+def validate_body(model: type[M], data: Any) -> M:
+    """Validates parsed JSON against ``model``; the first error becomes the 400."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "validation_error", "The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        # With unions pydantic reports every member's failure; the deepest
+        # location is the one that names what the caller got wrong.
+        first = max(exc.errors(include_url=False), key=lambda e: len(e.get("loc", ())))
+        param = _param(first, data)
+        message = first.get("msg", "invalid value")
+        if first.get("type") == "extra_forbidden":
+            message = "Unknown parameter."
+        raise ApiError(
+            400,
+            "validation_error",
+            f"Invalid '{param}': {message}" if param else str(message),
+            param=param,
+        ) from exc
