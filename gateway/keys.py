@@ -245,14 +245,17 @@ async def authenticate_key(db: Database, plaintext: str) -> AuthenticatedKey | N
         return None
     digest = hash_key(plaintext)
     now = time.time()
-    async with db.transaction() as s:
+    async with db.transaction(read_only=True) as s:
         row = (await s.execute(select(ApiKeyRow).where(ApiKeyRow.key_hash == digest))).scalar_one_or_none()
         if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
             return None
-        if row.last_used_at is None or row.last_used_at < now - _LAST_USED_RESOLUTION_S:
+        key = AuthenticatedKey(key_id=row.id, org_id=row.org_id, scopes=frozenset(json.loads(row.scopes_json)))
+        stale = row.last_used_at is None or row.last_used_at < now - _LAST_USED_RESOLUTION_S
+    if stale:
+        async with db.transaction() as s:
             await s.execute(
                 update(ApiKeyRow)
-                .where(ApiKeyRow.id == row.id, ApiKeyRow.revoked_at.is_(None))
+                .where(ApiKeyRow.id == key.key_id, ApiKeyRow.revoked_at.is_(None))
                 .values(last_used_at=now)
             )
-        return AuthenticatedKey(key_id=row.id, org_id=row.org_id, scopes=frozenset(json.loads(row.scopes_json)))
+    return key

@@ -45,8 +45,12 @@ def create_engine(url: str) -> AsyncEngine:
         @event.listens_for(engine.sync_engine, "begin")
         def _sqlite_begin(conn: Connection) -> None:
             # IMMEDIATE takes the write lock up front, so two writers queue on
-            # busy_timeout instead of failing with "database is locked" on upgrade.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # busy_timeout instead of failing with "database is locked" on
+            # upgrade. Read-only transactions stay deferred: WAL readers never block.
+            if conn.get_execution_options().get("berth_read_only"):
+                conn.exec_driver_sql("BEGIN")
+            else:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
@@ -83,14 +87,18 @@ class Database:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
+        self._read_sessions = async_sessionmaker(engine.execution_options(berth_read_only=True), expire_on_commit=False)
 
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncSession]:
-        async with self._sessions() as session, session.begin():
+    async def transaction(self, *, read_only: bool = False) -> AsyncIterator[AsyncSession]:
+        """One unit of work. ``read_only`` transactions must not write; on
+        SQLite they do not take the write lock."""
+        factory = self._read_sessions if read_only else self._sessions
+        async with factory() as session, session.begin():
             yield session
 
     async def dispose(self) -> None:

@@ -219,7 +219,7 @@ class EnvironmentDomain:
 
     async def get_environment(self, org_id: str, environment_id: str, *, with_config: bool = True) -> EnvironmentRow:
         _require_env_id(environment_id)
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             row = await repo.get_environment(s, environment_id, org_id, with_config=with_config)
         if row is None:
             raise _not_found(environment_id)
@@ -230,7 +230,7 @@ class EnvironmentDomain:
     ) -> tuple[Sequence[EnvironmentRow], bool]:
         limit = _page_size(page_size, param="limit")
         ascending = _order(order) == "asc"
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             rows = await repo.list_environments(s, org_id, after=after, ascending=ascending, limit=limit + 1)
         return rows[:limit], len(rows) > limit
 
