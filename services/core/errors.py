@@ -22,6 +22,7 @@ __all__ = [
     "InitializationRunning",
     "SessionActive",
     "EnvironmentFailed",
+    "McpServerDead",
     "Conflict",
     "Unavailable",
     "SandboxUnavailable",
@@ -85,6 +86,13 @@ class EnvironmentFailed(FailedPrecondition):
     reason = "ENVIRONMENT_FAILED"
 
 
+class McpServerDead(FailedPrecondition):
+    """An environment-origin MCP broker's server has died; it is not
+    restarted with a later configuration."""
+
+    reason = "MCP_SERVER_DEAD"
+
+
 class Conflict(BerthError):
     grpc_code = grpc.StatusCode.ALREADY_EXISTS
     reason = "CONFLICT"
@@ -146,6 +154,7 @@ _BY_REASON: dict[str, type[BerthError]] = {
         InitializationRunning,
         SessionActive,
         EnvironmentFailed,
+        McpServerDead,
         Conflict,
         Unavailable,
         SandboxUnavailable,

@@ -41,11 +41,25 @@ class Settings(BaseSettings):
     rpc_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of unary gRPC calls.")
     grace_s: float = Field(default=5.0, ge=0, description="Graceful shutdown period.")
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest accepted HTTP body.")
+    sse_keepalive_s: float = Field(default=15.0, gt=0, description="Idle interval between SSE keep-alive comments.")
 
     sandbox_backend: Literal["local", "docker"] = "local"
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"
     sandbox_idle_pause_s: float = Field(default=300.0, ge=0)
     docker_image: str = "berth-sandbox:latest"
+    docker_network: str = Field(
+        default="",
+        description=(
+            "Docker network of sandboxes whose network is enabled: empty picks the engine's default "
+            "`bridge`, or else a user-defined bridge `berth-sandbox` created on demand; `host` shares "
+            "the host's network stack (and its loopback services); any other value names a network."
+        ),
+    )
+    docker_start_timeout_s: float = Field(default=30.0, gt=0, description="Bound on a sandbox container's daemon becoming ready.")
+    sandbox_extra_ro_mounts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Host paths bind-mounted read-only into local sandboxes, as JSON {host_path: sandbox_path}.",
+    )
     sandbox_ca_bundle: str = Field(default="", description="CA bundle made available to sandboxes; default the host's.")
     sandbox_http_proxy: str = ""
     sandbox_https_proxy: str = ""

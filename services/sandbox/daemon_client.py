@@ -20,8 +20,9 @@ import itertools
 import json
 import os
 import struct
-from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 __all__ = [
@@ -35,6 +36,10 @@ __all__ = [
     "ExecResult",
     "ProcessInfo",
     "FileEntry",
+    "McpStdioTransport",
+    "McpHttpTransport",
+    "McpTransport",
+    "McpBrokerInfo",
     "DaemonClient",
 ]
 
@@ -54,13 +59,17 @@ class DaemonError(Exception):
     """The daemon refused or failed a request.
 
     ``code`` is one of ``not_found``, ``invalid_argument``,
-    ``permission_denied``, ``failed_precondition`` or ``internal``.
+    ``permission_denied``, ``failed_precondition`` or ``internal``;
+    ``reason`` refines it where callers act on the cause (``mcp_server_dead``)
+    and ``param`` names the offending field, when the daemon says.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, reason: str | None = None, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.reason = reason
+        self.param = param
 
 
 class DaemonUnavailable(Exception):
@@ -117,6 +126,72 @@ class FileEntry:
     mtime: float
 
 
+@dataclass(frozen=True)
+class McpStdioTransport:
+    """A stdio MCP server started inside the sandbox. ``env_vars`` names
+    variables inherited from the sandbox's environment; ``env`` sets values."""
+
+    command: str
+    args: Sequence[str] = ()
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    env_vars: Sequence[str] = ()
+
+    def to_wire(self) -> _Frame:
+        wire: _Frame = {"type": "stdio", "command": self.command, "args": list(self.args), "env": dict(self.env), "env_vars": list(self.env_vars)}
+        if self.cwd:
+            wire["cwd"] = self.cwd
+        return wire
+
+
+@dataclass(frozen=True)
+class McpHttpTransport:
+    """A streamable HTTP MCP server reached from the sandbox's network."""
+
+    server_url: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def to_wire(self) -> _Frame:
+        return {"type": "http", "server_url": self.server_url, "headers": dict(self.headers)}
+
+
+McpTransport = McpStdioTransport | McpHttpTransport
+
+
+@dataclass(frozen=True)
+class McpBrokerInfo:
+    """A broker as the daemon reports it. ``created`` is set only by
+    ``mcp_start``: whether this call created the broker. ``clients`` counts
+    open subscriptions plus requests in flight."""
+
+    label: str
+    transport: Literal["stdio", "http"]
+    state: Literal["running", "dead"]
+    pid: int | None
+    started_at: float
+    exit_code: int | None
+    clients: int
+    in_flight: int
+    stderr_tail: str
+    created: bool = False
+
+
+def _broker_info(raw: Mapping[str, Any]) -> McpBrokerInfo:
+    pid, exit_code = raw.get("pid"), raw.get("exit_code")
+    return McpBrokerInfo(
+        label=str(raw["label"]),
+        transport="http" if raw.get("transport") == "http" else "stdio",
+        state="dead" if raw.get("state") == "dead" else "running",
+        pid=None if pid is None else int(pid),
+        started_at=float(raw.get("started_at", 0.0)),
+        exit_code=None if exit_code is None else int(exit_code),
+        clients=int(raw.get("clients", 0)),
+        in_flight=int(raw.get("in_flight", 0)),
+        stderr_tail=str(raw.get("stderr_tail", "")),
+        created=bool(raw.get("created", False)),
+    )
+
+
 def _encode(frame: _Frame) -> bytes:
     body = json.dumps(frame, separators=(",", ":")).encode()
     return _LENGTH.pack(len(body)) + body
@@ -135,7 +210,13 @@ async def _read_frame(reader: asyncio.StreamReader) -> _Frame:
 def _raise_for_error(frame: _Frame) -> None:
     error = frame.get("error")
     if isinstance(error, dict):
-        raise DaemonError(str(error.get("code", "internal")), str(error.get("message", "")))
+        reason, param = error.get("reason"), error.get("param")
+        raise DaemonError(
+            str(error.get("code", "internal")),
+            str(error.get("message", "")),
+            reason=str(reason) if reason is not None else None,
+            param=str(param) if param is not None else None,
+        )
 
 
 def _exit_status(frame: _Frame) -> ExitStatus:
@@ -567,3 +648,63 @@ class DaemonClient:
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self._request("file.remove", {"path": path, "recursive": recursive})
+
+    # ------------------------------------------------------------ MCP brokers
+
+    async def mcp_start(self, label: str, transport: McpTransport | None) -> McpBrokerInfo:
+        """Starts the label's broker, or returns the existing one (running or
+        dead) untouched; ``created`` tells which. Without a transport it only
+        joins an existing broker."""
+        frame = await self._request("mcp.start", {"label": label, "transport": None if transport is None else transport.to_wire()})
+        return _broker_info(frame)
+
+    async def mcp_request(self, label: str, message: Mapping[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Sends one JSON-RPC request through the broker and returns its
+        response, with the caller's id. A dead broker raises DaemonError
+        with reason ``mcp_server_dead``."""
+        frame = await self._request("mcp.request", {"label": label, "message": dict(message)}, timeout_s=timeout_s)
+        return cast(dict[str, Any], frame["message"])
+
+    async def mcp_notify(self, label: str, message: Mapping[str, Any]) -> bool:
+        """Sends a notification, or the answer to a server request; returns
+        whether it went upstream (a repeated ``notifications/initialized``
+        does not)."""
+        frame = await self._request("mcp.notify", {"label": label, "message": dict(message)})
+        return bool(frame.get("forwarded", False))
+
+    @asynccontextmanager
+    async def mcp_subscribe(self, label: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Registers for the broker's server messages; entering returns once
+        registered, so nothing sent afterwards is missed. Iterating yields
+        notifications and the server requests this subscriber must answer
+        (with ``mcp_notify``); it ends when the broker dies."""
+        stream = self._stream("mcp.subscribe", {"label": label})
+        try:
+            first = await anext(stream)
+
+            async def messages() -> AsyncIterator[dict[str, Any]]:
+                if first.get("final"):
+                    return
+                async for frame in stream:
+                    if frame.get("type") == "message":
+                        yield cast(dict[str, Any], frame["message"])
+
+            yield messages()
+        finally:
+            await stream.aclose()
+
+    async def mcp_list(self) -> list[McpBrokerInfo]:
+        frame = await self._request("mcp.list")
+        return [_broker_info(raw) for raw in frame.get("brokers", [])]
+
+    async def mcp_stop(self, label: str) -> McpBrokerInfo:
+        """Kills a stdio server's process tree (an HTTP broker ends its
+        upstream session); the broker stays, dead."""
+        frame = await self._request("mcp.stop", {"label": label})
+        return _broker_info(frame)
+
+    async def mcp_close_upstream(self, label: str) -> bool:
+        """Ends an HTTP broker's upstream session; the next request opens a
+        fresh one. Returns whether a session was open."""
+        frame = await self._request("mcp.close_upstream", {"label": label})
+        return bool(frame.get("closed", False))

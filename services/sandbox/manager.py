@@ -131,7 +131,7 @@ class SandboxManager:
     # --- rows ---------------------------------------------------------------------------
 
     async def _row(self, org_id: str, sandbox_id: str) -> SandboxRecord:
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             row = await s.get(SandboxRow, sandbox_id)
             if row is None or row.org_id != org_id or row.state == "destroyed":
                 raise NotFound(f"sandbox {sandbox_id} not found")
@@ -150,7 +150,7 @@ class SandboxManager:
         await self._update_gauge()
 
     async def _update_gauge(self) -> None:
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             rows = (await s.execute(select(SandboxRow.state))).scalars().all()
         counts: dict[str, int] = {}
         for state in rows:
@@ -218,7 +218,7 @@ class SandboxManager:
 
     async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
         size = page_size if 0 < page_size <= 1000 else 100
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             q = select(SandboxRow).where(SandboxRow.org_id == org_id, SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
             if page_token:
                 q = q.where(SandboxRow.sandbox_id > page_token)
@@ -327,8 +327,10 @@ class SandboxManager:
 
 
 def _daemon_error(exc: DaemonError) -> Exception:
-    from services.core.errors import BerthError, FailedPrecondition, PathOutsideWorkspace
+    from services.core.errors import BerthError, FailedPrecondition, McpServerDead, PathOutsideWorkspace
 
+    if exc.reason == "mcp_server_dead":
+        return McpServerDead(exc.message, param=exc.param)
     mapping: dict[str, type[BerthError]] = {
         "not_found": NotFound,
         "invalid_argument": InvalidArgument,
@@ -338,4 +340,7 @@ def _daemon_error(exc: DaemonError) -> Exception:
     cls = mapping.get(exc.code)
     if cls is None:
         return SandboxUnavailable(f"sandbox daemon error: {exc.message}")
+    if exc.param is not None:
+        return cls(exc.message, param=exc.param)
+    # File operations name no field; their offending field is the path.
     return cls(exc.message, param="path" if cls is not NotFound else None)

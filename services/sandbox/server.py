@@ -32,7 +32,12 @@ def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
     from services.sandbox.backends.local import LocalBackend
 
     extra_env = _proxy_env(settings)
-    backend = LocalBackend(settings.data_dir.resolve(), settings.sandbox_isolation, extra_env=extra_env)
+    backend = LocalBackend(
+        settings.data_dir.resolve(),
+        settings.sandbox_isolation,
+        extra_env=extra_env,
+        extra_ro_mounts=settings.sandbox_extra_ro_mounts,
+    )
     if settings.sandbox_isolation == "none":
         log.warning("sandbox_isolation_disabled", detail="BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host")
     return backend, "local", settings.sandbox_isolation

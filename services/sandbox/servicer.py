@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -11,7 +13,16 @@ from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.context import current_org
 from services.core.errors import InvalidArgument
-from services.sandbox.daemon_client import ExitStatus, FileEntry, OutputChunk, ProcessInfo
+from services.sandbox.daemon_client import (
+    ExitStatus,
+    FileEntry,
+    McpBrokerInfo,
+    McpHttpTransport,
+    McpStdioTransport,
+    McpTransport,
+    OutputChunk,
+    ProcessInfo,
+)
 from services.sandbox.manager import CreateParams, SandboxManager, SandboxRecord
 
 __all__ = ["SandboxServicer"]
@@ -33,6 +44,11 @@ _ACCESS_BACK = {v: k for k, v in _ACCESS.items() if k != common_pb2.NETWORK_ACCE
 _FILE_TYPES = {"file": common_pb2.FILE_TYPE_FILE, "dir": common_pb2.FILE_TYPE_DIRECTORY, "symlink": common_pb2.FILE_TYPE_SYMLINK}
 _STREAMS = {"stdout": common_pb2.OUTPUT_STREAM_STDOUT, "stderr": common_pb2.OUTPUT_STREAM_STDERR}
 _READ_CHUNK = 1024 * 1024
+_MCP_STATES = {"running": sandbox_pb2.MCP_BROKER_STATE_RUNNING, "dead": sandbox_pb2.MCP_BROKER_STATE_DEAD}
+_MCP_TRANSPORTS = {"stdio": sandbox_pb2.MCP_TRANSPORT_TYPE_STDIO, "http": sandbox_pb2.MCP_TRANSPORT_TYPE_HTTP}
+# Without a caller deadline a tool call may run long; the gRPC deadline, when
+# set, fires first and cancels the request upstream.
+_MCP_DEFAULT_TIMEOUT_S = 3600.0
 
 
 def _ts(seconds: float) -> Timestamp:
@@ -94,6 +110,48 @@ def _chunk(ev: OutputChunk) -> common_pb2.OutputChunk:
 
 def _exit(ev: ExitStatus) -> common_pb2.ExitStatus:
     return common_pb2.ExitStatus(exit_code=ev.exit_code, timed_out=ev.timed_out, duration_ms=ev.duration_ms)
+
+
+def _mcp_broker(b: McpBrokerInfo) -> sandbox_pb2.McpBroker:
+    broker = sandbox_pb2.McpBroker(
+        label=b.label,
+        transport_type=_MCP_TRANSPORTS.get(b.transport, sandbox_pb2.MCP_TRANSPORT_TYPE_UNSPECIFIED),
+        state=_MCP_STATES.get(b.state, sandbox_pb2.MCP_BROKER_STATE_UNSPECIFIED),
+        pid=b.pid or 0,
+        start_time=_ts(b.started_at),
+        clients=b.clients,
+        in_flight=b.in_flight,
+        stderr_tail=b.stderr_tail,
+    )
+    if b.state == "dead" and b.exit_code is not None:
+        broker.exit.CopyFrom(common_pb2.ExitStatus(exit_code=b.exit_code))
+    return broker
+
+
+def _mcp_transport(request: pb.StartMcpBrokerRequest) -> McpTransport | None:
+    """None when the caller only joins an existing broker; the daemon rejects
+    that if the label has none yet."""
+    if not request.HasField("transport"):
+        return None
+    which = request.transport.WhichOneof("transport")
+    if which == "stdio":
+        stdio = request.transport.stdio
+        return McpStdioTransport(
+            command=stdio.command, args=list(stdio.args), cwd=stdio.cwd or None, env=dict(stdio.env), env_vars=list(stdio.env_vars)
+        )
+    if which == "http":
+        return McpHttpTransport(server_url=request.transport.http.server_url, headers=dict(request.transport.http.headers))
+    raise InvalidArgument("transport needs stdio or http", param="transport")
+
+
+def _mcp_message(text: str) -> dict[str, Any]:
+    try:
+        message = json.loads(text)
+    except ValueError:
+        raise InvalidArgument("message_json is not valid JSON", param="message_json") from None
+    if not isinstance(message, dict):
+        raise InvalidArgument("message_json must be one JSON-RPC message object", param="message_json")
+    return message
 
 
 class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
@@ -216,4 +274,43 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
         await self._m.destroy(current_org(), request.sandbox_id)
         return pb.DestroySandboxResponse()
 
+    async def StartMcpBroker(self, request: pb.StartMcpBrokerRequest, context: grpc.aio.ServicerContext) -> pb.StartMcpBrokerResponse:
+        transport = _mcp_transport(request)
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            info = await client.mcp_start(request.label, transport)
+        return pb.StartMcpBrokerResponse(broker=_mcp_broker(info), created=info.created)
 
+    async def ListMcpBrokers(self, request: pb.ListMcpBrokersRequest, context: grpc.aio.ServicerContext) -> pb.ListMcpBrokersResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            brokers = await client.mcp_list()
+        return pb.ListMcpBrokersResponse(brokers=[_mcp_broker(b) for b in brokers])
+
+    async def SendMcpMessage(self, request: pb.SendMcpMessageRequest, context: grpc.aio.ServicerContext) -> pb.SendMcpMessageResponse:
+        message = _mcp_message(request.message_json)
+        remaining = context.time_remaining()
+        timeout_s = _MCP_DEFAULT_TIMEOUT_S if remaining is None else remaining + 1.0
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            if "method" in message and "id" in message:
+                response = await client.mcp_request(request.label, message, timeout_s=timeout_s)
+                return pb.SendMcpMessageResponse(message_json=json.dumps(response, separators=(",", ":")))
+            await client.mcp_notify(request.label, message)
+        return pb.SendMcpMessageResponse()
+
+    async def SubscribeMcpMessages(
+        self, request: pb.SubscribeMcpMessagesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SubscribeMcpMessagesResponse]:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            async with client.mcp_subscribe(request.label) as messages:
+                yield pb.SubscribeMcpMessagesResponse(subscribed=True)
+                async for message in messages:
+                    yield pb.SubscribeMcpMessagesResponse(message_json=json.dumps(message, separators=(",", ":")))
+
+    async def StopMcpBroker(self, request: pb.StopMcpBrokerRequest, context: grpc.aio.ServicerContext) -> pb.StopMcpBrokerResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            info = await client.mcp_stop(request.label)
+        return pb.StopMcpBrokerResponse(broker=_mcp_broker(info))
+
+    async def CloseMcpUpstream(self, request: pb.CloseMcpUpstreamRequest, context: grpc.aio.ServicerContext) -> pb.CloseMcpUpstreamResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            closed = await client.mcp_close_upstream(request.label)
+        return pb.CloseMcpUpstreamResponse(closed=closed)

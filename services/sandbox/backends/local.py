@@ -153,6 +153,22 @@ def detect_freezers() -> list[tuple[FreezerKind, Path | None]]:
     return usable
 
 
+_RESERVED_TARGETS = ("/", "/proc", "/dev", "/workspace", _RUN_IN_SANDBOX, _DAEMON_IN_SANDBOX)
+
+
+def _check_mounts(mounts: Mapping[str | Path, str]) -> list[tuple[str, str]]:
+    checked: list[tuple[str, str]] = []
+    for host, target in mounts.items():
+        source = Path(host).resolve()
+        normal = os.path.normpath(target)
+        if not os.path.isabs(target) or normal in _RESERVED_TARGETS or any(normal.startswith(r + "/") for r in _RESERVED_TARGETS[1:]):
+            raise ValueError(f"extra read-only mount target {target!r} must be an absolute path outside the sandbox's own mounts")
+        if not source.exists():
+            raise ValueError(f"extra read-only mount source {host} does not exist")
+        checked.append((str(source), normal))
+    return checked
+
+
 @dataclass(frozen=True)
 class _Paths:
     home: Path
@@ -182,9 +198,13 @@ class LocalBackend(SandboxBackend):
         freezer: FreezerKind | Literal["auto"] = "auto",
         python: str | None = None,
         start_timeout_s: float = 15.0,
+        extra_ro_mounts: Mapping[str | Path, str] | None = None,
     ) -> None:
         """``python`` is the interpreter that runs sandboxd: ``python3`` from
-        the sandbox's PATH under bubblewrap, this interpreter when unconfined."""
+        the sandbox's PATH under bubblewrap, this interpreter when unconfined.
+        ``extra_ro_mounts`` maps host paths to absolute sandbox paths that
+        bubblewrap binds read-only (e.g. a Python site-packages for MCP
+        servers); unconfined sandboxes see the host's paths and ignore it."""
         self._data_dir = Path(data_dir).resolve()
         self._isolation: Isolation = isolation
         self._daemon_path = (daemon_path or _DEFAULT_DAEMON).resolve()
@@ -192,6 +212,7 @@ class LocalBackend(SandboxBackend):
         self._freezer_choice = freezer
         self._python = python or ("python3" if isolation == "bwrap" else sys.executable)
         self._start_timeout_s = start_timeout_s
+        self._extra_ro_mounts = _check_mounts(extra_ro_mounts or {})
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Sandbox cgroups of different data dirs (tests, several installs)
@@ -387,6 +408,7 @@ class LocalBackend(SandboxBackend):
             "--bind", str(paths.workspace), "/workspace",
             "--bind", str(paths.mounted), _RUN_IN_SANDBOX,
             "--ro-bind", str(self._daemon_path), _DAEMON_IN_SANDBOX,
+            *[arg for host, target in self._extra_ro_mounts for arg in ("--ro-bind", host, target)],
             "--chdir", "/workspace",
             self._python, _DAEMON_IN_SANDBOX,
             "--socket", f"{_RUN_IN_SANDBOX}/sandboxd.sock",

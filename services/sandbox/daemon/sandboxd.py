@@ -28,7 +28,8 @@ concurrently, so a slow one never holds up another on the same connection.
 connection closing. Failures are final frames
 ``{"id", "final": true, "error": {"code", "message"}}`` with ``code`` one of
 ``not_found``, ``invalid_argument``, ``permission_denied``,
-``failed_precondition``, ``internal``.
+``failed_precondition``, ``internal``; an error may add ``reason`` (a finer
+cause callers act on, e.g. ``mcp_server_dead``) and ``param`` (the field).
 
 Output is streamed as ``{"type": "chunk", "stream": "stdout"|"stderr",
 "seq": n, "data_b64"}``; seq numbers are shared by both streams of one command
@@ -40,13 +41,63 @@ An exec's leftover background children keep running after it returns (their
 later output is dropped); use ``process.start`` for work that should outlive a
 request. Background processes start in their own session, outlive the
 connection that started them, and keep their exit code after exiting;
-``keepalive`` is recorded for the service (e.g. MCP brokers) and never makes
-the daemon restart a process. ``process.kill`` signals the whole tree.
+``keepalive`` is recorded for the service (it keeps the sandbox from idle
+pause) and never makes the daemon restart a process. ``process.kill``
+signals the whole tree.
 
 Operations: ``exec``, ``process.start``, ``process.attach``, ``process.list``,
 ``process.wait``, ``process.kill``, ``file.write``, ``file.read``,
-``file.list``, ``file.stat``, ``file.mkdir``, ``file.remove``, ``ping``,
-``shutdown``. See the ``_op_*`` methods for their fields.
+``file.list``, ``file.stat``, ``file.mkdir``, ``file.remove``, ``mcp.start``,
+``mcp.request``, ``mcp.notify``, ``mcp.subscribe``, ``mcp.list``,
+``mcp.stop``, ``mcp.close_upstream``, ``ping``, ``shutdown``. See the
+``_op_*`` methods for their fields.
+
+MCP brokers
+-----------
+One broker per ``label`` per sandbox multiplexes every client of an
+environment-origin MCP server onto one upstream: a stdio server process or
+a streamable HTTP endpoint reached from the sandbox's network.
+
+``mcp.start {label, transport}`` with ``transport`` either
+``{"type": "stdio", "command", "args", "cwd", "env", "env_vars"}`` or
+``{"type": "http", "server_url", "headers"}``. The first start of a label
+creates its broker; every later start returns that broker, running or dead,
+without looking at its own transport, and a dead broker is never restarted.
+The answer is the broker (see ``mcp.list``) plus ``created``. A stdio
+server runs in its own process group with ``PATH``, ``HOME`` and ``LANG``,
+the variables named in ``env_vars`` taken from the sandbox's environment
+(the daemon's own plus ``--env-file``/``--env``), then ``env``; it keeps
+that launch-time environment for its whole life.
+
+The client side is one-shot: every ``mcp.request {label, message}`` is its
+own client. The broker rewrites the request's id to a broker-wide integer
+and back, so concurrent callers may reuse ids; the final frame carries the
+response as ``message``. ``mcp.notify {label, message}`` sends a
+notification, or the answer to a server request. ``mcp.subscribe {label}``
+streams ``{"type": "subscribed"}`` once registered, then
+``{"type": "message", "message"}`` for every server notification (to all
+subscribers) and server request (to the oldest subscriber only, which
+answers it with ``mcp.notify``; with none, the broker answers ``ping`` and
+fails other server requests with -32601); it ends when the broker dies.
+The first ``initialize`` goes upstream and its result is cached; later
+ones are answered from the cache with their own id, and a
+``notifications/initialized`` is forwarded only once per upstream
+handshake. A client ``notifications/cancelled`` is dropped (its id is
+ambiguous); cancelling the ``mcp.request`` itself sends the server a
+cancellation for the rewritten id.
+
+``mcp.list`` returns ``{"brokers": [{label, transport, state: "running" |
+"dead", pid, started_at, exit_code, clients, in_flight, stderr_tail}]}``.
+``mcp.stop {label}`` kills a stdio server's process tree (or ends an HTTP
+broker's upstream session) and leaves the broker dead. Requests to a dead
+broker fail with ``failed_precondition`` and reason ``mcp_server_dead``;
+an unknown label is ``not_found``. ``mcp.close_upstream {label}`` ends an
+HTTP broker's upstream session with DELETE (``{"closed": bool}``; a no-op
+for stdio). That affects every peer of the label, but transparently: the
+next request re-runs the cached handshake upstream on a fresh session, as
+it also does when the server answers 404 for an expired session. Upstream
+HTTP failures answer the request with a JSON-RPC error (code -32000,
+``data.http_status``) rather than failing the operation.
 
 Paths
 -----
@@ -87,6 +138,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Awaitable, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -107,6 +159,15 @@ EXEC_TIMEOUT_EXIT_CODE = 124
 # keep the exec open forever.
 OUTPUT_IDLE_GRACE_S = 0.2
 LOG_INDEX_EVERY = 64
+MCP_MAX_LABEL = 128
+MCP_MAX_LINE_BYTES = 32 * 1024 * 1024
+MCP_STDERR_TAIL_BYTES = 4096
+MCP_SUBSCRIBER_QUEUE = 1024
+# Idle bound of one upstream HTTP read (a tool call streaming nothing for
+# this long fails); each upstream POST runs on its own thread.
+MCP_HTTP_TIMEOUT_S = 300.0
+# JSON-RPC error code of a request the HTTP upstream never answered.
+MCP_UPSTREAM_ERROR = -32000
 
 _LENGTH = struct.Struct(">I")
 _LOG_RECORD = struct.Struct(">QBI")
@@ -122,10 +183,23 @@ def _log(message: str) -> None:
 
 
 class OpError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    """A failed request. ``reason`` refines ``code`` for callers that act on
+    it (e.g. ``mcp_server_dead``); ``param`` names the offending field."""
+
+    def __init__(self, code: str, message: str, reason: Optional[str] = None, param: Optional[str] = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.param = param
+
+    def frame(self) -> Json:
+        error: Json = {"code": self.code, "message": self.message}
+        if self.reason is not None:
+            error["reason"] = self.reason
+        if self.param is not None:
+            error["param"] = self.param
+        return error
 
 
 class ProtocolError(Exception):
@@ -635,6 +709,667 @@ class ManagedProcess:
         }
 
 
+# ---------------------------------------------------------------- MCP brokers
+
+
+def _jsonrpc_id(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _is_request(msg: Json) -> bool:
+    return isinstance(msg.get("method"), str) and _jsonrpc_id(msg.get("id"))
+
+
+def _is_notification(msg: Json) -> bool:
+    return isinstance(msg.get("method"), str) and "id" not in msg
+
+
+def _is_response(msg: Json) -> bool:
+    return "method" not in msg and _jsonrpc_id(msg.get("id")) and ("result" in msg or "error" in msg)
+
+
+def _jsonrpc_error(msg_id: Any, code: int, message: str, data: Optional[Json] = None) -> Json:
+    error: Json = {"code": code, "message": message}
+    if data is not None:
+        error["data"] = data
+    return {"jsonrpc": "2.0", "id": msg_id, "error": error}
+
+
+def _mcp_label(req: Json) -> str:
+    label = req.get("label")
+    if not isinstance(label, str) or not 0 < len(label) <= MCP_MAX_LABEL or any(c.isspace() or not c.isprintable() for c in label):
+        raise OpError("invalid_argument", "label must be 1-%d printable characters without spaces" % MCP_MAX_LABEL, param="label")
+    return label
+
+
+def _mcp_message(req: Json) -> Json:
+    message = req.get("message")
+    if not isinstance(message, dict):
+        raise OpError("invalid_argument", "message must be one JSON-RPC message object", param="message")
+    return message
+
+
+def _str_list(value: Any, field: str) -> List[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and "\0" not in v for v in value):
+        raise OpError("invalid_argument", "%s must be a list of strings" % field, param=field)
+    return list(value)
+
+
+def _str_dict(value: Any, field: str) -> Dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise OpError("invalid_argument", "%s must be an object of strings" % field, param=field)
+    return dict(value)
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+    """Runs blocking ``fn`` on a daemon thread: unlike an executor's workers,
+    a thread stuck on a slow upstream never holds up the daemon's exit."""
+    loop = asyncio.get_running_loop()
+    future: "asyncio.Future[Any]" = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def run() -> None:
+        try:
+            result = (True, fn(*args))
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:
+            pass  # the loop closed while the upstream call ran
+
+    threading.Thread(target=run, name="mcp-http", daemon=True).start()
+    return future
+
+
+class McpSubscriber:
+    """One ``mcp.subscribe`` stream: a bounded queue of server messages."""
+
+    def __init__(self) -> None:
+        self.queue: Deque[Json] = collections.deque()
+        self.wakeup = asyncio.Event()
+        self.closed = False
+        self.dropped = 0
+        # Server requests routed to this subscriber and not yet answered.
+        self.owes: Set[Any] = set()
+
+    def put(self, msg: Json) -> None:
+        if len(self.queue) >= MCP_SUBSCRIBER_QUEUE:
+            # A subscriber that stopped reading loses the oldest messages
+            # rather than growing the daemon without bound.
+            self.queue.popleft()
+            self.dropped += 1
+        self.queue.append(msg)
+        self.wakeup.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.wakeup.set()
+
+
+class McpBroker:
+    """One MCP server shared by every client of a label in this sandbox.
+
+    Each ``mcp.request`` is its own client: its id is rewritten to a
+    broker-wide integer on the way up and restored on the way back, so any
+    number of callers can reuse the same ids concurrently. The first
+    successful ``initialize`` is forwarded and its result cached; later ones
+    are answered from the cache with their own id, and only the first
+    ``notifications/initialized`` after an upstream handshake is forwarded.
+    Server notifications go to every subscriber; a server request goes to
+    the oldest subscriber, which answers it with ``mcp.notify``. With no
+    subscriber the broker answers ``ping`` itself and fails any other server
+    request at once (-32601), so the server never waits on nobody.
+    """
+
+    transport = ""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.started_at = time.time()
+        self.exit_code: Optional[int] = None
+        self.dead = False
+        self.dead_reason = ""
+        self.subscribers: List[McpSubscriber] = []
+        self.done = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._pending: Dict[int, "asyncio.Future[Json]"] = {}
+        self._init_lock = asyncio.Lock()
+        self._init_result: Optional[Json] = None
+        self._init_params: Any = None
+        self._initialized_sent = False
+        self._routed: Dict[Any, McpSubscriber] = {}
+        self._background: Set["asyncio.Task[Any]"] = set()
+
+    # ------------------------------------------------------------ transport hooks
+
+    async def _send(self, msg: Json) -> None:
+        """Delivers one message upstream; a request's answer arrives through
+        ``_from_upstream``."""
+        raise NotImplementedError
+
+    async def _send_request(self, msg: Json, upstream_id: int) -> None:
+        await self._send(msg)
+
+    def pid(self) -> Optional[int]:
+        return None
+
+    def kill(self) -> None:
+        """Synchronous last resort for daemon shutdown."""
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def close_upstream(self) -> bool:
+        return False
+
+    def stderr_tail(self) -> str:
+        return ""
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def state(self) -> str:
+        return "dead" if self.dead else "running"
+
+    def describe(self) -> Json:
+        return {
+            "label": self.label,
+            "transport": self.transport,
+            "state": self.state,
+            "pid": self.pid(),
+            "started_at": self.started_at,
+            "exit_code": self.exit_code,
+            "clients": len(self.subscribers) + len(self._pending),
+            "in_flight": len(self._pending),
+            "stderr_tail": self.stderr_tail(),
+        }
+
+    def dead_error(self) -> OpError:
+        detail = self.dead_reason or ("exit code %s" % self.exit_code)
+        return OpError(
+            "failed_precondition",
+            "MCP server %s is dead (%s); it is not restarted" % (self.label, detail),
+            reason="mcp_server_dead",
+            param="label",
+        )
+
+    def mark_dead(self, exit_code: Optional[int], reason: str) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        self.exit_code = exit_code
+        self.dead_reason = reason
+        error = self.dead_error()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        for sub in self.subscribers:
+            sub.close()
+        self.done.set()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_consume_result)
+
+    # ------------------------------------------------------------ client side
+
+    async def request(self, msg: Json) -> Json:
+        if self.dead:
+            raise self.dead_error()
+        if msg.get("method") == "initialize":
+            async with self._init_lock:
+                if self._init_result is None:
+                    response = await self._forward(msg)
+                    result = response.get("result")
+                    if isinstance(result, dict):
+                        self._init_result = result
+                        self._init_params = msg.get("params")
+                        self._initialized_sent = False
+                        self._handshake_done(result)
+                    return response
+            return {"jsonrpc": "2.0", "id": msg["id"], "result": json.loads(json.dumps(self._init_result))}
+        return await self._forward(msg)
+
+    def _handshake_done(self, result: Json) -> None:
+        """Called once the first upstream handshake succeeded."""
+
+    async def _forward(self, msg: Json) -> Json:
+        upstream_id = next(self._ids)
+        future: "asyncio.Future[Json]" = asyncio.get_running_loop().create_future()
+        self._pending[upstream_id] = future
+        upstream = dict(msg)
+        upstream["id"] = upstream_id
+        try:
+            await self._send_request(upstream, upstream_id)
+            response = await future
+        except asyncio.CancelledError:
+            if not self.dead and msg.get("method") != "initialize":
+                cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": upstream_id, "reason": "the client went away"}}
+                self._spawn(self._send_quietly(cancel))
+            raise
+        finally:
+            self._pending.pop(upstream_id, None)
+        out = dict(response)
+        out["id"] = msg["id"]
+        return out
+
+    async def _send_quietly(self, msg: Json) -> None:
+        try:
+            await self._send(msg)
+        except OpError:
+            pass
+
+    async def notify(self, msg: Json) -> bool:
+        """Forwards a client notification, or a client's answer to a server
+        request; returns whether anything went upstream."""
+        if self.dead:
+            raise self.dead_error()
+        method = msg.get("method")
+        if method == "notifications/initialized":
+            if self._initialized_sent:
+                return False
+            self._initialized_sent = True
+        elif method == "notifications/cancelled":
+            # Its requestId is the client's own id, which is ambiguous across
+            # clients; cancelling the mcp.request itself cancels upstream.
+            return False
+        elif method is None:
+            sub = self._routed.pop(msg.get("id"), None)
+            if sub is not None:
+                sub.owes.discard(msg.get("id"))
+        await self._send(msg)
+        return True
+
+    def subscribe(self) -> McpSubscriber:
+        sub = McpSubscriber()
+        if self.dead:
+            sub.close()
+        else:
+            self.subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: McpSubscriber) -> None:
+        if sub in self.subscribers:
+            self.subscribers.remove(sub)
+        for server_id in list(sub.owes):
+            # The subscriber left without answering: the server must not wait forever.
+            self._routed.pop(server_id, None)
+            self._reply_upstream(_jsonrpc_error(server_id, -32603, "the client that received this request went away"))
+        sub.owes.clear()
+
+    # ------------------------------------------------------------ server side
+
+    def _from_upstream(self, msg: Any) -> None:
+        if isinstance(msg, list):
+            for item in msg:
+                self._from_upstream(item)
+            return
+        if not isinstance(msg, dict):
+            return
+        if isinstance(msg.get("method"), str):
+            if "id" in msg:
+                self._server_request(msg)
+            else:
+                for sub in self.subscribers:
+                    sub.put(msg)
+            return
+        upstream_id = msg.get("id")
+        future = self._pending.get(upstream_id) if isinstance(upstream_id, int) and not isinstance(upstream_id, bool) else None
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def _server_request(self, msg: Json) -> None:
+        for sub in self.subscribers:
+            if not sub.closed:
+                sub.owes.add(msg["id"])
+                self._routed[msg["id"]] = sub
+                sub.put(msg)
+                return
+        if msg.get("method") == "ping":
+            self._reply_upstream({"jsonrpc": "2.0", "id": msg["id"], "result": {}})
+        else:
+            self._reply_upstream(_jsonrpc_error(msg["id"], -32601, "no client is connected to answer %s" % msg.get("method")))
+
+    def _reply_upstream(self, msg: Json) -> None:
+        if not self.dead:
+            self._spawn(self._send_quietly(msg))
+
+
+class StdioBroker(McpBroker):
+    """A server process speaking newline-delimited JSON-RPC on stdin/stdout."""
+
+    transport = "stdio"
+
+    def __init__(self, label: str, child: Child) -> None:
+        super().__init__(label)
+        self.child = child
+        self._ready = asyncio.Event()
+        self._writer: Optional[asyncio.StreamWriter] = None
+        self._drain_lock = asyncio.Lock()
+        self._stderr: Deque[bytes] = collections.deque()
+        self._stderr_size = 0
+        self._supervisor = asyncio.ensure_future(self._supervise())
+        self._supervisor.add_done_callback(_consume_result)
+
+    def pid(self) -> Optional[int]:
+        return self.child.pid
+
+    def stderr_tail(self) -> str:
+        return b"".join(self._stderr)[-MCP_STDERR_TAIL_BYTES:].decode("utf-8", "replace")
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        popen = self.child.popen
+        try:
+            transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, popen.stdin)
+            self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        except Exception as exc:
+            _log("MCP server %s: cannot open its stdin: %r" % (self.label, exc))
+            self.child.kill_tree(signal.SIGKILL)
+        finally:
+            self._ready.set()
+        reader = asyncio.ensure_future(self._read_stdout(popen.stdout))
+        stderr = asyncio.ensure_future(_pump_pipe(popen.stderr, self._keep_stderr, [0]))
+        stderr.add_done_callback(_consume_result)
+        first: List["asyncio.Future[Any]"] = [reader, self.child.exited]
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        if self.child.running:
+            # A server that closed its stdout can never answer again.
+            self.child.kill_tree(signal.SIGKILL)
+            reason = "the server closed its stdout"
+        else:
+            # Responses written just before exiting still count.
+            await asyncio.wait([reader], timeout=OUTPUT_IDLE_GRACE_S)
+            reason = ""
+        code = await self.child.exited
+        # Helpers the server left behind die with it.
+        self.child.kill_tree(signal.SIGKILL)
+        for task in (reader, stderr):
+            task.cancel()
+        await asyncio.gather(reader, stderr, return_exceptions=True)
+        if self._writer is not None:
+            self._writer.close()
+        self.mark_dead(code, reason)
+
+    async def _read_stdout(self, pipe: Any) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=MCP_MAX_LINE_BYTES)
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except ValueError:
+                    _log("MCP server %s wrote a line over %d bytes; dropped" % (self.label, MCP_MAX_LINE_BYTES))
+                    continue
+                if not line:
+                    return
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    msg = json.loads(line.decode("utf-8"))
+                except ValueError:
+                    continue  # not protocol output; servers must log to stderr
+                self._from_upstream(msg)
+        finally:
+            transport.close()
+
+    async def _keep_stderr(self, data: bytes) -> None:
+        self._stderr.append(data)
+        self._stderr_size += len(data)
+        while self._stderr_size - len(self._stderr[0]) >= MCP_STDERR_TAIL_BYTES:
+            self._stderr_size -= len(self._stderr.popleft())
+
+    async def _send(self, msg: Json) -> None:
+        await self._ready.wait()
+        if self.dead or self._writer is None or self._writer.is_closing():
+            raise self.dead_error()
+        self._writer.write(json.dumps(msg, separators=(",", ":")).encode("utf-8") + b"\n")
+        try:
+            async with self._drain_lock:
+                await self._writer.drain()
+        except (ConnectionError, RuntimeError):
+            raise self.dead_error() from None
+
+    def kill(self) -> None:
+        if self.child.running:
+            self.child.kill_tree(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        self.kill()
+        try:
+            await asyncio.wait_for(self.done.wait(), 10)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _sse_messages(stream: Any) -> Iterable[str]:
+    """The data of each event of a text/event-stream body."""
+    data: List[str] = []
+    while True:
+        raw = stream.readline(MCP_MAX_LINE_BYTES)
+        if not raw:
+            if data:
+                yield "\n".join(data)
+            return
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if line == "":
+            if data:
+                yield "\n".join(data)
+            data = []
+        elif line.startswith("data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(" ") else value)
+        # Other fields (event, id, retry) and comments carry nothing we route.
+
+
+class HttpBroker(McpBroker):
+    """An MCP server reached over streamable HTTP from the sandbox's network.
+
+    The upstream session (``Mcp-Session-Id``) belongs to the broker, so all
+    clients of the label share it. ``close_upstream`` ends it with DELETE;
+    the next request then re-runs the cached handshake upstream and
+    continues transparently, as it does when the server answers 404 for an
+    expired session. Server messages are read from each POST's response
+    stream; the optional standalone GET stream is not opened.
+    """
+
+    transport = "http"
+
+    def __init__(self, label: str, url: str, headers: Dict[str, str], proxies: Dict[str, str]) -> None:
+        super().__init__(label)
+        self.url = url
+        self.headers = headers
+        self.session_id: Optional[str] = None
+        self.protocol_version: Optional[str] = None
+        self._upstream_ready = False
+        self._reinit_lock = asyncio.Lock()
+        # Imported on first use: urllib costs sandboxd's start-up ~25 ms.
+        import urllib.request
+
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies))
+
+    def _handshake_done(self, result: Json) -> None:
+        version = result.get("protocolVersion")
+        self.protocol_version = version if isinstance(version, str) else None
+        self._upstream_ready = True
+
+    def _headers(self, session_id: Optional[str]) -> Dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        headers.update(self.headers)
+        if session_id is not None:
+            headers["Mcp-Session-Id"] = session_id
+        if self.protocol_version is not None:
+            headers["MCP-Protocol-Version"] = self.protocol_version
+        return headers
+
+    def _post_blocking(self, msg: Json, session_id: Optional[str], wait_for: Optional[int], deliver: Callable[[Any], None]) -> Tuple[int, Optional[str], str]:
+        """POSTs one message; returns (HTTP status or 0, session id header, error detail)."""
+        import http.client
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps(msg, separators=(",", ":")).encode("utf-8")
+        request = urllib.request.Request(self.url, data=body, headers=self._headers(session_id), method="POST")
+        try:
+            response = self._opener.open(request, timeout=MCP_HTTP_TIMEOUT_S)
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = exc.read(2048).decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException):
+                detail = ""
+            exc.close()
+            return exc.code, None, detail or str(exc.reason)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            return 0, None, str(getattr(exc, "reason", exc))
+        try:
+            new_session = response.headers.get("Mcp-Session-Id")
+            content_type = (response.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if content_type == "text/event-stream":
+                for data in _sse_messages(response):
+                    try:
+                        parsed = json.loads(data)
+                    except ValueError:
+                        continue
+                    deliver(parsed)
+                    if wait_for is not None and isinstance(parsed, dict) and parsed.get("id") == wait_for and "method" not in parsed:
+                        break
+            elif content_type == "application/json":
+                raw = response.read()
+                if raw.strip():
+                    try:
+                        deliver(json.loads(raw.decode("utf-8")))
+                    except ValueError:
+                        return response.status, new_session, "the response is not JSON"
+            return response.status, new_session, ""
+        except (OSError, http.client.HTTPException) as exc:
+            return 0, new_session, "reading the response failed: %s" % exc
+        finally:
+            response.close()
+
+    async def _post(self, msg: Json, wait_for: Optional[int]) -> Tuple[int, str]:
+        loop = asyncio.get_running_loop()
+
+        def deliver(parsed: Any) -> None:
+            loop.call_soon_threadsafe(self._from_upstream, parsed)
+
+        sent_session = self.session_id
+        status, new_session, detail = await _in_thread(self._post_blocking, msg, sent_session, wait_for, deliver)
+        if new_session and msg.get("method") == "initialize" and 200 <= status < 300:
+            self.session_id = new_session
+        if status == 404 and sent_session is not None and self.session_id == sent_session:
+            # The server ended the session (or forgot it): handshake again.
+            self.session_id = None
+            self._upstream_ready = False
+        return status, detail
+
+    async def _reinitialize(self) -> None:
+        async with self._reinit_lock:
+            if self._upstream_ready or self._init_result is None:
+                return
+            init_id = next(self._ids)
+            future: "asyncio.Future[Json]" = asyncio.get_running_loop().create_future()
+            self._pending[init_id] = future
+            try:
+                init = {"jsonrpc": "2.0", "id": init_id, "method": "initialize", "params": self._init_params}
+                status, detail = await self._post(init, init_id)
+                result = future.result().get("result") if future.done() else None
+                if not isinstance(result, dict):
+                    raise OpError("unavailable", "re-initializing MCP server %s failed: HTTP %s %s" % (self.label, status, detail))
+            finally:
+                self._pending.pop(init_id, None)
+            version = result.get("protocolVersion")
+            self.protocol_version = version if isinstance(version, str) else None
+            await self._post({"jsonrpc": "2.0", "method": "notifications/initialized"}, None)
+            self._initialized_sent = True
+            self._handshake_done(result)
+
+    async def _send_request(self, msg: Json, upstream_id: int) -> None:
+        handshake = msg.get("method") == "initialize"
+        for attempt in range(2):
+            if not handshake and not self._upstream_ready:
+                try:
+                    await self._reinitialize()
+                except OpError as exc:
+                    self._fail_request(upstream_id, exc.message, 0)
+                    return
+            status, detail = await self._post(msg, upstream_id)
+            if status == 404 and attempt == 0 and not handshake and not self._upstream_ready:
+                continue  # the session expired; retry once on a fresh one
+            if status == 0:
+                self._fail_request(upstream_id, "MCP server %s is unreachable: %s" % (self.label, detail), status)
+            elif not 200 <= status < 300:
+                self._fail_request(upstream_id, "MCP server %s answered HTTP %d: %s" % (self.label, status, detail), status)
+            else:
+                # A no-op when the response arrived (it is delivered before the POST returns).
+                self._fail_request(upstream_id, "MCP server %s ended its response without answering" % self.label, status)
+            return
+
+    def _fail_request(self, upstream_id: int, message: str, status: int) -> None:
+        """Answers a request that got no response with a JSON-RPC error, so
+        the caller sees a failed MCP request rather than a broken sandbox."""
+        future = self._pending.get(upstream_id)
+        if future is not None and not future.done():
+            future.set_result(_jsonrpc_error(upstream_id, MCP_UPSTREAM_ERROR, message, {"http_status": status}))
+
+    async def _send(self, msg: Json) -> None:
+        if self.dead:
+            raise self.dead_error()
+        if not self._upstream_ready and self._init_result is not None:
+            try:
+                await self._reinitialize()
+            except OpError as exc:
+                # Notifications are fire-and-forget; the next request reports it.
+                _log(exc.message)
+                return
+        await self._post(msg, None)
+
+    def _delete_blocking(self, session_id: str) -> int:
+        import http.client
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(self.url, headers=self._headers(session_id), method="DELETE")
+        try:
+            with self._opener.open(request, timeout=30) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return int(exc.code)
+        except (OSError, http.client.HTTPException, ValueError):
+            return 0
+
+    async def close_upstream(self) -> bool:
+        session_id, self.session_id = self.session_id, None
+        self._upstream_ready = False
+        if session_id is None:
+            return False
+        await _in_thread(self._delete_blocking, session_id)
+        return True
+
+    async def stop(self) -> None:
+        if not self.dead:
+            await self.close_upstream()
+        self.mark_dead(None, "stopped")
+
+    def kill(self) -> None:
+        self.mark_dead(None, "stopped")
+
+
 # ---------------------------------------------------------------- connections
 
 
@@ -743,7 +1478,7 @@ class Connection:
             final.update(result)
             await self.send(final)
         except OpError as exc:
-            await self._send_quietly({"id": rid, "final": True, "error": {"code": exc.code, "message": exc.message}})
+            await self._send_quietly({"id": rid, "final": True, "error": exc.frame()})
         except ConnectionError:
             # The client is gone; the connection's reader notices and cleans up.
             pass
@@ -782,6 +1517,7 @@ class Daemon:
         self.extra_env = extra_env
         self.ring_bytes = ring_bytes
         self.processes: Dict[str, ManagedProcess] = {}
+        self.brokers: Dict[str, McpBroker] = {}
         self.connections: Set[Connection] = set()
         self._stop: Optional[asyncio.Event] = None
         self._reaper: Optional[Reaper] = None
@@ -801,6 +1537,13 @@ class Daemon:
             "file.stat": self._op_file_stat,
             "file.mkdir": self._op_file_mkdir,
             "file.remove": self._op_file_remove,
+            "mcp.start": self._op_mcp_start,
+            "mcp.request": self._op_mcp_request,
+            "mcp.notify": self._op_mcp_notify,
+            "mcp.subscribe": self._op_mcp_subscribe,
+            "mcp.list": self._op_mcp_list,
+            "mcp.stop": self._op_mcp_stop,
+            "mcp.close_upstream": self._op_mcp_close_upstream,
         }
 
     @property
@@ -846,6 +1589,8 @@ class Daemon:
             self.connections.discard(conn)
 
     def _kill_all(self) -> None:
+        for broker in self.brokers.values():
+            broker.kill()
         for proc in self.processes.values():
             if proc.running:
                 proc.child.kill_tree(signal.SIGKILL)
@@ -1100,6 +1845,138 @@ class Daemon:
             except asyncio.TimeoutError:
                 pass
         return {"signalled": signalled, "running": proc.running, "exit_code": proc.exit_code}
+
+    # ------------------------------------------------------------ MCP brokers
+
+    def _broker(self, req: Json) -> McpBroker:
+        label = _mcp_label(req)
+        broker = self.brokers.get(label)
+        if broker is None:
+            raise OpError("not_found", "no MCP broker %s in this sandbox" % label, param="label")
+        return broker
+
+    def _sandbox_env(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        return env
+
+    def _new_broker(self, label: str, transport: Any) -> McpBroker:
+        if not isinstance(transport, dict):
+            raise OpError("invalid_argument", "transport must be an object", param="transport")
+        kind = transport.get("type")
+        if kind == "stdio":
+            return self._new_stdio_broker(label, transport)
+        if kind == "http":
+            url = _req_str(transport, "server_url")
+            if not (url.startswith("http://") or url.startswith("https://")):
+                raise OpError("invalid_argument", "server_url must be an http or https URL", param="server_url")
+            headers = _str_dict(transport.get("headers"), "headers")
+            if any("\r" in v or "\n" in v or "\r" in k or "\n" in k for k, v in headers.items()):
+                raise OpError("invalid_argument", "headers must not contain line breaks", param="headers")
+            return HttpBroker(label, url, headers, self._proxies(url))
+        raise OpError("invalid_argument", "transport.type must be stdio or http", param="transport")
+
+    def _new_stdio_broker(self, label: str, transport: Json) -> StdioBroker:
+        command = _req_str(transport, "command")
+        args = _str_list(transport.get("args"), "args")
+        inherit = _str_list(transport.get("env_vars"), "env_vars")
+        explicit = _opt_env(transport)
+        cwd = self._cwd(transport)
+        marker = "mcp_" + secrets.token_hex(8)
+        # Only the named variables of the sandbox's environment reach the
+        # server, on top of the basics every command gets.
+        sandbox_env = self._sandbox_env()
+        env = {"PATH": DEFAULT_PATH, "HOME": VIRTUAL_ROOT, "LANG": "C.UTF-8"}
+        env.update({name: sandbox_env[name] for name in inherit if name in sandbox_env})
+        env.update(explicit)
+        if self.root != VIRTUAL_ROOT:
+            env = {key: ":".join(self._to_host(part) for part in value.split(":")) for key, value in env.items()}
+        env["BERTH_WORKSPACE"] = self.root
+        env[MARKER_ENV] = marker
+        try:
+            child = self.reaper.spawn([command] + args, cwd, env, marker, True)
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            raise OpError("invalid_argument", "cannot start MCP server %s: %s" % (label, exc), param="command") from None
+        return StdioBroker(label, child)
+
+    def _proxies(self, url: str) -> Dict[str, str]:
+        """The sandbox's proxy settings, so HTTP brokers reach the network as
+        the sandbox's own commands do."""
+        env = self._sandbox_env()
+        proxies: Dict[str, str] = {}
+        for scheme in ("http", "https"):
+            value = env.get(scheme + "_proxy") or env.get(scheme.upper() + "_PROXY")
+            if value:
+                proxies[scheme] = value
+        no_proxy = env.get("no_proxy") or env.get("NO_PROXY") or ""
+        if proxies and no_proxy:
+            import urllib.parse
+
+            host = (urllib.parse.urlsplit(url).hostname or "").lower()
+            for entry in no_proxy.split(","):
+                entry = entry.strip().lower().lstrip(".")
+                if entry == "*" or (entry and (host == entry or host.endswith("." + entry))):
+                    return {}
+        return proxies
+
+    async def _op_mcp_start(self, conn: Connection, rid: int, req: Json) -> Json:
+        label = _mcp_label(req)
+        broker = self.brokers.get(label)
+        created = broker is None
+        if broker is None:
+            # Nothing awaits between the lookup and the registration, so of
+            # concurrent first starts exactly one creates the broker; every
+            # later start, alive or dead, gets it without comparing configs.
+            broker = self._new_broker(label, req.get("transport"))
+            self.brokers[label] = broker
+        info = broker.describe()
+        info["created"] = created
+        return info
+
+    async def _op_mcp_request(self, conn: Connection, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        message = _mcp_message(req)
+        if not _is_request(message):
+            raise OpError("invalid_argument", "mcp.request takes a request (method and id); send others with mcp.notify", param="message")
+        return {"message": await broker.request(message)}
+
+    async def _op_mcp_notify(self, conn: Connection, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        message = _mcp_message(req)
+        if not (_is_notification(message) or _is_response(message)):
+            raise OpError("invalid_argument", "mcp.notify takes a notification or a response; send requests with mcp.request", param="message")
+        return {"forwarded": await broker.notify(message)}
+
+    async def _op_mcp_subscribe(self, conn: Connection, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        if broker.dead:
+            raise broker.dead_error()
+        sub = broker.subscribe()
+        try:
+            await conn.send({"id": rid, "type": "subscribed", "label": broker.label})
+            while True:
+                while sub.queue:
+                    await conn.send({"id": rid, "type": "message", "message": sub.queue.popleft()})
+                if sub.closed:
+                    break
+                sub.wakeup.clear()
+                await sub.wakeup.wait()
+        finally:
+            broker.unsubscribe(sub)
+        return {"state": broker.state, "dropped": sub.dropped}
+
+    async def _op_mcp_list(self, conn: Connection, rid: int, req: Json) -> Json:
+        return {"brokers": [broker.describe() for broker in self.brokers.values()]}
+
+    async def _op_mcp_stop(self, conn: Connection, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        await broker.stop()
+        return broker.describe()
+
+    async def _op_mcp_close_upstream(self, conn: Connection, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        closed = False if broker.dead else await broker.close_upstream()
+        return {"closed": closed}
 
     # ------------------------------------------------------------ files
 

@@ -87,6 +87,56 @@ CONTAINER_SIZE_LARGE: ContainerSize.ValueType  # 3
 """4 CPUs, 8 GiB."""
 Global___ContainerSize: _TypeAlias = ContainerSize  # noqa: Y015
 
+class _McpBrokerState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _McpBrokerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_McpBrokerState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MCP_BROKER_STATE_UNSPECIFIED: _McpBrokerState.ValueType  # 0
+    """Not set."""
+    MCP_BROKER_STATE_RUNNING: _McpBrokerState.ValueType  # 1
+    """The broker forwards messages to its server."""
+    MCP_BROKER_STATE_DEAD: _McpBrokerState.ValueType  # 2
+    """The server exited or was stopped; requests fail with FAILED_PRECONDITION."""
+
+class McpBrokerState(_McpBrokerState, metaclass=_McpBrokerStateEnumTypeWrapper):
+    """McpBrokerState is the state of an environment-origin MCP broker. A dead
+    broker is never restarted; its label stays taken for the sandbox's life.
+    """
+
+MCP_BROKER_STATE_UNSPECIFIED: McpBrokerState.ValueType  # 0
+"""Not set."""
+MCP_BROKER_STATE_RUNNING: McpBrokerState.ValueType  # 1
+"""The broker forwards messages to its server."""
+MCP_BROKER_STATE_DEAD: McpBrokerState.ValueType  # 2
+"""The server exited or was stopped; requests fail with FAILED_PRECONDITION."""
+Global___McpBrokerState: _TypeAlias = McpBrokerState  # noqa: Y015
+
+class _McpTransportType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _McpTransportTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_McpTransportType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MCP_TRANSPORT_TYPE_UNSPECIFIED: _McpTransportType.ValueType  # 0
+    """Not set."""
+    MCP_TRANSPORT_TYPE_STDIO: _McpTransportType.ValueType  # 1
+    """A server process inside the sandbox speaking JSON-RPC on stdio."""
+    MCP_TRANSPORT_TYPE_HTTP: _McpTransportType.ValueType  # 2
+    """A streamable HTTP endpoint reached from the sandbox's network."""
+
+class McpTransportType(_McpTransportType, metaclass=_McpTransportTypeEnumTypeWrapper):
+    """McpTransportType is how a broker reaches its MCP server."""
+
+MCP_TRANSPORT_TYPE_UNSPECIFIED: McpTransportType.ValueType  # 0
+"""Not set."""
+MCP_TRANSPORT_TYPE_STDIO: McpTransportType.ValueType  # 1
+"""A server process inside the sandbox speaking JSON-RPC on stdio."""
+MCP_TRANSPORT_TYPE_HTTP: McpTransportType.ValueType  # 2
+"""A streamable HTTP endpoint reached from the sandbox's network."""
+Global___McpTransportType: _TypeAlias = McpTransportType  # noqa: Y015
+
 @_typing.final
 class Sandbox(_message.Message):
     """Sandbox is one isolated compute instance with a /workspace directory."""
@@ -226,3 +276,207 @@ class Process(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Process: _TypeAlias = Process  # noqa: Y015
+
+@_typing.final
+class McpStdioTransport(_message.Message):
+    """McpStdioTransport starts an MCP server process inside the sandbox."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    COMMAND_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    ENV_VARS_FIELD_NUMBER: _builtins.int
+    command: _builtins.str
+    """The executable, looked up on the server's PATH."""
+    cwd: _builtins.str
+    """Working directory under /workspace; empty means /workspace."""
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Its arguments."""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Explicit environment variables; they override inherited ones."""
+
+    @_builtins.property
+    def env_vars(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of variables inherited from the sandbox's environment."""
+
+    def __init__(
+        self,
+        *,
+        command: _builtins.str = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+        cwd: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        env_vars: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "command", b"command", "cwd", b"cwd", "env", b"env", "env_vars", b"env_vars"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___McpStdioTransport: _TypeAlias = McpStdioTransport  # noqa: Y015
+
+@_typing.final
+class McpHttpTransport(_message.Message):
+    """McpHttpTransport reaches a streamable HTTP MCP server from inside the sandbox."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class HeadersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SERVER_URL_FIELD_NUMBER: _builtins.int
+    HEADERS_FIELD_NUMBER: _builtins.int
+    server_url: _builtins.str
+    """The MCP endpoint URL (http or https)."""
+    @_builtins.property
+    def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Headers sent with every upstream request, e.g. Authorization."""
+
+    def __init__(
+        self,
+        *,
+        server_url: _builtins.str = ...,
+        headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["headers", b"headers", "server_url", b"server_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___McpHttpTransport: _TypeAlias = McpHttpTransport  # noqa: Y015
+
+@_typing.final
+class McpTransport(_message.Message):
+    """McpTransport is the configuration of an environment-origin MCP server."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STDIO_FIELD_NUMBER: _builtins.int
+    HTTP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stdio(self) -> Global___McpStdioTransport:
+        """A stdio server process in the sandbox."""
+
+    @_builtins.property
+    def http(self) -> Global___McpHttpTransport:
+        """A streamable HTTP server reached from the sandbox."""
+
+    def __init__(
+        self,
+        *,
+        stdio: Global___McpStdioTransport | None = ...,
+        http: Global___McpHttpTransport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["http", b"http", "stdio", b"stdio", "transport", b"transport"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["http", b"http", "stdio", b"stdio", "transport", b"transport"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_transport: _TypeAlias = _typing.Literal["stdio", "http"]  # noqa: Y015
+    _WhichOneofArgType_transport: _TypeAlias = _typing.Literal["transport", b"transport"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_transport) -> _WhichOneofReturnType_transport | None: ...
+
+Global___McpTransport: _TypeAlias = McpTransport  # noqa: Y015
+
+@_typing.final
+class McpBroker(_message.Message):
+    """McpBroker is the one broker of a server_label in a sandbox, shared by
+    every session that uses the label.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LABEL_FIELD_NUMBER: _builtins.int
+    TRANSPORT_TYPE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    CLIENTS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    STDERR_TAIL_FIELD_NUMBER: _builtins.int
+    label: _builtins.str
+    """The server_label; unique within the sandbox."""
+    transport_type: Global___McpTransportType.ValueType
+    """How the broker reaches its server."""
+    state: Global___McpBrokerState.ValueType
+    """Running or dead."""
+    pid: _builtins.int
+    """PID of a stdio server inside the sandbox; 0 for HTTP."""
+    clients: _builtins.int
+    """Open subscriptions plus requests in flight."""
+    in_flight: _builtins.int
+    """Requests waiting for the server's response."""
+    stderr_tail: _builtins.str
+    """The last few KiB the stdio server wrote to stderr."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the broker was started."""
+
+    @_builtins.property
+    def exit(self) -> _common_pb2.ExitStatus:
+        """Exit status of a dead stdio server."""
+
+    def __init__(
+        self,
+        *,
+        label: _builtins.str = ...,
+        transport_type: Global___McpTransportType.ValueType = ...,
+        state: Global___McpBrokerState.ValueType = ...,
+        pid: _builtins.int = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        exit: _common_pb2.ExitStatus | None = ...,
+        clients: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        stderr_tail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clients", b"clients", "exit", b"exit", "in_flight", b"in_flight", "label", b"label", "pid", b"pid", "start_time", b"start_time", "state", b"state", "stderr_tail", b"stderr_tail", "transport_type", b"transport_type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___McpBroker: _TypeAlias = McpBroker  # noqa: Y015

@@ -960,3 +960,317 @@ class DestroySandboxResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DestroySandboxResponse: _TypeAlias = DestroySandboxResponse  # noqa: Y015
+
+@_typing.final
+class StartMcpBrokerRequest(_message.Message):
+    """Request for StartMcpBroker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    label: _builtins.str
+    """The server_label; 1-128 printable characters without spaces."""
+    @_builtins.property
+    def transport(self) -> _sandbox_pb2.McpTransport:
+        """The configuration, used only if this call creates the broker."""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+        transport: _sandbox_pb2.McpTransport | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["transport", b"transport"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "sandbox_id", b"sandbox_id", "transport", b"transport"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartMcpBrokerRequest: _TypeAlias = StartMcpBrokerRequest  # noqa: Y015
+
+@_typing.final
+class StartMcpBrokerResponse(_message.Message):
+    """Response for StartMcpBroker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BROKER_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """Whether this call created the broker with its transport."""
+    @_builtins.property
+    def broker(self) -> _sandbox_pb2.McpBroker:
+        """The label's broker, which may predate this call."""
+
+    def __init__(
+        self,
+        *,
+        broker: _sandbox_pb2.McpBroker | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker", "created", b"created"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartMcpBrokerResponse: _TypeAlias = StartMcpBrokerResponse  # noqa: Y015
+
+@_typing.final
+class ListMcpBrokersRequest(_message.Message):
+    """Request for ListMcpBrokers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMcpBrokersRequest: _TypeAlias = ListMcpBrokersRequest  # noqa: Y015
+
+@_typing.final
+class ListMcpBrokersResponse(_message.Message):
+    """Response for ListMcpBrokers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BROKERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def brokers(self) -> _containers.RepeatedCompositeFieldContainer[_sandbox_pb2.McpBroker]:
+        """Every broker of the sandbox, in start order."""
+
+    def __init__(
+        self,
+        *,
+        brokers: _abc.Iterable[_sandbox_pb2.McpBroker] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["brokers", b"brokers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMcpBrokersResponse: _TypeAlias = ListMcpBrokersResponse  # noqa: Y015
+
+@_typing.final
+class SendMcpMessageRequest(_message.Message):
+    """Request for SendMcpMessage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    label: _builtins.str
+    """The broker's server_label."""
+    message_json: _builtins.str
+    """One JSON-RPC message as JSON: a request, a notification, or the answer
+    to a server request received through SubscribeMcpMessages.
+    """
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+        message_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "message_json", b"message_json", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendMcpMessageRequest: _TypeAlias = SendMcpMessageRequest  # noqa: Y015
+
+@_typing.final
+class SendMcpMessageResponse(_message.Message):
+    """Response for SendMcpMessage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    message_json: _builtins.str
+    """The JSON-RPC response to a request, with the request's own id; empty
+    for notifications and answers.
+    """
+    def __init__(
+        self,
+        *,
+        message_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_json", b"message_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendMcpMessageResponse: _TypeAlias = SendMcpMessageResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeMcpMessagesRequest(_message.Message):
+    """Request for SubscribeMcpMessages."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    label: _builtins.str
+    """The broker's server_label."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeMcpMessagesRequest: _TypeAlias = SubscribeMcpMessagesRequest  # noqa: Y015
+
+@_typing.final
+class SubscribeMcpMessagesResponse(_message.Message):
+    """One message of the SubscribeMcpMessages stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIBED_FIELD_NUMBER: _builtins.int
+    MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    subscribed: _builtins.bool
+    """True on the first message only: the subscription is registered, and
+    nothing the server sends from now on is missed.
+    """
+    message_json: _builtins.str
+    """One JSON-RPC message from the server as JSON; empty on the first message."""
+    def __init__(
+        self,
+        *,
+        subscribed: _builtins.bool = ...,
+        message_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_json", b"message_json", "subscribed", b"subscribed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeMcpMessagesResponse: _TypeAlias = SubscribeMcpMessagesResponse  # noqa: Y015
+
+@_typing.final
+class StopMcpBrokerRequest(_message.Message):
+    """Request for StopMcpBroker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    label: _builtins.str
+    """The broker's server_label."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopMcpBrokerRequest: _TypeAlias = StopMcpBrokerRequest  # noqa: Y015
+
+@_typing.final
+class StopMcpBrokerResponse(_message.Message):
+    """Response for StopMcpBroker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BROKER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def broker(self) -> _sandbox_pb2.McpBroker:
+        """The broker after stopping."""
+
+    def __init__(
+        self,
+        *,
+        broker: _sandbox_pb2.McpBroker | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broker", b"broker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopMcpBrokerResponse: _TypeAlias = StopMcpBrokerResponse  # noqa: Y015
+
+@_typing.final
+class CloseMcpUpstreamRequest(_message.Message):
+    """Request for CloseMcpUpstream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    label: _builtins.str
+    """The broker's server_label."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseMcpUpstreamRequest: _TypeAlias = CloseMcpUpstreamRequest  # noqa: Y015
+
+@_typing.final
+class CloseMcpUpstreamResponse(_message.Message):
+    """Response for CloseMcpUpstream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLOSED_FIELD_NUMBER: _builtins.int
+    closed: _builtins.bool
+    """Whether an upstream session was open and has been ended."""
+    def __init__(
+        self,
+        *,
+        closed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseMcpUpstreamResponse: _TypeAlias = CloseMcpUpstreamResponse  # noqa: Y015

@@ -110,6 +110,36 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxResponse.FromString,
                 _registered_method=True)
+        self.StartMcpBroker = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/StartMcpBroker',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StartMcpBrokerRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StartMcpBrokerResponse.FromString,
+                _registered_method=True)
+        self.ListMcpBrokers = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/ListMcpBrokers',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListMcpBrokersRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListMcpBrokersResponse.FromString,
+                _registered_method=True)
+        self.SendMcpMessage = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/SendMcpMessage',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageResponse.FromString,
+                _registered_method=True)
+        self.SubscribeMcpMessages = channel.unary_stream(
+                '/berth.sandbox.v1.SandboxService/SubscribeMcpMessages',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesResponse.FromString,
+                _registered_method=True)
+        self.StopMcpBroker = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/StopMcpBroker',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StopMcpBrokerRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StopMcpBrokerResponse.FromString,
+                _registered_method=True)
+        self.CloseMcpUpstream = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/CloseMcpUpstream',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServiceServicer:
@@ -222,6 +252,56 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartMcpBroker(self, request, context):
+        """Starts the MCP broker of a server_label, or returns the existing one
+        (running or dead) without comparing configurations. The first
+        configuration wins and a dead broker is not restarted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMcpBrokers(self, request, context):
+        """Lists the sandbox's MCP brokers, running and dead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendMcpMessage(self, request, context):
+        """Sends one JSON-RPC message through a broker and returns the response to
+        a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
+        unknown label NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeMcpMessages(self, request, context):
+        """Streams a broker's server notifications, and the server requests this
+        subscriber is to answer with SendMcpMessage; ends when the broker dies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopMcpBroker(self, request, context):
+        """Kills a stdio broker's server process tree, or ends an HTTP broker's
+        upstream session; the broker stays, dead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseMcpUpstream(self, request, context):
+        """Ends an HTTP broker's upstream session (HTTP DELETE). Peers sharing the
+        broker are affected: their next request opens a fresh upstream session
+        transparently. A no-op for stdio brokers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +379,36 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.DestroySandbox,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxResponse.SerializeToString,
+            ),
+            'StartMcpBroker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartMcpBroker,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StartMcpBrokerRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StartMcpBrokerResponse.SerializeToString,
+            ),
+            'ListMcpBrokers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMcpBrokers,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListMcpBrokersRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListMcpBrokersResponse.SerializeToString,
+            ),
+            'SendMcpMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendMcpMessage,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageResponse.SerializeToString,
+            ),
+            'SubscribeMcpMessages': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeMcpMessages,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesResponse.SerializeToString,
+            ),
+            'StopMcpBroker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopMcpBroker,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StopMcpBrokerRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StopMcpBrokerResponse.SerializeToString,
+            ),
+            'CloseMcpUpstream': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseMcpUpstream,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -707,6 +817,168 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/DestroySandbox',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartMcpBroker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/StartMcpBroker',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StartMcpBrokerRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StartMcpBrokerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMcpBrokers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/ListMcpBrokers',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListMcpBrokersRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListMcpBrokersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMcpMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/SendMcpMessage',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeMcpMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/SubscribeMcpMessages',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopMcpBroker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/StopMcpBroker',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StopMcpBrokerRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.StopMcpBrokerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseMcpUpstream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/CloseMcpUpstream',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

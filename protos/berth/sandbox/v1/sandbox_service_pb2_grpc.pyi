@@ -68,6 +68,31 @@ class SandboxServiceStub:
     """Thaws a paused sandbox."""
     DestroySandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.DestroySandboxRequest, _sandbox_service_pb2.DestroySandboxResponse]
     """Destroys the sandbox and its workspace; idempotent."""
+    StartMcpBroker: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.StartMcpBrokerRequest, _sandbox_service_pb2.StartMcpBrokerResponse]
+    """Starts the MCP broker of a server_label, or returns the existing one
+    (running or dead) without comparing configurations. The first
+    configuration wins and a dead broker is not restarted.
+    """
+    ListMcpBrokers: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListMcpBrokersRequest, _sandbox_service_pb2.ListMcpBrokersResponse]
+    """Lists the sandbox's MCP brokers, running and dead."""
+    SendMcpMessage: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.SendMcpMessageRequest, _sandbox_service_pb2.SendMcpMessageResponse]
+    """Sends one JSON-RPC message through a broker and returns the response to
+    a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
+    unknown label NOT_FOUND.
+    """
+    SubscribeMcpMessages: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.SubscribeMcpMessagesRequest, _sandbox_service_pb2.SubscribeMcpMessagesResponse]
+    """Streams a broker's server notifications, and the server requests this
+    subscriber is to answer with SendMcpMessage; ends when the broker dies.
+    """
+    StopMcpBroker: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.StopMcpBrokerRequest, _sandbox_service_pb2.StopMcpBrokerResponse]
+    """Kills a stdio broker's server process tree, or ends an HTTP broker's
+    upstream session; the broker stays, dead.
+    """
+    CloseMcpUpstream: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.CloseMcpUpstreamRequest, _sandbox_service_pb2.CloseMcpUpstreamResponse]
+    """Ends an HTTP broker's upstream session (HTTP DELETE). Peers sharing the
+    broker are affected: their next request opens a fresh upstream session
+    transparently. A no-op for stdio brokers.
+    """
 
 @_typing.type_check_only
 class SandboxServiceAsyncStub(SandboxServiceStub):
@@ -106,6 +131,31 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Thaws a paused sandbox."""
     DestroySandbox: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.DestroySandboxRequest, _sandbox_service_pb2.DestroySandboxResponse]  # type: ignore[assignment]
     """Destroys the sandbox and its workspace; idempotent."""
+    StartMcpBroker: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.StartMcpBrokerRequest, _sandbox_service_pb2.StartMcpBrokerResponse]  # type: ignore[assignment]
+    """Starts the MCP broker of a server_label, or returns the existing one
+    (running or dead) without comparing configurations. The first
+    configuration wins and a dead broker is not restarted.
+    """
+    ListMcpBrokers: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListMcpBrokersRequest, _sandbox_service_pb2.ListMcpBrokersResponse]  # type: ignore[assignment]
+    """Lists the sandbox's MCP brokers, running and dead."""
+    SendMcpMessage: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.SendMcpMessageRequest, _sandbox_service_pb2.SendMcpMessageResponse]  # type: ignore[assignment]
+    """Sends one JSON-RPC message through a broker and returns the response to
+    a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
+    unknown label NOT_FOUND.
+    """
+    SubscribeMcpMessages: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.SubscribeMcpMessagesRequest, _sandbox_service_pb2.SubscribeMcpMessagesResponse]  # type: ignore[assignment]
+    """Streams a broker's server notifications, and the server requests this
+    subscriber is to answer with SendMcpMessage; ends when the broker dies.
+    """
+    StopMcpBroker: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.StopMcpBrokerRequest, _sandbox_service_pb2.StopMcpBrokerResponse]  # type: ignore[assignment]
+    """Kills a stdio broker's server process tree, or ends an HTTP broker's
+    upstream session; the broker stays, dead.
+    """
+    CloseMcpUpstream: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.CloseMcpUpstreamRequest, _sandbox_service_pb2.CloseMcpUpstreamResponse]  # type: ignore[assignment]
+    """Ends an HTTP broker's upstream session (HTTP DELETE). Peers sharing the
+    broker are affected: their next request opens a fresh upstream session
+    transparently. A no-op for stdio brokers.
+    """
 
 class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
     """SandboxService owns sandbox instances and their lifecycle."""
@@ -231,5 +281,66 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_service_pb2.DestroySandboxResponse, _abc.Awaitable[_sandbox_service_pb2.DestroySandboxResponse]]:
         """Destroys the sandbox and its workspace; idempotent."""
+
+    @_abc_1.abstractmethod
+    def StartMcpBroker(
+        self,
+        request: _sandbox_service_pb2.StartMcpBrokerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.StartMcpBrokerResponse, _abc.Awaitable[_sandbox_service_pb2.StartMcpBrokerResponse]]:
+        """Starts the MCP broker of a server_label, or returns the existing one
+        (running or dead) without comparing configurations. The first
+        configuration wins and a dead broker is not restarted.
+        """
+
+    @_abc_1.abstractmethod
+    def ListMcpBrokers(
+        self,
+        request: _sandbox_service_pb2.ListMcpBrokersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.ListMcpBrokersResponse, _abc.Awaitable[_sandbox_service_pb2.ListMcpBrokersResponse]]:
+        """Lists the sandbox's MCP brokers, running and dead."""
+
+    @_abc_1.abstractmethod
+    def SendMcpMessage(
+        self,
+        request: _sandbox_service_pb2.SendMcpMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.SendMcpMessageResponse, _abc.Awaitable[_sandbox_service_pb2.SendMcpMessageResponse]]:
+        """Sends one JSON-RPC message through a broker and returns the response to
+        a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
+        unknown label NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def SubscribeMcpMessages(
+        self,
+        request: _sandbox_service_pb2.SubscribeMcpMessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_sandbox_service_pb2.SubscribeMcpMessagesResponse], _abc.AsyncIterator[_sandbox_service_pb2.SubscribeMcpMessagesResponse]]:
+        """Streams a broker's server notifications, and the server requests this
+        subscriber is to answer with SendMcpMessage; ends when the broker dies.
+        """
+
+    @_abc_1.abstractmethod
+    def StopMcpBroker(
+        self,
+        request: _sandbox_service_pb2.StopMcpBrokerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.StopMcpBrokerResponse, _abc.Awaitable[_sandbox_service_pb2.StopMcpBrokerResponse]]:
+        """Kills a stdio broker's server process tree, or ends an HTTP broker's
+        upstream session; the broker stays, dead.
+        """
+
+    @_abc_1.abstractmethod
+    def CloseMcpUpstream(
+        self,
+        request: _sandbox_service_pb2.CloseMcpUpstreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.CloseMcpUpstreamResponse, _abc.Awaitable[_sandbox_service_pb2.CloseMcpUpstreamResponse]]:
+        """Ends an HTTP broker's upstream session (HTTP DELETE). Peers sharing the
+        broker are affected: their next request opens a fresh upstream session
+        transparently. A no-op for stdio brokers.
+        """
 
 def add_SandboxServiceServicer_to_server(servicer: SandboxServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
