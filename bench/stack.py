@@ -1,0 +1,58 @@
+"""The whole system in this process, for benchmarks: sandbox, environment
+and session services on port 0 and the gateway on a loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.app import GatewayHandle, start_gateway
+from gateway.keys import create_key
+from services.core.settings import Settings
+from services.environment.server import start_environment_service
+from services.sandbox.server import start_sandbox_service
+from services.session.server import start_session_service
+
+__all__ = ["BenchStack", "running_stack"]
+
+
+@dataclass
+class BenchStack:
+    settings: Settings
+    gateway: GatewayHandle
+    key: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.port}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}", "OpenAI-Beta": "agents=v1"}
+
+
+@asynccontextmanager
+async def running_stack(data_dir: Path, **overrides: object) -> AsyncIterator[BenchStack]:
+    settings = Settings(data_dir=data_dir, sandbox_idle_pause_s=0, log_level="ERROR", **overrides)  # type: ignore[arg-type]
+    sandbox = await start_sandbox_service(settings, address="127.0.0.1:0")
+    settings = settings.model_copy(update={"sandbox_addr": sandbox.address})
+    environment = await start_environment_service(settings, address="127.0.0.1:0")
+    settings = settings.model_copy(update={"environment_addr": environment.address})
+    session = await start_session_service(settings, address="127.0.0.1:0")
+    settings = settings.model_copy(update={"session_addr": session.address})
+    gateway = await start_gateway(settings, port=0)
+    try:
+        _, key = await create_key(gateway.database, "bench", ["tasks:read", "tasks:write"])
+        yield BenchStack(settings=settings, gateway=gateway, key=key)
+    finally:
+        await gateway.stop()
+        await session.stop(0.2)
+        await environment.stop(0.2)
+        await sandbox.stop(0.2)
+        from services.sandbox.backends.local import LocalBackend
+
+        backend = LocalBackend(data_dir, isolation="none")
+        for handle in await backend.adopt():
+            await backend.destroy(handle)
