@@ -19,32 +19,41 @@ __all__ = ["BodyLimitMiddleware", "MetricsMiddleware", "RequestIdMiddleware"]
 _MAX_REQUEST_ID_LEN = 128
 
 
-async def _send_too_large(send: Send) -> None:
+async def _send_too_large(send: Send, *, close: bool) -> None:
     body = json.dumps(
         error_body("Request body exceeds the size limit.", "invalid_request_error", "request_too_large")
     ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyLimitMiddleware:
-    """Rejects bodies over ``max_bytes`` with 413 ``request_too_large``: at
-    once when Content-Length says so, otherwise while the body streams in
-    (chunked uploads do not declare a length)."""
+async def _drain(receive: Receive) -> None:
+    """Reads and discards the rest of a request body."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+
+class BodyLimitMiddleware:
+    """Rejects bodies over ``max_bytes`` with 413 ``request_too_large``: before
+    the app runs when Content-Length says so, otherwise while the body streams
+    in (chunked uploads do not declare a length).
+
+    A client that is still sending its body reads the 413 only if the server
+    consumes that body before it closes: closing a socket with unread data
+    resets the connection, and the client sees a connection error instead
+    (the SDK's uploads do). So a declared body up to ``drain_bytes`` past the
+    limit is read and discarded first; a larger one is refused at once and
+    the connection closed."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, drain_bytes: int = 8 * 1024 * 1024) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_bytes = drain_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,7 +66,10 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = 0
                 if declared > self.max_bytes:
-                    await _send_too_large(send)
+                    drain = declared <= self.max_bytes + self.drain_bytes
+                    if drain:
+                        await _drain(receive)
+                    await _send_too_large(send, close=not drain)
                     return
         received = 0
         started = False
@@ -83,7 +95,7 @@ class BodyLimitMiddleware:
             # Normally the exception handlers answer; this covers a body read
             # outside them.
             if not started:
-                await _send_too_large(send)
+                await _send_too_large(send, close=True)
 
 
 class MetricsMiddleware:
