@@ -25,13 +25,18 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A restarted peer is found again within a second, not after the default
+    # exponential backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 # Retries only for UNAVAILABLE, and only on methods marked idempotent by the
 # caller's service name list (reads); writes are never retried blindly.
 _RETRY_POLICY = {
-    "maxAttempts": 4,
-    "initialBackoff": "0.05s",
+    "maxAttempts": 5,
+    "initialBackoff": "0.1s",
     "maxBackoff": "1s",
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"],

@@ -30,8 +30,22 @@ _UNAUTHENTICATED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 _STREAM_DEADLINE_S = 24 * 3600.0
 
 
+class _Status(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple[tuple[str, str | bytes], ...]) -> None:
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: BerthError) -> None:
-    await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
+    status = rpc_status.to_status(to_rpc_status(error))
+    metadata = tuple(status.trailing_metadata)
+    if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
+        # A domain UNAVAILABLE (e.g. the sandbox is unreachable) comes from a
+        # server that did answer: the caller's transport retries must not
+        # multiply it through every hop.
+        metadata += (("grpc-retry-pushback-ms", "-1"),)
+    await context.abort_with_status(_Status(status.code, status.details, metadata))
 
 
 class ServerContextInterceptor(grpc.aio.ServerInterceptor):
