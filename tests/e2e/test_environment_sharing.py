@@ -118,14 +118,6 @@ async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack) 
     assert not sandbox.exists()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "session-service bug: services/session/domain.py SessionDomain.create_session renders the new session "
-        "with status forced to 'idle' (session_view(..., status='idle')), so POST /agents/sessions does not "
-        "report the failure of an environment whose setup already failed; GET does"
-    ),
-)
 async def test_session_attached_after_setup_failed_is_created_reporting_the_failure(stack) -> None:
     client = stack.aclient()
     env = await create_environment(client, setup_commands=setup_commands("exit 1"))
@@ -251,13 +243,6 @@ async def test_each_session_publishes_only_its_own_outputs_as_artifacts(stack) -
     assert (foreign.status_code, foreign.code) == (404, "not_found")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "session-service bug: services/session/artifacts.py collect_outputs() stores the path relative to the "
-        "output directory (_relative), but SessionArtifact.path is the original absolute path in the environment"
-    ),
-)
 async def test_artifact_path_is_the_absolute_path_in_the_environment(stack) -> None:
     client = stack.aclient()
     owner = await inline_session(client)

@@ -429,7 +429,7 @@ class Artifact(_message.Message):
     environment_id: _builtins.str
     """The environment it came from."""
     path: _builtins.str
-    """Path relative to the session's output directory."""
+    """Absolute path inside the environment (under the output directory)."""
     size_bytes: _builtins.int
     """Size in bytes."""
     sha256: _builtins.str

@@ -1,0 +1,117 @@
+"""The Session service's only path to compute: a typed client of the
+Environment service. Errors arrive as ``grpc.aio.AioRpcError``; callers that
+change their meaning translate them with ``services.core.errors.from_rpc_error``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
+from services.core.grpc_server import open_channel
+
+__all__ = ["EnvironmentClient", "SessionOutputs"]
+
+_SERVICE = "berth.environment.v1.EnvironmentService"
+_READS = ("GetEnvironment", "GetBinding", "ListSessionOutputs", "ListWorkspaceFiles")
+
+
+@dataclass
+class SessionOutputs:
+    output_dir: str
+    entries: list[common_pb2.FileEntry]
+
+
+class EnvironmentClient:
+    def __init__(self, address: str, *, timeout_s: float, setup_timeout_s: float) -> None:
+        self._channel = open_channel(address, timeout_s=timeout_s, idempotent_methods=[(_SERVICE, m) for m in _READS])
+        self._stub = environment_service_pb2_grpc.EnvironmentServiceStub(self._channel)
+        self._setup_timeout_s = setup_timeout_s
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def create_environment(
+        self, config: environment_pb2.EnvironmentConfig, *, vault_ids: list[str], owner_session_id: str
+    ) -> environment_pb2.Environment:
+        response = await self._stub.CreateEnvironment(
+            environment_service_pb2.CreateEnvironmentRequest(
+                config=config, vault_ids=vault_ids, owner_session_id=owner_session_id
+            )
+        )
+        return response.environment
+
+    async def attach_session(self, environment_id: str, session_id: str) -> environment_pb2.Environment:
+        response = await self._stub.AttachSession(
+            environment_service_pb2.AttachSessionRequest(environment_id=environment_id, session_id=session_id)
+        )
+        return response.environment
+
+    async def detach_session(self, environment_id: str, session_id: str) -> bool:
+        response = await self._stub.DetachSession(
+            environment_service_pb2.DetachSessionRequest(environment_id=environment_id, session_id=session_id)
+        )
+        return bool(response.environment_deleted)
+
+    async def get_environment(self, environment_id: str) -> environment_pb2.Environment:
+        response = await self._stub.GetEnvironment(
+            environment_service_pb2.GetEnvironmentRequest(environment_id=environment_id)
+        )
+        return response.environment
+
+    async def ensure_ready(self, environment_id: str) -> environment_pb2.Environment:
+        response = await self._stub.EnsureEnvironmentReady(
+            environment_service_pb2.EnsureEnvironmentReadyRequest(environment_id=environment_id),
+            timeout=self._setup_timeout_s + 60.0,
+        )
+        return response.environment
+
+    def exec_command(
+        self,
+        environment_id: str,
+        session_id: str,
+        *,
+        shell: str,
+        cwd: str = "",
+        timeout_ms: int = 0,
+    ) -> grpc.aio.UnaryStreamCall:
+        """The ExecCommand stream; cancelling the call kills the process tree."""
+        return self._stub.ExecCommand(
+            environment_service_pb2.ExecCommandRequest(
+                environment_id=environment_id, session_id=session_id, shell=shell, cwd=cwd, timeout_ms=timeout_ms
+            )
+        )
+
+    async def read_file_chunks(self, environment_id: str, path: str) -> AsyncIterator[bytes]:
+        call = self._stub.ReadWorkspaceFile(
+            environment_service_pb2.ReadWorkspaceFileRequest(environment_id=environment_id, path=path)
+        )
+        async for message in call:
+            if message.data:
+                yield message.data
+
+    async def read_file(self, environment_id: str, path: str, *, limit: int | None = None) -> tuple[bytes, bool]:
+        """Returns (content, truncated)."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self.read_file_chunks(environment_id, path):
+            chunks.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:
+                return b"".join(chunks)[:limit], True
+        return b"".join(chunks), False
+
+    async def write_file(self, environment_id: str, path: str, data: bytes) -> common_pb2.FileEntry:
+        response = await self._stub.WriteWorkspaceFile(
+            environment_service_pb2.WriteWorkspaceFileRequest(environment_id=environment_id, path=path, data=data)
+        )
+        return response.entry
+
+    async def list_session_outputs(self, environment_id: str, session_id: str) -> SessionOutputs:
+        response = await self._stub.ListSessionOutputs(
+            environment_service_pb2.ListSessionOutputsRequest(environment_id=environment_id, session_id=session_id)
+        )
+        return SessionOutputs(output_dir=response.output_dir, entries=list(response.entries))

@@ -1,0 +1,1 @@
+"""The agent loop: model providers, tools and the turn loop."""

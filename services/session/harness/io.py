@@ -1,0 +1,92 @@
+"""What the harness needs from the service around it: persistence of items
+and events, function-call waits and the environment. ``services.session``
+implements it over the database; harness tests can implement it in memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from services.session.agents import AgentConfig
+from services.session.environment_client import EnvironmentClient
+from services.session.harness.models.base import Entry, Usage
+
+__all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure"]
+
+
+class TurnFailure(Exception):
+    """Ends the turn as failed with a `SessionTurnError` code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ItemHandle:
+    id: str
+    output_index: int | None
+
+
+@dataclass(frozen=True)
+class FunctionResult:
+    call_id: str
+    success: bool
+    output: Any
+    error: str | None
+
+
+class TurnIO(Protocol):
+    session_id: str
+    turn_id: str
+    environment_id: str | None
+    env: EnvironmentClient | None
+
+    async def agent_config(self) -> AgentConfig:
+        """The session's current agent snapshot (updates apply on the next model call)."""
+        ...
+
+    async def transcript(self) -> list[Entry]:
+        """Model-facing entries of the whole session history, in order."""
+        ...
+
+    async def add_item(
+        self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
+    ) -> ItemHandle:
+        """Persists an item and emits turn.item.added (and item.done when ``done``).
+        ``output`` items are agent output and get an output_index."""
+        ...
+
+    def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
+        """Remembers the latest in-memory state of an open item, so a cancel can close it."""
+        ...
+
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry]) -> None:
+        """Stores the final item and emits turn.item.done."""
+        ...
+
+    async def emit(self, *events: dict[str, Any]) -> None:
+        """Appends scoped events (session_id and turn_id are filled in)."""
+        ...
+
+    async def add_function_call(self, name: str, arguments: str, model_call_id: str) -> str:
+        """Registers a pending application function call, then emits its item;
+        returns the public call_id."""
+        ...
+
+    async def wait_function_results(self, call_ids: list[str]) -> list[FunctionResult]:
+        """Moves the turn to waiting (session requires_action) until every call
+        is answered, records the outputs and resumes the turn."""
+        ...
+
+    async def ensure_environment(self) -> None:
+        """Before the first environment operation of a turn: pending/ready events
+        around setup; raises TurnFailure("sandbox_error") when setup failed."""
+        ...
+
+    def sandbox_failure(self, exc: BaseException) -> TurnFailure:
+        """A failed environment call as a turn failure naming the session and environment."""
+        ...
+
+    def record_usage(self, usage: Usage) -> None: ...

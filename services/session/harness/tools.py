@@ -1,0 +1,324 @@
+"""Tools the harness offers the model and how each call executes.
+
+- Environment tools (only with an environment): ``exec_command``,
+  ``read_file``, ``write_file``. They run through the Environment service, so
+  the first one of a turn enters the init guard.
+- Application function tools (``agent.tools`` of type ``function``): the call
+  becomes a pending function call; the turn waits for the tool result.
+- MCP tools (``mcp__LABEL__TOOL``): recorded as a failed ``mcp_call`` until MCP
+  support lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.session.agents import AgentConfig, function_tools
+from services.session.harness.io import TurnFailure, TurnIO
+from services.session.harness.models.base import ToolCall, ToolSpec
+
+__all__ = ["tool_specs", "execute_tool_call", "PendingCall", "WORKSPACE", "MAX_MODEL_OUTPUT"]
+
+WORKSPACE = "/workspace"
+MAX_ITEM_OUTPUT = 256 * 1024
+MAX_MODEL_OUTPUT = 16 * 1024
+MAX_READ_BYTES = 1024 * 1024
+DEFAULT_EXEC_TIMEOUT_MS = 10 * 60 * 1000
+
+# Codes that mean the environment itself is unusable, not that the tool's
+# input was wrong; they fail the turn with sandbox_error.
+_SANDBOX_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+}
+
+_ENV_TOOLS = [
+    ToolSpec(
+        name="exec_command",
+        description=(
+            "Run a shell command (sh -c) in the environment and return its exit code and combined output. "
+            "Write deliverables to $REBYTE_OUTPUT_DIR; they are published as artifacts when the turn completes."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The shell command."},
+                "cwd": {"type": "string", "description": "Working directory; default /workspace."},
+                "timeout_ms": {"type": "integer", "description": "Timeout in milliseconds; default 600000."},
+            },
+            "required": ["command"],
+        },
+    ),
+    ToolSpec(
+        name="read_file",
+        description="Read a UTF-8 text file from the environment (paths are relative to /workspace).",
+        parameters={
+            "type": "object",
+            "properties": {"path": {"type": "string", "description": "File path."}},
+            "required": ["path"],
+        },
+    ),
+    ToolSpec(
+        name="write_file",
+        description="Create or replace a file in the environment with the given text (paths are relative to /workspace).",
+        parameters={
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "description": "File path."},
+                "content": {"type": "string", "description": "The complete new content."},
+            },
+            "required": ["path", "content"],
+        },
+    ),
+]
+_ENV_TOOL_NAMES = {t.name for t in _ENV_TOOLS}
+
+
+def tool_specs(config: AgentConfig, *, has_environment: bool) -> list[ToolSpec]:
+    specs = list(_ENV_TOOLS) if has_environment else []
+    for tool in function_tools(config):
+        specs.append(ToolSpec(tool["name"], tool.get("description") or "", tool.get("parameters") or {"type": "object"}))
+    return specs
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    call_id: str
+
+
+def _arguments(call: ToolCall) -> dict[str, Any] | None:
+    try:
+        value = json.loads(call.arguments or "{}")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _clip_for_model(text: str) -> str:
+    if len(text) <= MAX_MODEL_OUTPUT:
+        return text
+    half = MAX_MODEL_OUTPUT // 2
+    return f"{text[:half]}\n...[{len(text) - MAX_MODEL_OUTPUT} characters omitted]...\n{text[-half:]}"
+
+
+def _workspace_path(path: str) -> str:
+    return posixpath.normpath(path if path.startswith("/") else posixpath.join(WORKSPACE, path))
+
+
+def _call_entries(call: ToolCall, output: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "assistant", "tool_calls": [call.as_entry()]},
+        {"role": "tool", "call_id": call.id, "output": output},
+    ]
+
+
+async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> PendingCall | None:
+    """Runs one tool call to completion, or registers it as a pending
+    application function call and returns it."""
+    functions = {t["name"] for t in function_tools(config)}
+    if call.name in _ENV_TOOL_NAMES:
+        await _environment_tool(io, call)
+        return None
+    if call.name in functions:
+        return PendingCall(await io.add_function_call(call.name, call.arguments, call.id))
+    if call.name.startswith("mcp__"):
+        await _mcp_unavailable(io, call)
+        return None
+    # The model called a tool it was not given; tell it so without a public item.
+    await io.add_item(
+        {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "failed"},
+        entries=_call_entries(call, f"error: there is no tool named {call.name!r}"),
+        output=False,
+        done=False,
+        visible=False,
+    )
+    return None
+
+
+async def _environment_tool(io: TurnIO, call: ToolCall) -> None:
+    args = _arguments(call)
+    if call.name == "exec_command":
+        command = str(args.get("command", "")) if args else ""
+        cwd = str(args.get("cwd") or WORKSPACE) if args else WORKSPACE
+        item: dict[str, Any] = {
+            "type": "command_execution",
+            "command": command or call.arguments,
+            "cwd": cwd,
+            "status": "in_progress",
+            "exit_code": None,
+            "output": None,
+            "duration_ms": None,
+        }
+    else:
+        path = str(args.get("path", "")) if args else ""
+        item = {
+            "type": "command_execution",
+            "command": f"{call.name} {path}".strip(),
+            "cwd": WORKSPACE,
+            "status": "in_progress",
+            "exit_code": None,
+            "output": None,
+            "duration_ms": None,
+        }
+    if io.environment_id is None or io.env is None:
+        message = "error: this session has no environment; environment tools are unavailable"
+        await io.add_item(
+            {**item, "status": "failed", "output": message}, entries=_call_entries(call, message), output=True, done=True
+        )
+        return
+    if args is None or (call.name == "exec_command" and not args.get("command")) or (
+        call.name != "exec_command" and not args.get("path")
+    ):
+        message = f"error: invalid arguments for {call.name}: {call.arguments}"
+        await io.add_item(
+            {**item, "status": "failed", "output": message}, entries=_call_entries(call, message), output=True, done=True
+        )
+        return
+
+    await io.ensure_environment()
+    handle = await io.add_item(item, entries=[], output=True, done=False)
+    io.track_item(handle, item)
+    started = time.monotonic()
+    if call.name == "exec_command":
+        item, model_output = await _exec(io, handle, item, args)
+    elif call.name == "read_file":
+        item, model_output = await _read(io, item, args)
+    else:
+        item, model_output = await _write(io, item, args)
+    item["duration_ms"] = item["duration_ms"] if item["duration_ms"] is not None else int((time.monotonic() - started) * 1000)
+    await io.finish_item(handle, item, entries=_call_entries(call, model_output))
+
+
+async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    assert io.env is not None and io.environment_id is not None
+    timeout_ms = args.get("timeout_ms")
+    stream = io.env.exec_command(
+        io.environment_id,
+        io.session_id,
+        shell=str(args["command"]),
+        cwd=str(args.get("cwd") or ""),
+        timeout_ms=int(timeout_ms) if isinstance(timeout_ms, int) and timeout_ms > 0 else DEFAULT_EXEC_TIMEOUT_MS,
+    )
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    output: list[str] = []
+    size = 0
+    exit_code: int | None = None
+    timed_out = False
+    duration_ms: int | None = None
+    try:
+        async for message in stream:
+            kind = message.WhichOneof("event")
+            if kind == "chunk":
+                text = decoder.decode(message.chunk.data)
+                if not text:
+                    continue
+                if size < MAX_ITEM_OUTPUT:
+                    output.append(text)
+                size += len(text)
+                item["output"] = "".join(output)
+                io.track_item(handle, item)
+                await io.emit(
+                    {
+                        "type": "agent.output.command_execution_output.delta",
+                        "item_id": handle.id,
+                        "output_index": handle.output_index,
+                        "delta": text,
+                    }
+                )
+            elif kind == "exit":
+                exit_code = message.exit.exit_code
+                timed_out = message.exit.timed_out
+                duration_ms = int(message.exit.duration_ms)
+    except asyncio.CancelledError:
+        # Cancelling the RPC kills the command's process tree in the sandbox.
+        stream.cancel()
+        raise
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in _SANDBOX_CODES:
+            item.update(status="failed", output="".join(output) or None)
+            io.track_item(handle, item)
+            raise io.sandbox_failure(exc) from exc
+        text = f"error: {exc.details()}"
+        item.update(status="failed", output=text)
+        return item, text
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        output.append(tail)
+    text = "".join(output)
+    if size > MAX_ITEM_OUTPUT:
+        text += f"\n...[output truncated, {size} characters in total]"
+    item.update(
+        status="completed" if exit_code == 0 else "failed",
+        exit_code=exit_code,
+        output=text,
+        duration_ms=duration_ms,
+    )
+    note = " (timed out)" if timed_out else ""
+    return item, f"exit_code: {exit_code}{note}\n{_clip_for_model(text)}"
+
+
+async def _read(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    assert io.env is not None and io.environment_id is not None
+    path = _workspace_path(str(args["path"]))
+    try:
+        data, truncated = await io.env.read_file(io.environment_id, path, limit=MAX_READ_BYTES)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in _SANDBOX_CODES:
+            raise io.sandbox_failure(exc) from exc
+        message = f"error: {exc.details()}"
+        item.update(status="failed", exit_code=1, output=message)
+        return item, message
+    text = data.decode("utf-8", errors="replace")
+    if truncated:
+        text += "\n...[file truncated]"
+    item.update(status="completed", exit_code=0, output=text if len(text) <= MAX_ITEM_OUTPUT else text[:MAX_ITEM_OUTPUT])
+    return item, _clip_for_model(text)
+
+
+async def _write(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    assert io.env is not None and io.environment_id is not None
+    path = _workspace_path(str(args["path"]))
+    content = args.get("content", "")
+    data = content.encode() if isinstance(content, str) else json.dumps(content).encode()
+    try:
+        await io.env.write_file(io.environment_id, path, data)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in _SANDBOX_CODES:
+            raise io.sandbox_failure(exc) from exc
+        message = f"error: {exc.details()}"
+        item.update(status="failed", exit_code=1, output=message)
+        return item, message
+    message = f"wrote {len(data)} bytes to {path}"
+    item.update(status="completed", exit_code=0, output=message)
+    return item, message
+
+
+async def _mcp_unavailable(io: TurnIO, call: ToolCall) -> None:
+    _, label, tool = (call.name.split("__", 2) + ["", ""])[:3]
+    args = _arguments(call)
+    message = f"MCP server {label!r} is not available: MCP tools are not supported yet"
+    item = {
+        "type": "mcp_call",
+        "server_label": label,
+        "name": tool,
+        "arguments": args if args is not None else call.arguments,
+        "output": None,
+        "error": {"type": "mcp_unavailable", "message": message},
+        "status": "failed",
+    }
+    await io.add_item(item, entries=_call_entries(call, f"error: {message}"), output=True, done=True)
+
+
+__all__ += ["TurnFailure"]

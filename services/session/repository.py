@@ -1,0 +1,206 @@
+"""Queries over the Session service's tables. Functions take an open
+``AsyncSession`` and never commit; state changes are compare-and-set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.core.errors import InvalidArgument, NotFound
+from services.session.models import (
+    AgentRow,
+    ArtifactRow,
+    EventRow,
+    FunctionCallRow,
+    ItemRow,
+    PublishedOutputRow,
+    SessionRow,
+    TurnRow,
+)
+
+__all__ = [
+    "Page",
+    "paginate",
+    "get_agent",
+    "get_session",
+    "get_turn",
+    "get_artifact",
+    "required_actions",
+    "queued_turn",
+    "events_after",
+    "delete_session_rows",
+    "ACTIVE_TURN_STATUSES",
+]
+
+ACTIVE_TURN_STATUSES = ("queued", "in_progress", "waiting")
+
+Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
+
+
+@dataclass(frozen=True)
+class Page:
+    limit: int = 0
+    after: str = ""
+    before: str = ""
+    order: str = ""
+
+
+async def _cursor_pk(s: AsyncSession, model: type[Row], scope: list[Any], cursor: str, param: str) -> int:
+    pk = (await s.execute(select(model.pk).where(model.id == cursor, *scope))).scalar_one_or_none()
+    if pk is None:
+        raise InvalidArgument(f"{param} {cursor!r} does not name a result of this list", param=param)
+    return int(pk)
+
+
+async def paginate(s: AsyncSession, model: type[Row], scope: list[Any], page: Page) -> tuple[list[Row], bool]:
+    """Cursor pagination in creation order (default ``desc``)."""
+    limit = page.limit or 20
+    if not 1 <= limit <= 100:
+        raise InvalidArgument("limit must be between 1 and 100", param="limit")
+    order = page.order or "desc"
+    if order not in ("asc", "desc"):
+        raise InvalidArgument("order must be 'asc' or 'desc'", param="order")
+    ascending = order == "asc"
+    stmt = select(model).where(*scope)
+    if page.after:
+        pk = await _cursor_pk(s, model, scope, page.after, "after")
+        stmt = stmt.where(model.pk > pk if ascending else model.pk < pk)
+    reverse = False
+    if page.before:
+        pk = await _cursor_pk(s, model, scope, page.before, "before")
+        stmt = stmt.where(model.pk < pk if ascending else model.pk > pk)
+        # The page nearest the cursor: walk away from it, then flip back.
+        reverse = not page.after
+    walk_ascending = ascending != reverse
+    stmt = stmt.order_by(model.pk.asc() if walk_ascending else model.pk.desc()).limit(limit + 1)
+    rows: list[Row] = list((await s.execute(stmt)).scalars())
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    if reverse:
+        rows.reverse()
+    return rows, has_more
+
+
+async def get_agent(s: AsyncSession, org_id: str, agent_id: str) -> AgentRow:
+    row = (await s.execute(select(AgentRow).where(AgentRow.id == agent_id, AgentRow.org_id == org_id))).scalar_one_or_none()
+    if row is None:
+        raise NotFound(f"agent {agent_id} not found", param="agent_id")
+    return row
+
+
+async def get_session(s: AsyncSession, org_id: str, session_id: str) -> SessionRow:
+    row = (
+        await s.execute(
+            select(SessionRow).where(
+                SessionRow.id == session_id, SessionRow.org_id == org_id, SessionRow.status != "deleting"
+            )
+        )
+    ).scalar_one_or_none()
+    if row is None:
+        raise NotFound(f"session {session_id} not found", param="session_id")
+    return row
+
+
+async def get_turn(s: AsyncSession, session_id: str, turn_id: str) -> TurnRow:
+    row = (
+        await s.execute(select(TurnRow).where(TurnRow.id == turn_id, TurnRow.session_id == session_id))
+    ).scalar_one_or_none()
+    if row is None:
+        raise NotFound(f"turn {turn_id} not found", param="turn_id")
+    return row
+
+
+async def get_artifact(s: AsyncSession, session_id: str, artifact_id: str) -> ArtifactRow:
+    row = (
+        await s.execute(select(ArtifactRow).where(ArtifactRow.id == artifact_id, ArtifactRow.session_id == session_id))
+    ).scalar_one_or_none()
+    if row is None:
+        raise NotFound(f"artifact {artifact_id} not found", param="artifact_id")
+    return row
+
+
+async def required_actions(s: AsyncSession, session_id: str) -> list[dict[str, Any]]:
+    rows = (
+        await s.execute(
+            select(FunctionCallRow)
+            .where(FunctionCallRow.session_id == session_id, FunctionCallRow.state == "pending")
+            .order_by(FunctionCallRow.created_at, FunctionCallRow.call_id)
+        )
+    ).scalars()
+    return [
+        {"type": "function_call", "call_id": r.call_id, "name": r.name, "arguments": r.arguments, "turn_id": r.turn_id}
+        for r in rows
+    ]
+
+
+async def queued_turn(s: AsyncSession, session_id: str) -> TurnRow | None:
+    return (
+        await s.execute(
+            select(TurnRow).where(TurnRow.session_id == session_id, TurnRow.status == "queued").order_by(TurnRow.pk).limit(1)
+        )
+    ).scalar_one_or_none()
+
+
+async def events_after(s: AsyncSession, session_id: str, after: int, limit: int = 500) -> list[EventRow]:
+    return list(
+        (
+            await s.execute(
+                select(EventRow)
+                .where(EventRow.session_id == session_id, EventRow.seq > after)
+                .order_by(EventRow.seq)
+                .limit(limit)
+            )
+        ).scalars()
+    )
+
+
+async def claim_active_turn(s: AsyncSession, session_id: str, turn_id: str, now: float) -> bool:
+    """The per-session mutex: at most one turn holds ``active_turn_id``."""
+    result = await s.execute(
+        update(SessionRow)
+        .where(SessionRow.id == session_id, SessionRow.active_turn_id.is_(None))
+        .values(active_turn_id=turn_id, status="in_progress", last_active_at=now)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def set_turn_status(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> bool:
+    result = await s.execute(update(TurnRow).where(TurnRow.id == turn_id, TurnRow.status.in_(expected)).values(**values))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def next_output_index(s: AsyncSession, turn_id: str) -> int:
+    result = await s.execute(
+        update(TurnRow)
+        .where(TurnRow.id == turn_id)
+        .values(next_output_index=TurnRow.next_output_index + 1)
+        .returning(TurnRow.next_output_index)
+    )
+    return int(result.scalar_one()) - 1
+
+
+async def delete_session_rows(s: AsyncSession, session_id: str) -> list[str]:
+    """Deletes everything a session owns; returns the artifact blob hashes it referenced."""
+    shas = [
+        str(sha)
+        for sha in (await s.execute(select(ArtifactRow.sha256).where(ArtifactRow.session_id == session_id).distinct())).scalars()
+    ]
+    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow):
+        await s.execute(delete(model).where(model.session_id == session_id))
+    await s.execute(delete(SessionRow).where(SessionRow.id == session_id))
+    return shas
+
+
+async def unreferenced_blobs(s: AsyncSession, shas: list[str]) -> list[str]:
+    if not shas:
+        return []
+    referenced = set(
+        (await s.execute(select(ArtifactRow.sha256).where(ArtifactRow.sha256.in_(shas)).group_by(ArtifactRow.sha256))).scalars()
+    )
+    return [sha for sha in shas if sha not in referenced]
+
+
+__all__ += ["claim_active_turn", "set_turn_status", "next_output_index", "unreferenced_blobs"]

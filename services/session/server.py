@@ -1,0 +1,62 @@
+"""Composition root of the Session service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
+from services.core.db import open_database
+from services.core.grpc_server import start_grpc_server
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.session.artifacts import BlobStore
+from services.session.domain import SessionDomain
+from services.session.environment_client import EnvironmentClient
+from services.session.harness.models import ProviderRegistry
+from services.session.runner import TurnRunner
+from services.session.servicer import SessionServicer
+from services.session.store import Store
+
+__all__ = ["start_session_service"]
+
+_MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+
+
+async def start_session_service(
+    settings: Settings, *, address: str | None = None, environment_addr: str | None = None
+) -> ServiceHandle:
+    """Starts the Session service. ``address`` overrides ``settings.session_addr``
+    (tests pass ``"127.0.0.1:0"``); ``environment_addr`` overrides the
+    Environment service address the harness and session lifecycle call."""
+    db = await open_database(settings.database_url("session"), "session", _MIGRATIONS)
+    store = Store(db)
+    env_client = EnvironmentClient(
+        environment_addr or settings.environment_addr,
+        timeout_s=settings.rpc_timeout_s,
+        setup_timeout_s=settings.setup_timeout_s,
+    )
+    providers = ProviderRegistry(settings)
+    blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
+    runner = TurnRunner(store, env_client, providers, blobs)
+    domain = SessionDomain(store, env_client, runner, blobs)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        session_service_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(domain), server)
+        return [session_service_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name]
+
+    try:
+        running = await start_grpc_server(address or settings.session_addr, register)
+    except BaseException:
+        await env_client.close()
+        await db.dispose()
+        raise
+    await runner.start()
+    # Closed in reverse order: the runner finishes its turns while the
+    # database and the environment channel are still open.
+    return ServiceHandle(
+        name="session",
+        grpc=running,
+        closers=[db.dispose, env_client.close, providers.close, runner.close],
+    )

@@ -1,0 +1,153 @@
+"""The unit of work and the per-session event log.
+
+``Store.unit()`` is one transaction. Events appended inside it get their
+sequence numbers from the session's counter row (``UPDATE sessions SET
+event_seq = event_seq + n ... RETURNING``), in the same transaction as the
+rows they describe: a row lock on PostgreSQL and the write lock on SQLite
+serialize writers, so numbers are gapless and commit in order on every
+replica. After commit, local stream followers are woken; followers on other
+replicas find the rows by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.core.db import Database
+from services.core.errors import NotFound
+from services.core.ids import new_id
+from services.session.models import EventRow, SessionRow
+
+__all__ = ["Store", "Unit", "Notifier", "AppendedEvent"]
+
+T = TypeVar("T")
+
+
+class Notifier:
+    """In-process wake-ups for stream followers and waiting turns, by key."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+
+    def subscribe(self, key: str) -> asyncio.Event:
+        event = asyncio.Event()
+        self._waiters.setdefault(key, set()).add(event)
+        return event
+
+    def unsubscribe(self, key: str, event: asyncio.Event) -> None:
+        waiters = self._waiters.get(key)
+        if waiters is not None:
+            waiters.discard(event)
+            if not waiters:
+                del self._waiters[key]
+
+    def notify(self, key: str) -> None:
+        for event in self._waiters.get(key, ()):
+            event.set()
+
+
+@dataclass
+class AppendedEvent:
+    sequence: int
+    type: str
+    event: dict[str, Any]
+
+
+@dataclass
+class Unit:
+    """One open transaction plus the events it appends."""
+
+    session: AsyncSession
+    appended: list[tuple[str, AppendedEvent]] = field(default_factory=list)
+    wake: set[str] = field(default_factory=set)
+
+    async def emit(self, session_id: str, *events: dict[str, Any], turn_id: str = "") -> list[AppendedEvent]:
+        """Appends events to the session's log; each gets a unique event_id."""
+        if not events:
+            return []
+        result = await self.session.execute(
+            update(SessionRow)
+            .where(SessionRow.id == session_id)
+            .values(event_seq=SessionRow.event_seq + len(events))
+            .returning(SessionRow.event_seq)
+        )
+        last = result.scalar_one_or_none()
+        if last is None:
+            raise NotFound(f"session {session_id} not found")
+        first = int(last) - len(events) + 1
+        now = time.time()
+        out: list[AppendedEvent] = []
+        for offset, body in enumerate(events):
+            event = {"event_id": new_id("evt"), **body}
+            seq = first + offset
+            self.session.add(
+                EventRow(
+                    session_id=session_id,
+                    seq=seq,
+                    type=str(event["type"]),
+                    turn_id=str(event.get("turn_id") or turn_id or ""),
+                    event_json=json.dumps(event, separators=(",", ":")),
+                    created_at=now,
+                )
+            )
+            appended = AppendedEvent(seq, str(event["type"]), event)
+            out.append(appended)
+            self.appended.append((session_id, appended))
+        self.wake.add(f"events:{session_id}")
+        return out
+
+    def wake_key(self, key: str) -> None:
+        self.wake.add(key)
+
+
+class Store:
+    """Runs units of work. Each transaction runs to its end in a task of its
+    own, shielded from the caller's cancellation: a turn cancel or a client
+    disconnect must never interrupt a transaction half-way (an interrupted
+    aiosqlite connection would keep SQLite's write lock)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.notifier = Notifier()
+
+    async def _shielded(self, work: Awaitable[T], inflight: set[asyncio.Future[Any]] | None) -> T:
+        task = asyncio.ensure_future(work)
+        # Retrieve a late failure of a transaction whose caller went away.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if inflight is not None:
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+        return await asyncio.shield(task)
+
+    async def transact(self, fn: Callable[[Unit], Awaitable[T]], *, inflight: set[asyncio.Future[Any]] | None = None) -> T:
+        """One read-write transaction; events appended by ``fn`` wake local
+        followers after commit. ``inflight`` collects the transaction while
+        it runs, so a cancelled caller can wait for it to settle."""
+
+        async def run() -> T:
+            async with self.db.transaction() as session:
+                unit = Unit(session)
+                result = await fn(unit)
+                await session.flush()
+            for key in unit.wake:
+                self.notifier.notify(key)
+            return result
+
+        return await self._shielded(run(), inflight)
+
+    async def query(self, fn: Callable[[AsyncSession], Awaitable[T]]) -> T:
+        """One read-only transaction."""
+
+        async def run() -> T:
+            async with self.db.transaction() as session:
+                return await fn(session)
+
+        return await self._shielded(run(), None)

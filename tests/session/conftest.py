@@ -1,0 +1,456 @@
+"""Fixtures for the Session service: an in-process fake Environment service
+(real ``sh`` processes in a temporary directory standing in for /workspace),
+the Session service on port 0, and a small client over the generated stubs
+that also validates every event against the official SDK models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pydantic
+import pytest
+from openai.types.beta.agent_session_event import AgentSessionEvent
+
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
+from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
+from services.core.context import current_org
+from services.core.errors import EnvironmentFailed, InitializationRunning, NotFound
+from services.core.grpc_server import RunningServer, start_grpc_server
+from services.core.ids import new_id
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.session.server import start_session_service
+
+ORG = "org_a"
+OTHER_ORG = "org_b"
+EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEvent)
+
+
+# --------------------------------------------------------------------------- fake environment service
+@dataclass
+class FakeEnv:
+    env: environment_pb2.Environment
+    root: Path
+    bindings: dict[str, str] = field(default_factory=dict)  # session_id -> role
+    setup_task: asyncio.Task[None] | None = None
+
+
+class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
+    """Just enough of the Environment service for the Session service: the
+    init guard (with a pluggable setup), bindings, output directories, exec
+    with streamed output, and file reads/writes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.envs: dict[str, FakeEnv] = {}
+        self.setup: Callable[[FakeEnv], Awaitable[None]] = self._default_setup
+        self.setup_calls = 0
+        self.detached: list[tuple[str, str]] = []
+        self.pids: list[int] = []
+        self.exec_cancelled = asyncio.Event()
+
+    async def _default_setup(self, env: FakeEnv) -> None:
+        return None
+
+    def _get(self, environment_id: str) -> FakeEnv:
+        fake = self.envs.get(environment_id)
+        if fake is None or fake.env.org_id != current_org():
+            raise NotFound(f"environment {environment_id} not found")
+        return fake
+
+    def _output_dir(self, fake: FakeEnv, session_id: str) -> str:
+        if fake.bindings.get(session_id) == "owner":
+            return "/workspace/outputs"
+        return f"/workspace/outputs/sessions/{session_id}"
+
+    def _host(self, fake: FakeEnv, path: str) -> Path:
+        rel = os.path.relpath(os.path.normpath(path), "/workspace")
+        return fake.root / rel
+
+    async def CreateEnvironment(self, request: Any, context: Any) -> Any:
+        env_id = new_id("env")
+        env = environment_pb2.Environment(
+            id=env_id,
+            org_id=current_org(),
+            status=environment_pb2.ENVIRONMENT_STATUS_PENDING,
+            lifetime=environment_pb2.LIFETIME_PRIVATE,
+            sandbox_id=new_id("sbx"),
+            config=request.config,
+            owner_session_id=request.owner_session_id,
+        )
+        fake = FakeEnv(env, self.root / env_id)
+        fake.root.mkdir(parents=True)
+        self.envs[env_id] = fake
+        if request.owner_session_id:
+            fake.bindings[request.owner_session_id] = "owner"
+        fake.env.session_count = len(fake.bindings)
+        return environment_service_pb2.CreateEnvironmentResponse(environment=fake.env)
+
+    async def GetEnvironment(self, request: Any, context: Any) -> Any:
+        return environment_service_pb2.GetEnvironmentResponse(environment=self._get(request.environment_id).env)
+
+    async def AttachSession(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        if fake.env.status == environment_pb2.ENVIRONMENT_STATUS_INITIALIZING:
+            raise InitializationRunning("setup is running")
+        fake.bindings[request.session_id] = "reference"
+        fake.env.lifetime = environment_pb2.LIFETIME_SHARED
+        fake.env.ever_shared = True
+        fake.env.session_count = len(fake.bindings)
+        return environment_service_pb2.AttachSessionResponse(environment=fake.env)
+
+    async def DetachSession(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        fake.bindings.pop(request.session_id, None)
+        fake.env.session_count = len(fake.bindings)
+        self.detached.append((request.environment_id, request.session_id))
+        return environment_service_pb2.DetachSessionResponse(environment_deleted=False)
+
+    async def _run_setup(self, fake: FakeEnv) -> None:
+        self.setup_calls += 1
+        try:
+            await self.setup(fake)
+        except Exception as exc:
+            fake.env.status = environment_pb2.ENVIRONMENT_STATUS_FAILED
+            fake.env.error.CopyFrom(environment_pb2.EnvironmentError(code="setup_command_failed", message=str(exc)))
+        else:
+            fake.env.status = environment_pb2.ENVIRONMENT_STATUS_READY
+
+    async def _ensure(self, fake: FakeEnv) -> None:
+        if fake.env.status == environment_pb2.ENVIRONMENT_STATUS_PENDING:
+            fake.env.status = environment_pb2.ENVIRONMENT_STATUS_INITIALIZING
+            fake.setup_task = asyncio.create_task(self._run_setup(fake))
+        if fake.setup_task is not None:
+            await asyncio.shield(fake.setup_task)
+
+    async def EnsureEnvironmentReady(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        await self._ensure(fake)
+        return environment_service_pb2.EnsureEnvironmentReadyResponse(environment=fake.env)
+
+    async def ExecCommand(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        fake = self._get(request.environment_id)
+        await self._ensure(fake)
+        if fake.env.status == environment_pb2.ENVIRONMENT_STATUS_FAILED:
+            raise EnvironmentFailed(fake.env.error.message)
+        out_dir = self._host(fake, self._output_dir(fake, request.session_id))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(fake.root),
+            "REBYTE_OUTPUT_DIR": str(out_dir),
+            "REBYTE_SESSION_ID": request.session_id,
+        }
+        cwd = self._host(fake, request.cwd) if request.cwd else fake.root
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            "sh",
+            "-c",
+            request.shell,
+            cwd=cwd,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pids.append(proc.pid)
+        seq = 0
+        try:
+            assert proc.stdout is not None
+            while True:
+                data = await proc.stdout.read(4096)
+                if not data:
+                    break
+                yield environment_service_pb2.ExecCommandResponse(
+                    chunk=common_pb2.OutputChunk(stream=common_pb2.OUTPUT_STREAM_STDOUT, seq=seq, data=data)
+                )
+                seq += 1
+            code = await proc.wait()
+        except asyncio.CancelledError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            self.exec_cancelled.set()
+            raise
+        yield environment_service_pb2.ExecCommandResponse(
+            exit=common_pb2.ExitStatus(exit_code=code, duration_ms=int((time.monotonic() - started) * 1000))
+        )
+
+    async def ReadWorkspaceFile(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        fake = self._get(request.environment_id)
+        await self._ensure(fake)
+        path = self._host(fake, request.path)
+        if not path.is_file():
+            raise NotFound(f"{request.path} does not exist")
+        data = path.read_bytes()
+        yield environment_service_pb2.ReadWorkspaceFileResponse(data=data, size_bytes=len(data))
+
+    async def WriteWorkspaceFile(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        await self._ensure(fake)
+        path = self._host(fake, request.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(request.data)
+        return environment_service_pb2.WriteWorkspaceFileResponse(
+            entry=common_pb2.FileEntry(path=request.path, type=common_pb2.FILE_TYPE_FILE, size_bytes=len(request.data))
+        )
+
+    async def ListSessionOutputs(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        out = self._output_dir(fake, request.session_id)
+        host = self._host(fake, out)
+        entries = []
+        if host.is_dir():
+            for path in sorted(host.rglob("*")):
+                rel = path.relative_to(host).as_posix()
+                if not path.is_file() or (out == "/workspace/outputs" and rel.startswith("sessions/")):
+                    continue
+                stat = path.stat()
+                entries.append(
+                    common_pb2.FileEntry(
+                        path=f"{out}/{rel}", type=common_pb2.FILE_TYPE_FILE, size_bytes=stat.st_size, mtime=stat.st_mtime
+                    )
+                )
+        return environment_service_pb2.ListSessionOutputsResponse(output_dir=out, entries=entries)
+
+
+# --------------------------------------------------------------------------- client helpers
+def validate_event(event: dict[str, Any]) -> Any:
+    """Parses an event with the SDK's own union; the chosen model must be the
+    one named by ``type`` (so a wrong shape cannot fall through to another)."""
+    parsed = EVENT_ADAPTER.validate_python(event)
+    assert parsed.type == event["type"], (parsed.type, event["type"])
+    return parsed
+
+
+@dataclass
+class Client:
+    stub: session_service_pb2_grpc.SessionServiceStub
+    org: str = ORG
+
+    @property
+    def md(self) -> tuple[tuple[str, str], ...]:
+        return (("x-berth-org", self.org),)
+
+    @staticmethod
+    def validate(event: dict[str, Any]) -> Any:
+        return validate_event(event)
+
+    @staticmethod
+    def message(text: str) -> dict[str, Any]:
+        return message(text)
+
+    def as_org(self, org: str) -> Client:
+        return Client(self.stub, org)
+
+    async def create_agent(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self.stub.CreateAgent(session_service_pb2.CreateAgentRequest(body_json=json.dumps(body)), metadata=self.md)
+        return json.loads(r.agent.config_json)  # type: ignore[no-any-return]
+
+    async def create_session(self, body: dict[str, Any]) -> Any:
+        return await self.stub.CreateSession(
+            session_service_pb2.CreateSessionRequest(body_json=json.dumps(body)), metadata=self.md
+        )
+
+    async def get_session(self, session_id: str) -> Any:
+        r = await self.stub.GetSession(session_service_pb2.GetSessionRequest(session_id=session_id), metadata=self.md)
+        return r.session
+
+    async def submit(self, session_id: str, *events: dict[str, Any]) -> Any:
+        return await self.stub.SubmitSessionEvents(
+            session_service_pb2.SubmitSessionEventsRequest(session_id=session_id, events_json=json.dumps(list(events))),
+            metadata=self.md,
+        )
+
+    async def say(self, session_id: str, text: str) -> str:
+        r = await self.submit(
+            session_id,
+            {"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}]},
+        )
+        return str(r.turn_ids[0])
+
+    async def events(self, session_id: str, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
+        """The persisted backlog (no follow)."""
+        out = []
+        call = self.stub.StreamSessionEvents(
+            session_service_pb2.StreamSessionEventsRequest(session_id=session_id, after_sequence=after, follow=False),
+            metadata=self.md,
+        )
+        async for m in call:
+            out.append((m.event.sequence, json.loads(m.event.event_json)))
+        return out
+
+    async def wait_for(
+        self,
+        session_id: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        *,
+        after: int = 0,
+        timeout: float = 20.0,
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Follows the stream until an event matches; returns everything seen."""
+        seen: list[tuple[int, dict[str, Any]]] = []
+
+        async def follow() -> None:
+            call = self.stub.StreamSessionEvents(
+                session_service_pb2.StreamSessionEventsRequest(session_id=session_id, after_sequence=after, follow=True),
+                metadata=self.md,
+            )
+            try:
+                async for m in call:
+                    if m.WhichOneof("message") != "event":
+                        continue
+                    event = json.loads(m.event.event_json)
+                    seen.append((m.event.sequence, event))
+                    if predicate(event):
+                        return
+            finally:
+                call.cancel()
+
+        await asyncio.wait_for(follow(), timeout)
+        return seen
+
+    async def wait_turn_end(self, session_id: str, turn_id: str, *, timeout: float = 20.0) -> dict[str, Any]:
+        seen = await self.wait_for(
+            session_id,
+            lambda e: e["type"] in ("agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled")
+            and e["turn_id"] == turn_id,
+            timeout=timeout,
+        )
+        return seen[-1][1]
+
+    async def items(self, session_id: str, turn_id: str = "", order: str = "asc", limit: int = 100) -> list[dict[str, Any]]:
+        r = await self.stub.ListItems(
+            session_service_pb2.ListItemsRequest(
+                session_id=session_id, turn_id=turn_id, page=session_service_pb2.PageRequest(limit=limit, order=order)
+            ),
+            metadata=self.md,
+        )
+        return [json.loads(i.item_json) for i in r.items]
+
+
+def message(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+# --------------------------------------------------------------------------- fixtures
+PG_SERVER = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _require_or_skip(what: str, flag: str, reason: str) -> None:
+    if os.environ.get(flag) == "1":
+        pytest.fail(f"{what} is required ({flag}=1) but unavailable: {reason}")
+    pytest.skip(f"{what} unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def session_postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped at the end."""
+    import asyncpg
+
+    name = f"berth_session_test_{secrets.token_hex(4)}"
+
+    async def _admin(sql: str) -> None:
+        conn = await asyncpg.connect(PG_SERVER, timeout=3)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    def admin(sql: str) -> None:
+        # Requested from inside a running event loop: use a thread of its own.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, _admin(sql)).result()
+
+    try:
+        admin(f'CREATE DATABASE "{name}"')
+    except Exception as exc:  # unreachable server, authentication, ...
+        _require_or_skip("PostgreSQL", "BERTH_REQUIRE_POSTGRES", f"{PG_SERVER}: {exc!r}")
+    try:
+        yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def session_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The Session service database, once on SQLite and once on PostgreSQL
+    (an empty schema per test)."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'session.db'}"
+    import asyncpg
+
+    dsn: str = request.getfixturevalue("session_postgres_database")
+    conn = await asyncpg.connect(dsn, timeout=3)
+    try:
+        await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
+    finally:
+        await conn.close()
+    return dsn
+
+
+@pytest.fixture
+async def fake_env(tmp_path: Path) -> AsyncIterator[tuple[FakeEnvironmentService, RunningServer]]:
+    service = FakeEnvironmentService(tmp_path / "fake-env")
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(service, server)
+        return [environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name]
+
+    running = await start_grpc_server("127.0.0.1:0", register)
+    yield service, running
+    await running.stop(0)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, session_database_url: str) -> Settings:
+    """Every test over the gRPC surface runs on SQLite and on PostgreSQL."""
+    return Settings(data_dir=tmp_path / "data", session_database_url=session_database_url)
+
+
+@pytest.fixture
+async def session_service(
+    settings: Settings, fake_env: tuple[FakeEnvironmentService, RunningServer]
+) -> AsyncIterator[ServiceHandle]:
+    _, env_server = fake_env
+    handle = await start_session_service(settings, address="127.0.0.1:0", environment_addr=f"127.0.0.1:{env_server.port}")
+    yield handle
+    await handle.stop(0)
+
+
+@pytest.fixture
+async def client_for() -> AsyncIterator[Callable[[str], Client]]:
+    """Builds clients for services started by a test itself."""
+    channels: list[grpc.aio.Channel] = []
+
+    def make(address: str) -> Client:
+        channel = grpc.aio.insecure_channel(address)
+        channels.append(channel)
+        return Client(session_service_pb2_grpc.SessionServiceStub(channel))
+
+    yield make
+    for channel in channels:
+        await channel.close()
+
+
+@pytest.fixture
+async def client(session_service: ServiceHandle, client_for: Callable[[str], Client]) -> Client:
+    return client_for(session_service.address)
+
+
+@pytest.fixture
+def fake(fake_env: tuple[FakeEnvironmentService, RunningServer]) -> FakeEnvironmentService:
+    return fake_env[0]

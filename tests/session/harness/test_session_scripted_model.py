@@ -1,0 +1,68 @@
+"""The scripted model and the transcript rules, without any service."""
+
+from __future__ import annotations
+
+import json
+
+from services.session.harness.models.base import ModelRequest, normalize_transcript
+from services.session.harness.models.scripted import ScriptedProvider, parse_script
+
+SCRIPT = """Plan:
+$ echo hi
+write notes/a.md
+```
+# Title
+body
+```
+read notes/a.md
+call lookup {"q": "x"}
+mcp docs.search {"query": "y"}
+That is all."""
+
+
+def test_a_script_is_split_into_ordered_actions_and_echoed_text() -> None:
+    actions, text = parse_script(SCRIPT)
+    assert [(a.tool, a.arguments) for a in actions] == [
+        ("exec_command", {"command": "echo hi"}),
+        ("write_file", {"path": "notes/a.md", "content": "# Title\nbody\n"}),
+        ("read_file", {"path": "notes/a.md"}),
+        ("lookup", {"q": "x"}),
+        ("mcp__docs__search", {"query": "y"}),
+    ]
+    assert text == "Plan:\nThat is all."
+
+
+async def test_the_scripted_model_issues_one_tool_call_per_step_then_answers() -> None:
+    model = ScriptedProvider()
+    transcript = [{"role": "user", "text": "old"}, {"role": "assistant", "text": "old"}, {"role": "user", "text": "$ ls\ncall f"}]
+    request = ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[])
+    first = await model.complete(request)
+    assert first.text is None and [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [("exec_command", {"command": "ls"})]
+    transcript += [{"role": "assistant", "tool_calls": [first.tool_calls[0].as_entry()]}, {"role": "tool", "call_id": first.tool_calls[0].id, "output": "x"}]
+    second = await model.complete(request)
+    assert [c.name for c in second.tool_calls] == ["f"]
+    transcript += [{"role": "assistant", "tool_calls": [second.tool_calls[0].as_entry()]}]
+    final = await model.complete(request)
+    assert final.text == "done" and final.tool_calls == [] and final.usage is not None
+
+
+def test_tool_results_follow_their_calls_and_missing_ones_are_filled_in() -> None:
+    entries = [
+        {"role": "user", "text": "u"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "name": "f", "arguments": "{}"}]},
+        {"role": "assistant", "tool_calls": [{"id": "b", "name": "g", "arguments": "{}"}]},
+        {"role": "tool", "call_id": "b", "output": "B"},
+        {"role": "tool", "call_id": "a", "output": "A"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "name": "h", "arguments": "{}"}]},
+    ]
+    out = normalize_transcript(entries)
+    assert [(e["role"], e.get("call_id")) for e in out] == [
+        ("user", None),
+        ("assistant", None),
+        ("tool", "a"),
+        ("assistant", None),
+        ("tool", "b"),
+        ("assistant", None),
+        ("tool", "c"),
+    ]
+    assert out[-1]["output"].startswith("error:")

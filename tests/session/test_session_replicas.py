@@ -1,0 +1,135 @@
+"""Two Session service replicas on one database (SQLite and PostgreSQL):
+sequence numbers stay gapless under concurrent writers, a stream served by
+one replica sees events another produces, and cancels and tool results
+reach a turn running on the other replica."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.core.settings import Settings
+from services.session.server import start_session_service
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path, session_database_url: str, fake_env: Any, client_for: Any) -> AsyncIterator[tuple[Any, Any]]:
+    settings = Settings(data_dir=tmp_path / "data", session_database_url=session_database_url)
+    env_addr = f"127.0.0.1:{fake_env[1].port}"
+    a = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    b = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    yield client_for(a.address), client_for(b.address)
+    await a.stop(0)
+    await b.stop(0)
+
+
+async def test_concurrent_input_on_two_replicas_keeps_sequences_gapless(replicas: tuple[Any, Any]) -> None:
+    a, b = replicas
+    created = await a.create_session({"agent": {"model": "scripted"}, "environment": {"type": "none"}})
+    session_id = created.session.id
+    turn_ids = await asyncio.gather(*(client.say(session_id, f"message {i}") for i in range(4) for client in (a, b)))
+    for turn_id in turn_ids:
+        end = await b.wait_turn_end(session_id, turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+    events = await a.events(session_id)
+    assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
+    for _, event in events:
+        a.validate(event)
+    answers = [i["content"][0]["text"] for i in await a.items(session_id) if i.get("role") == "assistant"]
+    assert sorted(answers) == sorted(f"message {i}" for i in range(4) for _ in range(2))
+
+
+async def test_a_stream_on_one_replica_follows_a_turn_cancelled_through_the_other(replicas: tuple[Any, Any], fake: Any) -> None:
+    a, b = replicas
+    created = await a.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ echo started; sleep 60"})
+    session_id = created.session.id
+    await b.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
+    await b.submit(session_id, {"type": "agent.session.input.cancel"})
+    end = await b.wait_turn_end(session_id, created.turn_id, timeout=3.0)
+    assert end["type"] == "agent.session.turn.cancelled"
+    await asyncio.wait_for(fake.exec_cancelled.wait(), 2.0)
+
+
+async def test_a_tool_result_sent_to_another_replica_resumes_the_turn(replicas: tuple[Any, Any]) -> None:
+    a, b = replicas
+    agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
+    created = await a.create_session({"agent": agent, "environment": {"type": "none"}, "input": "call hold\nresumed"})
+    session_id = created.session.id
+    seen = await b.wait_for(session_id, lambda e: e["type"] == "agent.session.requires_action")
+    call_id = seen[-1][1]["session"]["required_actions"][0]["call_id"]
+    await b.submit(
+        session_id,
+        {"type": "agent.session.input.tool_result", "turn_id": created.turn_id, "call_id": call_id, "success": True, "output": "ok"},
+    )
+    end = await b.wait_turn_end(session_id, created.turn_id)
+    assert end["type"] == "agent.session.turn.completed"
+
+
+async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_sweeper(
+    replicas: tuple[Any, Any], session_database_url: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import update
+
+    from services.core.db import open_database
+    from services.session.artifacts import BlobStore
+    from services.session.harness.models import ProviderRegistry
+    from services.session.models import TurnRow
+    from services.session.runner import TurnRunner
+    from services.session.store import Store
+
+    a, b = replicas
+    agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
+    created = await a.create_session({"agent": agent, "environment": {"type": "none"}, "input": "call hold"})
+    session_id = created.session.id
+    await a.wait_for(session_id, lambda e: e["type"] == "agent.session.requires_action")
+
+    migrations = Path(__import__("services.session.server", fromlist=["x"]).__file__).parent / "migrations" / "versions"
+    url = Settings(session_database_url=session_database_url).database_url("session")
+    db = await open_database(url, "session", migrations)
+    store = Store(db)
+    try:
+        await store.transact(lambda u: u.session.execute(update(TurnRow).where(TurnRow.id == created.turn_id).values(lease_expires_at=0.0)))
+        sweeper = TurnRunner(store, None, ProviderRegistry(Settings(data_dir=tmp_path / "sweeper")), BlobStore(tmp_path / "blobs"))
+        await sweeper.sweep()
+    finally:
+        await db.dispose()
+    end = await b.wait_turn_end(session_id, created.turn_id)
+    assert end["type"] == "agent.session.turn.failed" and end["turn"]["error"]["code"] == "internal_error"
+    events = [e for _, e in await b.events(session_id)]
+    assert events[-1]["type"] == "agent.session.idle"
+    assert [e["type"] for e in events].count("agent.session.turn.failed") == 1
+
+    # The session takes new input, and the old worker stood down without a second outcome.
+    again = await b.say(session_id, "still here")
+    assert (await b.wait_turn_end(session_id, again))["type"] == "agent.session.turn.completed"
+    events = [e for _, e in await a.events(session_id)]
+    assert [e["type"] for e in events].count("agent.session.turn.failed") == 1
+
+
+async def test_stopping_the_service_ends_running_turns_and_a_restart_serves_the_session(
+    tmp_path: Path, fake_env: Any, client_for: Any
+) -> None:
+    settings = Settings(data_dir=tmp_path / "data")
+    env_addr = f"127.0.0.1:{fake_env[1].port}"
+    first = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    client = client_for(first.address)
+    created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ sleep 60"})
+    session_id = created.session.id
+    await client.wait_for(session_id, lambda e: e["type"] == "agent.session.turn.item.added" and e["item"]["type"] == "command_execution")
+    await first.stop(0)
+
+    second = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    try:
+        client = client_for(second.address)
+        events = [e for _, e in await client.events(session_id)]
+        failed = next(e for e in events if e["type"] == "agent.session.turn.failed")
+        assert failed["turn"]["error"]["code"] == "internal_error"
+        assert events[-1]["type"] == "agent.session.idle"
+        again = await client.say(session_id, "$ echo back")
+        assert (await client.wait_turn_end(session_id, again))["type"] == "agent.session.turn.completed"
+    finally:
+        await second.stop(0)
