@@ -78,8 +78,7 @@ def _actual(address: str, port: int) -> str:
 
 
 async def _keys(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.db import open_gateway_database
-    from gateway.keys import create_key, list_keys, revoke_key
+    from gateway.keys import create_key, list_keys, open_gateway_database, revoke_key
 
     db = await open_gateway_database(settings)
     try:

@@ -130,7 +130,7 @@ def reason_from_rpc_error(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
     from grpc_status import rpc_status
 
     try:
-        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+        status = rpc_status.from_call(exc)
     except Exception:  # a malformed trailer must not hide the original error
         return "", {}
     if status is None:

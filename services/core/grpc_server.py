@@ -91,7 +91,7 @@ def open_channel(address: str, *, timeout_s: float, idempotent_methods: Iterable
 
     names = [{"service": s, "method": m} for s, m in idempotent_methods]
     config = {"methodConfig": [{"name": names, "retryPolicy": _RETRY_POLICY}]} if names else {}
-    options = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1)]
+    options: list[tuple[str, str | int]] = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1)]
     if config:
         options.append(("grpc.service_config", json.dumps(config)))
     return grpc.aio.insecure_channel(address, options=options, interceptors=ClientContextInterceptors(timeout_s))

@@ -56,4 +56,5 @@ def configure_logging(level: str = "INFO", *, json: bool | None = None) -> None:
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    return structlog.stdlib.get_logger(name)  # type: ignore[no-any-return]
+    logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
+    return logger

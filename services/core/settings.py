@@ -52,7 +52,7 @@ class Settings(BaseSettings):
         description=(
             "Docker network of sandboxes whose network is enabled: empty picks the engine's default "
             "`bridge`, or else a user-defined bridge `berth-sandbox` created on demand; `host` shares "
-            "the host's network stack (and its loopback services); any other value names a network."
+            "the host's network stack (and its loopback services); any other value names a network (created as a bridge if missing)."
         ),
     )
     docker_start_timeout_s: float = Field(default=30.0, gt=0, description="Bound on a sandbox container's daemon becoming ready.")

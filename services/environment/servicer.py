@@ -106,7 +106,7 @@ def _stored(row: StoredFileRow) -> environment_pb2.StoredFile:
     return out
 
 
-class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
+class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceServicer):
     def __init__(self, domain: EnvironmentDomain, file_store: FileStore) -> None:
         self._domain = domain
         self._files = file_store

@@ -36,7 +36,7 @@ def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
         settings.data_dir.resolve(),
         settings.sandbox_isolation,
         extra_env=extra_env,
-        extra_ro_mounts=settings.sandbox_extra_ro_mounts,
+        extra_ro_mounts=dict(settings.sandbox_extra_ro_mounts.items()),
     )
     if settings.sandbox_isolation == "none":
         log.warning("sandbox_isolation_disabled", detail="BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host")

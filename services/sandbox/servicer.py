@@ -57,6 +57,10 @@ def _ts(seconds: float) -> Timestamp:
     return ts
 
 
+def _strings(value: object) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
 def _sandbox(rec: SandboxRecord) -> sandbox_pb2.Sandbox:
     network = rec.network
     return sandbox_pb2.Sandbox(
@@ -66,14 +70,14 @@ def _sandbox(rec: SandboxRecord) -> sandbox_pb2.Sandbox:
         labels=rec.labels,
         network=common_pb2.NetworkPolicy(
             access=_ACCESS_BACK.get(str(network.get("access", "enabled")), common_pb2.NETWORK_ACCESS_ENABLED),
-            allowed_domains=[str(d) for d in network.get("allowed_domains", []) or []],  # type: ignore[union-attr]
-            blocked_domains=[str(d) for d in network.get("blocked_domains", []) or []],  # type: ignore[union-attr]
+            allowed_domains=_strings(network.get("allowed_domains")),
+            blocked_domains=_strings(network.get("blocked_domains")),
         ),
         error=rec.error,
         create_time=_ts(rec.created_at),
         last_active_time=_ts(rec.last_active_at),
         isolation=rec.isolation,
-        size=rec.size,  # type: ignore[arg-type]
+        size=rec.size,
     )
 
 

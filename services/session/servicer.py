@@ -113,7 +113,7 @@ def _artifact(row: ArtifactRow) -> session_pb2.Artifact:
     )
 
 
-class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):  # type: ignore[misc]
+class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     def __init__(self, domain: SessionDomain) -> None:
         self.domain = domain
 

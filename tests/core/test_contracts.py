@@ -62,3 +62,12 @@ def test_sandbox_daemon_imports_only_the_standard_library() -> None:
     )
     result = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_services_and_gateway_type_check_in_strict_mode(tmp_path: Path) -> None:
+    mypy = shutil.which("mypy", path=str(BIN)) or shutil.which("mypy")
+    assert mypy is not None
+    result = subprocess.run(
+        [mypy, "--cache-dir", str(tmp_path / "mypy-cache"), "services", "gateway"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
