@@ -90,6 +90,8 @@ GRPC_ERROR_TABLE: Mapping[tuple[grpc.StatusCode, str], HttpError] = {
     (grpc.StatusCode.UNAUTHENTICATED, ""): HttpError(401, "authentication_error", "invalid_api_key"),
     (grpc.StatusCode.PERMISSION_DENIED, ""): HttpError(403, "permission_error", "insufficient_scopes"),
     (grpc.StatusCode.NOT_FOUND, ""): _NOT_FOUND,
+    # The SDK's tool dispatcher retries this one (the call may not be registered yet).
+    (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_TOOL_CALL"): HttpError(400, INVALID_REQUEST, INVALID_REQUEST),
     (grpc.StatusCode.INVALID_ARGUMENT, ""): _VALIDATION,
     (grpc.StatusCode.OUT_OF_RANGE, ""): _VALIDATION,
     (grpc.StatusCode.FAILED_PRECONDITION, "ENVIRONMENT_IN_USE"): HttpError(

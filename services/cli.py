@@ -1,4 +1,4 @@
-"""The ``berth`` command: ``serve``, ``keys`` and ``status``.
+"""The ``berth`` command: ``serve``, ``keys``, ``status`` and ``mcp``.
 
 ``berth serve`` is the embedded default: all four servers in one process,
 each built by the same factory its stand-alone ``__main__`` uses, on SQLite
@@ -143,6 +143,61 @@ async def _status(settings: Settings) -> int:
     return 0 if all(r[2] == "SERVING" for r in rows) else 1
 
 
+async def _org_id(settings: Settings, org: str) -> str | None:
+    """An organization ID as given, or the ID of the organization with this
+    name in the gateway's database."""
+    from gateway.keys import list_keys, open_gateway_database
+    from services.core.ids import has_prefix
+
+    if has_prefix(org, "org"):
+        return org
+    db = await open_gateway_database(settings)
+    try:
+        records = await list_keys(db, org)
+    finally:
+        await db.dispose()
+    return records[0].org_id if records else None
+
+
+async def _mcp(settings: Settings, args: argparse.Namespace) -> int:
+    from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
+    from services.core.context import ORG_METADATA_KEY
+
+    states = {environment_pb2.MCP_SERVER_STATE_RUNNING: "running", environment_pb2.MCP_SERVER_STATE_DEAD: "dead"}
+    transports = {environment_pb2.MCP_TRANSPORT_TYPE_STDIO: "stdio", environment_pb2.MCP_TRANSPORT_TYPE_HTTP: "http"}
+
+    org_id = await _org_id(settings, args.org)
+    if org_id is None:
+        print(f"berth: no organization named {args.org!r}", file=sys.stderr)
+        return 1
+    async with grpc.aio.insecure_channel(settings.environment_addr) as channel:
+        stub = environment_service_pb2_grpc.EnvironmentServiceStub(channel)
+        try:
+            response = await stub.ListMcpServers(
+                environment_service_pb2.ListMcpServersRequest(environment_id=args.environment),
+                metadata=((ORG_METADATA_KEY, org_id),),
+                timeout=settings.rpc_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            print(f"berth: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    rows = [("LABEL", "ORIGIN", "TRANSPORT", "OWNER SESSION", "STATE")]
+    for server in response.servers:
+        rows.append(
+            (
+                server.label,
+                server.origin,
+                transports.get(server.transport_type, "-"),
+                server.owner_session_id or "-",
+                states.get(server.state, "unknown"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth", description="Berth: a self-hostable Agents API runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +213,11 @@ def _parser() -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key; it fails immediately")
     revoke.add_argument("key_id")
     sub.add_parser("status", help="print the health of each service")
+    mcp = sub.add_parser("mcp", help="inspect environment-origin MCP servers")
+    mcp_sub = mcp.add_subparsers(dest="mcp_command", required=True)
+    mcp_list = mcp_sub.add_parser("list", help="list an environment's MCP servers: label, origin, owner session, state")
+    mcp_list.add_argument("--org", required=True, help="organization name or ID")
+    mcp_list.add_argument("--environment", required=True, help="environment ID")
     return parser
 
 
@@ -176,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_keys(settings, args))
     if args.command == "status":
         return asyncio.run(_status(settings))
+    if args.command == "mcp":
+        return asyncio.run(_mcp(settings, args))
     return 2
 
 

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
 
     init_lease_s: float = Field(default=60.0, gt=0, description="Lease of an init-once operation; renewed while it runs.")
     setup_timeout_s: float = Field(default=900.0, gt=0)
+    mcp_call_timeout_s: float = Field(
+        default=600.0, gt=0, description="Bound on one MCP request (a tool call, a listing) from the harness to a server."
+    )
+    mcp_connect_timeout_s: float = Field(
+        default=60.0, gt=0, description="Bound on connecting to and initializing one MCP server at the start of a turn."
+    )
 
     model_base_url: str = ""
     model_api_key: str = ""

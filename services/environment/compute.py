@@ -35,7 +35,7 @@ _SERVICE = "berth.sandbox.v1.SandboxService"
 # Safe to retry on UNAVAILABLE: reads, and writes that are idempotent by ID
 # or replace a whole file.
 SANDBOX_IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = tuple(
-    (_SERVICE, m) for m in ("CreateSandbox", "GetSandbox", "ListFiles", "ReadFile", "WriteFile", "DestroySandbox")
+    (_SERVICE, m) for m in ("CreateSandbox", "GetSandbox", "ListFiles", "ReadFile", "WriteFile", "DestroySandbox", "ListMcpBrokers")
 )
 
 _SIZES: Mapping[str, int] = {
@@ -85,6 +85,22 @@ class Compute(Protocol):
         ...
 
     async def list_files(self, sandbox_id: str, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]: ...
+
+    async def start_mcp_broker(
+        self, sandbox_id: str, label: str, transport: sandbox_pb2.McpTransport
+    ) -> tuple[sandbox_pb2.McpBroker, bool]:
+        """The label's broker and whether this call created it with ``transport``."""
+        ...
+
+    async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]: ...
+
+    async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
+        """The JSON-RPC response to a request; empty for anything else."""
+        ...
+
+    async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker: ...
+
+    async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool: ...
 
 
 def _translate(exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
@@ -173,3 +189,44 @@ class SandboxClient:
         except grpc.aio.AioRpcError as exc:
             raise _translate(exc, sandbox_id) from exc
         return list(response.entries)
+
+    async def start_mcp_broker(
+        self, sandbox_id: str, label: str, transport: sandbox_pb2.McpTransport
+    ) -> tuple[sandbox_pb2.McpBroker, bool]:
+        request = sandbox_service_pb2.StartMcpBrokerRequest(sandbox_id=sandbox_id, label=label, transport=transport)
+        try:
+            response = await self._stub.StartMcpBroker(request)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return response.broker, bool(response.created)
+
+    async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]:
+        try:
+            response = await self._stub.ListMcpBrokers(sandbox_service_pb2.ListMcpBrokersRequest(sandbox_id=sandbox_id))
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return list(response.brokers)
+
+    async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
+        request = sandbox_service_pb2.SendMcpMessageRequest(sandbox_id=sandbox_id, label=label, message_json=message_json)
+        try:
+            response = await self._stub.SendMcpMessage(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return str(response.message_json)
+
+    async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker:
+        request = sandbox_service_pb2.StopMcpBrokerRequest(sandbox_id=sandbox_id, label=label)
+        try:
+            response = await self._stub.StopMcpBroker(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return response.broker
+
+    async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool:
+        request = sandbox_service_pb2.CloseMcpUpstreamRequest(sandbox_id=sandbox_id, label=label)
+        try:
+            response = await self._stub.CloseMcpUpstream(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc, sandbox_id) from exc
+        return bool(response.closed)

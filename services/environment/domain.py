@@ -19,8 +19,10 @@ from sqlalchemy.exc import IntegrityError
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
+from berth.sandbox.v1 import sandbox_pb2
 from services.core.db import Database
 from services.core.errors import (
+    BerthError,
     EnvironmentFailed,
     EnvironmentInUse,
     InitializationRunning,
@@ -35,8 +37,10 @@ from services.environment import repository as repo
 from services.environment.compute import Compute, ExecEvent
 from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
+from services.environment.mcp_registry import McpServerInfo, merge_servers, parse_transport, transport_name, validate_label
 from services.environment.models import (
     LIFETIME_PRIVATE,
+    MCP_ORIGIN_ENVIRONMENT,
     ROLE_OWNER,
     ROLE_REFERENCE,
     STATUS_FAILED,
@@ -45,6 +49,7 @@ from services.environment.models import (
     STATUS_READY,
     BindingRow,
     EnvironmentRow,
+    McpServerRow,
     RegisteredFileRow,
 )
 from services.environment.setup_steps import parse_capabilities
@@ -63,6 +68,9 @@ __all__ = ["EnvironmentDomain", "LiveFile", "output_env"]
 log = get_logger(__name__)
 
 _CONTAINER_SIZES = frozenset({"", "small", "medium", "large"})
+# Cleanup of MCP brokers is best effort; an upstream that does not answer
+# must not hold up session or environment deletion.
+_MCP_CLEANUP_TIMEOUT_S = 10.0
 _MAX_VAULTS = 10
 
 
@@ -123,6 +131,8 @@ class EnvironmentDomain:
         self._settings = settings
         # (environment_id, session_id) whose output directory exists already.
         self._output_dirs: set[tuple[str, str]] = set()
+        # (environment_id, label, session_id) uses recorded already.
+        self._mcp_uses: set[tuple[str, str, str]] = set()
 
     # Environments -------------------------------------------------------------
 
@@ -257,6 +267,7 @@ class EnvironmentDomain:
         """Destroys the sandbox (if one was ever requested) and removes the
         rows of an environment already marked as deleting."""
         if row.sandbox_requested:
+            await self._stop_mcp_brokers(row)
             try:
                 with _sandbox_errors(row.id, session_id):
                     await self._compute.destroy_sandbox(row.sandbox_id)
@@ -267,6 +278,7 @@ class EnvironmentDomain:
         async with self._db.transaction() as s:
             await repo.delete_environment_rows(s, row.id)
         self._output_dirs = {k for k in self._output_dirs if k[0] != row.id}
+        self._mcp_uses = {k for k in self._mcp_uses if k[0] != row.id}
 
     # Bindings -----------------------------------------------------------------
 
@@ -320,6 +332,7 @@ class EnvironmentDomain:
         _require_env_id(environment_id)
         deadline = time.monotonic() + self._settings.setup_timeout_s
         while True:
+            http_labels: list[str] | None = None
             async with self._db.transaction() as s:
                 row = await repo.get_environment(s, environment_id, org_id)
                 if row is None:
@@ -330,13 +343,20 @@ class EnvironmentDomain:
                 private_owner = binding.role == ROLE_OWNER and row.lifetime == LIFETIME_PRIVATE and not row.ever_shared
                 if not private_owner:
                     await repo.remove_binding(s, environment_id, session_id, now=time.time())
-                    self._output_dirs.discard((environment_id, session_id))
-                    log.info("session_detached", environment_id=environment_id, session_id=session_id)
-                    return False
-                marked = await repo.mark_deleting(
-                    s, environment_id, org_id, require_unbound=False, require_never_shared=True
-                )
-                doomed = await repo.get_environment_by_id(s, environment_id) if marked else None
+                    http_labels = await repo.mcp_labels_used_by(s, environment_id, session_id, transport_type="http")
+                    await repo.remove_mcp_uses(s, environment_id, session_id)
+                    doomed = None
+                else:
+                    marked = await repo.mark_deleting(
+                        s, environment_id, org_id, require_unbound=False, require_never_shared=True
+                    )
+                    doomed = await repo.get_environment_by_id(s, environment_id) if marked else None
+            if http_labels is not None:
+                self._output_dirs.discard((environment_id, session_id))
+                self._mcp_uses = {k for k in self._mcp_uses if k[0] != environment_id or k[2] != session_id}
+                log.info("session_detached", environment_id=environment_id, session_id=session_id)
+                await self._close_mcp_upstreams(row, session_id, http_labels)
+                return False
             if doomed is not None:
                 await self._teardown(doomed, session_id)
                 log.info("environment_deleted", environment_id=environment_id, reason="owner_detached")
@@ -467,6 +487,124 @@ class EnvironmentDomain:
         ]
         entries.sort(key=lambda e: e.path)
         return binding.output_dir, entries
+
+    # Environment-origin MCP servers -------------------------------------------
+
+    async def start_mcp_server(
+        self, org_id: str, environment_id: str, session_id: str, label: str, transport_json: str
+    ) -> tuple[McpServerInfo, bool]:
+        """Starts the label's broker with this configuration, or joins the
+        one already there. The sandbox decides who was first (its broker
+        start is atomic per label); the registry records the session whose
+        start created the broker as the owner. A joiner's configuration is
+        never compared or applied, and a dead broker stays dead."""
+        validate_label(label)
+        transport = parse_transport(transport_json)
+        if session_id:
+            await self.get_binding(org_id, environment_id, session_id)
+        row = await self._ready(org_id, environment_id, session_id)
+        with _sandbox_errors(environment_id, session_id):
+            broker, created = await self._compute.start_mcp_broker(row.sandbox_id, label, transport)
+        now = time.time()
+        entry = McpServerRow(
+            environment_id=environment_id,
+            label=label,
+            org_id=org_id,
+            origin=MCP_ORIGIN_ENVIRONMENT,
+            transport_type=transport_name(broker.transport_type),
+            owner_session_id=session_id if created else "",
+            create_time=now,
+        )
+        async with self._db.transaction() as s:
+            if created:
+                await repo.claim_mcp_server(s, entry)
+            else:
+                await repo.register_mcp_server(s, entry)
+            if session_id:
+                await repo.record_mcp_use(s, environment_id, label, session_id, now=now)
+            rows = [r for r in await repo.list_mcp_servers(s, environment_id) if r.label == label]
+            uses = [u for u in await repo.list_mcp_uses(s, environment_id) if u.label == label]
+        if session_id:
+            self._mcp_uses.add((environment_id, label, session_id))
+        log.info(
+            "mcp_server_started" if created else "mcp_server_joined",
+            environment_id=environment_id,
+            session_id=session_id or None,
+            label=label,
+            state=broker.state,
+        )
+        return merge_servers(environment_id, rows, uses, [broker])[0], created
+
+    async def send_mcp_message(
+        self, org_id: str, environment_id: str, session_id: str, label: str, message_json: str, *, timeout_s: float | None
+    ) -> str:
+        validate_label(label)
+        if session_id:
+            await self.get_binding(org_id, environment_id, session_id)
+        row = await self._ready(org_id, environment_id, session_id)
+        with _sandbox_errors(environment_id, session_id):
+            response = await self._compute.send_mcp_message(
+                row.sandbox_id, label, message_json, timeout_s=timeout_s or self._settings.mcp_call_timeout_s
+            )
+        key = (environment_id, label, session_id)
+        if session_id and key not in self._mcp_uses:
+            async with self._db.transaction() as s:
+                await repo.record_mcp_use(s, environment_id, label, session_id, now=time.time())
+            self._mcp_uses.add(key)
+        return response
+
+    async def list_mcp_servers(self, org_id: str, environment_id: str) -> list[McpServerInfo]:
+        """The registry with each broker's live state. An environment that
+        is not ready has no brokers; listing never starts it."""
+        row = await self.get_environment(org_id, environment_id, with_config=False)
+        async with self._db.transaction(read_only=True) as s:
+            rows = await repo.list_mcp_servers(s, environment_id)
+            uses = await repo.list_mcp_uses(s, environment_id)
+        brokers = []
+        if row.status == STATUS_READY and row.sandbox_requested:
+            with _sandbox_errors(environment_id):
+                brokers = await self._compute.list_mcp_brokers(row.sandbox_id)
+        return merge_servers(environment_id, rows, uses, brokers)
+
+    async def _close_mcp_upstreams(self, row: EnvironmentRow, session_id: str, labels: Sequence[str]) -> None:
+        """A deleted session's HTTP MCP connections are closed, including the
+        upstream session its peers share on the same broker: their next
+        request opens a fresh one. Stdio servers keep running. Best effort:
+        the session is gone either way."""
+        if not labels or row.status != STATUS_READY:
+            return
+        for label in labels:
+            try:
+                closed = await self._compute.close_mcp_upstream(row.sandbox_id, label, timeout_s=_MCP_CLEANUP_TIMEOUT_S)
+            except BerthError as exc:
+                log.warning(
+                    "mcp_upstream_close_failed", environment_id=row.id, session_id=session_id, label=label, error=exc.message
+                )
+                continue
+            log.info("mcp_upstream_closed", environment_id=row.id, session_id=session_id, label=label, closed=closed)
+
+    async def _stop_mcp_brokers(self, row: EnvironmentRow) -> None:
+        """Stops every broker before the sandbox goes, so no MCP server
+        outlives its environment even if destroying the sandbox is slow or
+        fails. Best effort: destroying the sandbox ends them anyway."""
+        if row.status != STATUS_READY:
+            return
+        try:
+            brokers = await self._compute.list_mcp_brokers(row.sandbox_id)
+        except BerthError as exc:
+            log.warning("mcp_broker_list_failed", environment_id=row.id, error=exc.message)
+            return
+        stopped = 0
+        for broker in brokers:
+            if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD:
+                continue
+            try:
+                await self._compute.stop_mcp_broker(row.sandbox_id, broker.label, timeout_s=_MCP_CLEANUP_TIMEOUT_S)
+                stopped += 1
+            except BerthError as exc:
+                log.warning("mcp_broker_stop_failed", environment_id=row.id, label=broker.label, error=exc.message)
+        if brokers:
+            log.info("mcp_servers_stopped", environment_id=row.id, stopped=stopped)
 
     # Files API ----------------------------------------------------------------
 

@@ -17,6 +17,9 @@ __all__ = [
     "RegisteredFileRow",
     "StoredFileRow",
     "StoredBlobRow",
+    "McpServerRow",
+    "McpServerUseRow",
+    "MCP_ORIGIN_ENVIRONMENT",
     "STATUS_PENDING",
     "STATUS_INITIALIZING",
     "STATUS_READY",
@@ -37,6 +40,8 @@ LIFETIME_SHARED = "shared"
 
 ROLE_OWNER = "owner"
 ROLE_REFERENCE = "reference"
+
+MCP_ORIGIN_ENVIRONMENT = "environment"
 
 
 class Base(DeclarativeBase):
@@ -117,3 +122,33 @@ class StoredBlobRow(Base):
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     ref_count: Mapped[int] = mapped_column(Integer)
+
+
+class McpServerRow(Base):
+    """One server_label of an environment's MCP registry. The row names the
+    configuration that started the live broker; the broker's state lives in
+    the sandbox."""
+
+    __tablename__ = "mcp_servers"
+
+    environment_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    label: Mapped[str] = mapped_column(String(128), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    origin: Mapped[str] = mapped_column(String(16))
+    # "stdio" or "http".
+    transport_type: Mapped[str] = mapped_column(String(16))
+    # Empty until the session whose start created the broker records itself.
+    owner_session_id: Mapped[str] = mapped_column(String(128), default="")
+    create_time: Mapped[float] = mapped_column(Float)
+
+
+class McpServerUseRow(Base):
+    """A session that used a label; deleting the session closes the HTTP
+    upstreams of the labels it used."""
+
+    __tablename__ = "mcp_server_uses"
+
+    environment_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    label: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    create_time: Mapped[float] = mapped_column(Float)

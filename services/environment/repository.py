@@ -24,6 +24,8 @@ from services.environment.models import (
     STATUS_PENDING,
     BindingRow,
     EnvironmentRow,
+    McpServerRow,
+    McpServerUseRow,
     RegisteredFileRow,
     StoredBlobRow,
     StoredFileRow,
@@ -54,6 +56,13 @@ __all__ = [
     "delete_stored_file",
     "acquire_blob",
     "release_blob",
+    "claim_mcp_server",
+    "register_mcp_server",
+    "record_mcp_use",
+    "list_mcp_servers",
+    "list_mcp_uses",
+    "mcp_labels_used_by",
+    "remove_mcp_uses",
 ]
 
 
@@ -264,6 +273,8 @@ async def clear_deleting(session: AsyncSession, environment_id: str) -> None:
 
 
 async def delete_environment_rows(session: AsyncSession, environment_id: str) -> None:
+    await session.execute(delete(McpServerUseRow).where(McpServerUseRow.environment_id == environment_id))
+    await session.execute(delete(McpServerRow).where(McpServerRow.environment_id == environment_id))
     await session.execute(delete(RegisteredFileRow).where(RegisteredFileRow.environment_id == environment_id))
     await session.execute(delete(BindingRow).where(BindingRow.environment_id == environment_id))
     await session.execute(delete(EnvironmentRow).where(EnvironmentRow.id == environment_id))
@@ -386,3 +397,88 @@ async def release_blob(session: AsyncSession, sha256: str) -> bool:
         delete(StoredBlobRow).where(StoredBlobRow.sha256 == sha256, StoredBlobRow.ref_count <= 0)
     )
     return _rowcount(result) == 1
+
+
+# MCP label registry -----------------------------------------------------------
+
+
+def _mcp_values(row: McpServerRow) -> dict[str, Any]:
+    return {
+        "environment_id": row.environment_id,
+        "label": row.label,
+        "org_id": row.org_id,
+        "origin": row.origin,
+        "transport_type": row.transport_type,
+        "owner_session_id": row.owner_session_id,
+        "create_time": row.create_time,
+    }
+
+
+async def claim_mcp_server(session: AsyncSession, row: McpServerRow) -> None:
+    """Records ``row`` as the label's owner: the caller's start created the
+    sandbox's broker, which makes its configuration the one that runs. It
+    replaces a placeholder a concurrent joiner may have written first."""
+    stmt = _insert(session, McpServerRow).values(**_mcp_values(row))
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["environment_id", "label"],
+        set_={"owner_session_id": row.owner_session_id, "transport_type": row.transport_type, "create_time": row.create_time},
+    )
+    await session.execute(stmt)
+
+
+async def register_mcp_server(session: AsyncSession, row: McpServerRow) -> None:
+    """Inserts the label unless it is registered already (a joiner's view)."""
+    stmt = _insert(session, McpServerRow).values(**_mcp_values(row))
+    await session.execute(stmt.on_conflict_do_nothing(index_elements=["environment_id", "label"]))
+
+
+async def record_mcp_use(session: AsyncSession, environment_id: str, label: str, session_id: str, *, now: float) -> None:
+    stmt = _insert(session, McpServerUseRow).values(
+        environment_id=environment_id, label=label, session_id=session_id, create_time=now
+    )
+    await session.execute(stmt.on_conflict_do_nothing(index_elements=["environment_id", "label", "session_id"]))
+
+
+async def list_mcp_servers(session: AsyncSession, environment_id: str) -> Sequence[McpServerRow]:
+    stmt = (
+        select(McpServerRow)
+        .where(McpServerRow.environment_id == environment_id)
+        .order_by(McpServerRow.create_time, McpServerRow.label)
+    )
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def list_mcp_uses(session: AsyncSession, environment_id: str) -> Sequence[McpServerUseRow]:
+    stmt = (
+        select(McpServerUseRow)
+        .where(McpServerUseRow.environment_id == environment_id)
+        .order_by(McpServerUseRow.create_time, McpServerUseRow.session_id)
+    )
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def mcp_labels_used_by(
+    session: AsyncSession, environment_id: str, session_id: str, *, transport_type: str
+) -> list[str]:
+    stmt = (
+        select(McpServerUseRow.label)
+        .join(
+            McpServerRow,
+            (McpServerRow.environment_id == McpServerUseRow.environment_id) & (McpServerRow.label == McpServerUseRow.label),
+        )
+        .where(
+            McpServerUseRow.environment_id == environment_id,
+            McpServerUseRow.session_id == session_id,
+            McpServerRow.transport_type == transport_type,
+        )
+        .order_by(McpServerUseRow.label)
+    )
+    return [str(label) for label in (await session.execute(stmt)).scalars()]
+
+
+async def remove_mcp_uses(session: AsyncSession, environment_id: str, session_id: str) -> None:
+    await session.execute(
+        delete(McpServerUseRow).where(
+            McpServerUseRow.environment_id == environment_id, McpServerUseRow.session_id == session_id
+        )
+    )

@@ -15,6 +15,7 @@ from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb,
 from services.core.context import current_org
 from services.environment.domain import EnvironmentDomain, LiveFile
 from services.environment.file_store import FileStore
+from services.environment.mcp_registry import McpServerInfo
 from services.environment.models import (
     LIFETIME_SHARED,
     ROLE_OWNER,
@@ -104,6 +105,30 @@ def _stored(row: StoredFileRow) -> environment_pb2.StoredFile:
     if row.expire_time is not None:
         out.expire_time.CopyFrom(_timestamp(row.expire_time))
     return out
+
+
+_MCP_STATES = {
+    "running": environment_pb2.MCP_SERVER_STATE_RUNNING,
+    "dead": environment_pb2.MCP_SERVER_STATE_DEAD,
+}
+_MCP_TRANSPORTS = {
+    "stdio": environment_pb2.MCP_TRANSPORT_TYPE_STDIO,
+    "http": environment_pb2.MCP_TRANSPORT_TYPE_HTTP,
+}
+
+
+def _mcp_server(info: McpServerInfo) -> environment_pb2.McpServer:
+    return environment_pb2.McpServer(
+        environment_id=info.environment_id,
+        label=info.label,
+        origin=info.origin,
+        transport_type=_MCP_TRANSPORTS.get(info.transport_type, environment_pb2.MCP_TRANSPORT_TYPE_UNSPECIFIED),
+        owner_session_id=info.owner_session_id,
+        state=_MCP_STATES.get(info.state, environment_pb2.MCP_SERVER_STATE_UNSPECIFIED),
+        create_time=_timestamp(info.create_time),
+        session_ids=info.session_ids,
+        pid=info.pid,
+    )
 
 
 class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceServicer):
@@ -255,3 +280,24 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
             current_org(), page_size=request.page_size, after=request.after, purpose=request.purpose
         )
         return pb.ListStoredFilesResponse(files=[_stored(r) for r in rows], has_more=has_more)
+
+    async def StartMcpServer(self, request: pb.StartMcpServerRequest, context: _Context) -> pb.StartMcpServerResponse:
+        info, created = await self._domain.start_mcp_server(
+            current_org(), request.environment_id, request.session_id, request.label, request.transport_json
+        )
+        return pb.StartMcpServerResponse(server=_mcp_server(info), created=created)
+
+    async def SendMcpMessage(self, request: pb.SendMcpMessageRequest, context: _Context) -> pb.SendMcpMessageResponse:
+        response = await self._domain.send_mcp_message(
+            current_org(),
+            request.environment_id,
+            request.session_id,
+            request.label,
+            request.message_json,
+            timeout_s=context.time_remaining(),
+        )
+        return pb.SendMcpMessageResponse(response_json=response)
+
+    async def ListMcpServers(self, request: pb.ListMcpServersRequest, context: _Context) -> pb.ListMcpServersResponse:
+        servers = await self._domain.list_mcp_servers(current_org(), request.environment_id)
+        return pb.ListMcpServersResponse(servers=[_mcp_server(s) for s in servers])

@@ -37,12 +37,13 @@ from services.session.agents import (
 )
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
+from services.session.mcp_connections import McpConnections
 from services.session.models import AgentRow, ArtifactRow, EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.repository import ACTIVE_TURN_STATUSES, Page
 from services.session.runner import TurnRunner
 from services.session.store import Store, Unit
 
-__all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "parse_body"]
+__all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall", "parse_body"]
 
 log = get_logger(__name__)
 
@@ -65,6 +66,15 @@ _HOSTED_CONFIG_KEYS = {
     "setup_commands",
     "skills",
 }
+
+
+class UnknownToolCall(InvalidArgument):
+    """A tool result for a call that is not (yet) registered. The gateway
+    renders it with code ``invalid_request_error``: the SDK's tool dispatcher
+    retries on exactly that code plus the message ``Unknown pending tool call:
+    <call_id>`` (openai/lib/streaming/agents/_tools.py)."""
+
+    reason = "UNKNOWN_TOOL_CALL"
 
 
 def parse_body(text: str, param: str = "body") -> dict[str, Any]:
@@ -223,12 +233,14 @@ class SessionDomain:
         runner: TurnRunner,
         blobs: BlobStore,
         *,
+        mcp: McpConnections | None = None,
         poll_s: float = 0.2,
     ) -> None:
         self.store = store
         self.env = env_client
         self.runner = runner
         self.blobs = blobs
+        self.mcp = mcp
         self.poll_s = poll_s
 
     # ===== agents =====================================================================
@@ -466,7 +478,10 @@ class SessionDomain:
     async def delete_session(self, session_id: str) -> str:
         """Refuses while a turn is queued or running. Detaches the environment
         (a never-shared private one is deleted with its sandbox by the
-        Environment service), then deletes turns, items, events and artifacts."""
+        Environment service; a shared one closes the upstream of every HTTP
+        MCP label the session used, even though peers share it), closes the
+        session's own MCP connections, then deletes turns, items, events and
+        artifacts. Stdio MCP servers keep running."""
         org = current_org()
 
         async def mark(u: Unit) -> tuple[SessionRow, str]:
@@ -497,6 +512,8 @@ class SessionDomain:
 
                     await self.store.transact(restore)
                     raise
+        if self.mcp is not None:
+            await self.mcp.close_session(session_id)
 
         async def remove(u: Unit) -> list[str]:
             shas = await repo.delete_session_rows(u.session, session_id)
@@ -585,7 +602,7 @@ class SessionDomain:
         ).scalar_one_or_none()
         if call is None:
             # The SDK's helpers match this exact message for their retry.
-            raise InvalidArgument(f"Unknown pending tool call: {call_id}", param=f"{p}.call_id")
+            raise UnknownToolCall(f"Unknown pending tool call: {call_id}", param=f"{p}.call_id")
         if call.turn_id != turn_id:
             raise InvalidArgument(f"call {call_id} does not belong to turn {turn_id}", param=f"{p}.turn_id")
         if call.state == "cancelled":
@@ -706,8 +723,8 @@ class SessionDomain:
     async def _follow(
         self, session_id: str, org: str, last: int, follow: bool, keepalive_ms: int
     ) -> AsyncIterator[tuple[int, str, str] | int]:
-        key = f"events:{session_id}"
-        wake = self.store.notifier.subscribe(key)
+        feed = self.store.notifier.subscribe_feed(session_id)
+        wake = feed.wake
         keepalive_s = keepalive_ms / 1000.0
         idle_since = time.monotonic()
 
@@ -725,17 +742,35 @@ class SessionDomain:
             return rows, alive is not None
 
         try:
+            fresh = True
             while True:
                 wake.clear()
-                rows, alive = await self.store.query(fetch)
-                for r in rows:
-                    last = r.seq
-                    yield (r.seq, r.type, r.event_json)
-                if rows:
+                # Events committed in this process arrive through the feed;
+                # the log is read first, on gaps, and when nothing was fed
+                # (commits on other replicas, polls, deletion).
+                fed = [] if fresh else feed.take_after(last)
+                fresh = False
+                if fed:
+                    for e in fed:
+                        last = e.sequence
+                        yield (e.sequence, e.type, e.event_json)
                     idle_since = time.monotonic()
-                    continue
-                if not follow or not alive:
-                    return
+                    if not follow:
+                        continue
+                else:
+                    rows, alive = await self.store.query(fetch)
+                    for r in rows:
+                        last = r.seq
+                        yield (r.seq, r.type, r.event_json)
+                    if rows:
+                        idle_since = time.monotonic()
+                        if not follow or len(rows) >= repo.EVENTS_BATCH:
+                            continue
+                        # A short batch is all there was when it was read: wait
+                        # for the next wake-up (already set if something
+                        # committed meanwhile) instead of reading an empty batch.
+                    elif not follow or not alive:
+                        return
                 timeout = self.poll_s
                 if keepalive_s > 0:
                     timeout = max(0.0, min(timeout, idle_since + keepalive_s - time.monotonic()))
@@ -747,4 +782,4 @@ class SessionDomain:
                     idle_since = time.monotonic()
                     yield int(time.time() * 1000)
         finally:
-            self.store.notifier.unsubscribe(key, wake)
+            self.store.notifier.unsubscribe_feed(session_id, feed)

@@ -16,7 +16,7 @@ from services.core.grpc_server import open_channel
 __all__ = ["EnvironmentClient", "SessionOutputs"]
 
 _SERVICE = "berth.environment.v1.EnvironmentService"
-_READS = ("GetEnvironment", "GetBinding", "ListSessionOutputs", "ListWorkspaceFiles")
+_READS = ("GetEnvironment", "GetBinding", "ListSessionOutputs", "ListWorkspaceFiles", "ListMcpServers")
 
 
 @dataclass
@@ -115,3 +115,33 @@ class EnvironmentClient:
             environment_service_pb2.ListSessionOutputsRequest(environment_id=environment_id, session_id=session_id)
         )
         return SessionOutputs(output_dir=response.output_dir, entries=list(response.entries))
+
+    async def start_mcp_server(
+        self, environment_id: str, session_id: str, label: str, transport_json: str
+    ) -> tuple[environment_pb2.McpServer, bool]:
+        """Starts or joins the label's environment-origin server; enters the
+        init guard first, so it may wait for setup."""
+        response = await self._stub.StartMcpServer(
+            environment_service_pb2.StartMcpServerRequest(
+                environment_id=environment_id, session_id=session_id, label=label, transport_json=transport_json
+            ),
+            timeout=self._setup_timeout_s + 60.0,
+        )
+        return response.server, bool(response.created)
+
+    async def send_mcp_message(
+        self, environment_id: str, session_id: str, label: str, message_json: str, *, timeout_s: float
+    ) -> str:
+        response = await self._stub.SendMcpMessage(
+            environment_service_pb2.SendMcpMessageRequest(
+                environment_id=environment_id, session_id=session_id, label=label, message_json=message_json
+            ),
+            timeout=timeout_s,
+        )
+        return str(response.response_json)
+
+    async def list_mcp_servers(self, environment_id: str) -> list[environment_pb2.McpServer]:
+        response = await self._stub.ListMcpServers(
+            environment_service_pb2.ListMcpServersRequest(environment_id=environment_id)
+        )
+        return list(response.servers)

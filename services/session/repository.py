@@ -144,7 +144,10 @@ async def queued_turn(s: AsyncSession, session_id: str) -> TurnRow | None:
     ).scalar_one_or_none()
 
 
-async def events_after(s: AsyncSession, session_id: str, after: int, limit: int = 500) -> list[EventRow]:
+EVENTS_BATCH = 500
+
+
+async def events_after(s: AsyncSession, session_id: str, after: int, limit: int = EVENTS_BATCH) -> list[EventRow]:
     return list(
         (
             await s.execute(
@@ -203,4 +206,4 @@ async def unreferenced_blobs(s: AsyncSession, shas: list[str]) -> list[str]:
     return [sha for sha in shas if sha not in referenced]
 
 
-__all__ += ["claim_active_turn", "set_turn_status", "next_output_index", "unreferenced_blobs"]
+__all__ += ["claim_active_turn", "set_turn_status", "next_output_index", "unreferenced_blobs", "EVENTS_BATCH"]

@@ -39,6 +39,7 @@ from services.session.environment_client import EnvironmentClient
 from services.session.harness.io import TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
+from services.session.mcp_connections import McpConnections
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
@@ -72,6 +73,7 @@ class TurnRunner:
         providers: ProviderRegistry,
         blobs: BlobStore,
         *,
+        mcp: McpConnections | None = None,
         lease_s: float = 30.0,
         poll_s: float = 0.5,
         sweep_s: float = 5.0,
@@ -80,6 +82,7 @@ class TurnRunner:
         self.env_client = env_client
         self.providers = providers
         self.blobs = blobs
+        self.mcp = mcp
         self.worker_id = f"w_{secrets.token_hex(8)}"
         self.lease_s = lease_s
         self.poll_s = poll_s
@@ -237,6 +240,7 @@ class TurnRunner:
             turn_id=claimed.turn_id,
             environment_id=claimed.environment_id,
             environment=claimed.environment,
+            mcp=self.mcp,
         )
         task = asyncio.create_task(run_turn(io, self.providers.for_model), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
@@ -297,12 +301,13 @@ class TurnRunner:
             .values(lease_expires_at=time.time() + self.lease_s)
         )
 
-    async def _collect(self, claimed: _Claimed) -> list[OutputFile]:
+    async def _collect(self, claimed: _Claimed, io: DbTurnIO | None) -> list[OutputFile]:
         if not claimed.environment_id or self.env_client is None:
             return []
-        env = await self.env_client.get_environment(claimed.environment_id)
-        if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
-            return []
+        if io is None or not io.environment_ready:
+            env = await self.env_client.get_environment(claimed.environment_id)
+            if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
+                return []
         previous = await self.store.query(lambda s: published_state(s, claimed.session_id))
         return await collect_outputs(
             self.env_client, self.blobs, previous, session_id=claimed.session_id, environment_id=claimed.environment_id
@@ -312,7 +317,7 @@ class TurnRunner:
         files: list[OutputFile] = []
         if outcome.status == "completed":
             try:
-                files = await self._collect(claimed)
+                files = await self._collect(claimed, io)
             except grpc.aio.AioRpcError as exc:
                 failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
                 outcome = Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}")

@@ -15,6 +15,7 @@ from services.session.artifacts import BlobStore
 from services.session.domain import SessionDomain
 from services.session.environment_client import EnvironmentClient
 from services.session.harness.models import ProviderRegistry
+from services.session.mcp_connections import McpConnections
 from services.session.runner import TurnRunner
 from services.session.servicer import SessionServicer
 from services.session.store import Store
@@ -39,8 +40,9 @@ async def start_session_service(
     )
     providers = ProviderRegistry(settings)
     blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
-    runner = TurnRunner(store, env_client, providers, blobs)
-    domain = SessionDomain(store, env_client, runner, blobs)
+    mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
+    runner = TurnRunner(store, env_client, providers, blobs, mcp=mcp)
+    domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
 
     def register(server: grpc.aio.Server) -> list[str]:
         session_service_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(domain), server)
@@ -53,10 +55,10 @@ async def start_session_service(
         await db.dispose()
         raise
     await runner.start()
-    # Closed in reverse order: the runner finishes its turns while the
-    # database and the environment channel are still open.
+    # Closed in reverse order: the runner finishes its turns while the MCP
+    # connections, the database and the environment channel are still open.
     return ServiceHandle(
         name="session",
         grpc=running,
-        closers=[db.dispose, env_client.close, providers.close, runner.close],
+        closers=[db.dispose, env_client.close, mcp.close, providers.close, runner.close],
     )

@@ -5,8 +5,11 @@ sequence numbers from the session's counter row (``UPDATE sessions SET
 event_seq = event_seq + n ... RETURNING``), in the same transaction as the
 rows they describe: a row lock on PostgreSQL and the write lock on SQLite
 serialize writers, so numbers are gapless and commit in order on every
-replica. After commit, local stream followers are woken; followers on other
-replicas find the rows by polling.
+replica. After commit, the appended events are handed to local stream
+followers (``EventFeed``) so they need not read back what was just written;
+a follower reads the log when its feed has a gap (a commit on another
+replica, or two local commits handed over out of order) and followers on
+other replicas find the rows by polling.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,9 +30,53 @@ from services.core.errors import NotFound
 from services.core.ids import new_id
 from services.session.models import EventRow, SessionRow
 
-__all__ = ["Store", "Unit", "Notifier", "AppendedEvent"]
+__all__ = ["Store", "Unit", "Notifier", "AppendedEvent", "EventFeed", "FedEvent"]
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FedEvent:
+    """A committed event as a local follower receives it."""
+
+    sequence: int
+    type: str
+    event_json: str
+
+
+class EventFeed:
+    """Committed events of one session handed to one local follower. Bounded:
+    a follower that falls behind loses the buffer and reads the log instead."""
+
+    LIMIT = 1000
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self._events: deque[FedEvent] = deque()
+        self.overflowed = False
+
+    def push(self, events: list[FedEvent]) -> None:
+        if len(self._events) + len(events) > self.LIMIT:
+            self._events.clear()
+            self.overflowed = True
+        else:
+            self._events.extend(events)
+        self.wake.set()
+
+    def take_after(self, last: int) -> list[FedEvent]:
+        """The buffered events that directly follow ``last`` without a gap,
+        or nothing if there is a gap (the caller then reads the log)."""
+        events = sorted((e for e in self._events if e.sequence > last), key=lambda e: e.sequence)
+        self._events.clear()
+        if self.overflowed:
+            self.overflowed = False
+            return []
+        expected = last + 1
+        for event in events:
+            if event.sequence != expected:
+                return []
+            expected += 1
+        return events
 
 
 class Notifier:
@@ -36,6 +84,23 @@ class Notifier:
 
     def __init__(self) -> None:
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._feeds: dict[str, set[EventFeed]] = {}
+
+    def subscribe_feed(self, session_id: str) -> EventFeed:
+        feed = EventFeed()
+        self._feeds.setdefault(session_id, set()).add(feed)
+        return feed
+
+    def unsubscribe_feed(self, session_id: str, feed: EventFeed) -> None:
+        feeds = self._feeds.get(session_id)
+        if feeds is not None:
+            feeds.discard(feed)
+            if not feeds:
+                del self._feeds[session_id]
+
+    def feed(self, session_id: str, events: list[FedEvent]) -> None:
+        for feed in self._feeds.get(session_id, ()):
+            feed.push(events)
 
     def subscribe(self, key: str) -> asyncio.Event:
         event = asyncio.Event()
@@ -52,6 +117,9 @@ class Notifier:
     def notify(self, key: str) -> None:
         for event in self._waiters.get(key, ()):
             event.set()
+        if key.startswith("events:"):
+            for feed in self._feeds.get(key[len("events:") :], ()):
+                feed.wake.set()
 
 
 @dataclass
@@ -59,6 +127,7 @@ class AppendedEvent:
     sequence: int
     type: str
     event: dict[str, Any]
+    event_json: str = ""
 
 
 @dataclass
@@ -88,17 +157,18 @@ class Unit:
         for offset, body in enumerate(events):
             event = {"event_id": new_id("evt"), **body}
             seq = first + offset
+            event_json = json.dumps(event, separators=(",", ":"))
             self.session.add(
                 EventRow(
                     session_id=session_id,
                     seq=seq,
                     type=str(event["type"]),
                     turn_id=str(event.get("turn_id") or turn_id or ""),
-                    event_json=json.dumps(event, separators=(",", ":")),
+                    event_json=event_json,
                     created_at=now,
                 )
             )
-            appended = AppendedEvent(seq, str(event["type"]), event)
+            appended = AppendedEvent(seq, str(event["type"]), event, event_json)
             out.append(appended)
             self.appended.append((session_id, appended))
         self.wake.add(f"events:{session_id}")
@@ -137,6 +207,13 @@ class Store:
                 unit = Unit(session)
                 result = await fn(unit)
                 await session.flush()
+            committed: dict[str, list[FedEvent]] = {}
+            for session_id, appended in unit.appended:
+                committed.setdefault(session_id, []).append(
+                    FedEvent(appended.sequence, appended.type, appended.event_json)
+                )
+            for session_id, events in committed.items():
+                self.notifier.feed(session_id, events)
             for key in unit.wake:
                 self.notifier.notify(key)
             return result
@@ -144,10 +221,11 @@ class Store:
         return await self._shielded(run(), inflight)
 
     async def query(self, fn: Callable[[AsyncSession], Awaitable[T]]) -> T:
-        """One read-only transaction."""
+        """One read-only transaction. On SQLite it stays deferred (no write
+        lock), so reads never queue behind writers in the busy handler."""
 
         async def run() -> T:
-            async with self.db.transaction() as session:
+            async with self.db.transaction(read_only=True) as session:
                 return await fn(session)
 
         return await self._shielded(run(), None)

@@ -22,8 +22,15 @@ from services.session import repository as repo
 from services.session import views, wire
 from services.session.agents import AgentConfig
 from services.session.environment_client import EnvironmentClient
-from services.session.harness.io import FunctionResult, ItemHandle, TurnFailure
+from services.session.harness.io import FunctionResult, ItemHandle, McpClient, McpUnavailable, TurnFailure
 from services.session.harness.models.base import Entry, Usage
+from services.session.mcp_connections import (
+    McpConnections,
+    authorization_header,
+    environment_transport,
+    service_http_transport,
+    transport_fingerprint,
+)
 from services.session.models import FunctionCallRow, ItemRow, SessionRow
 from services.session.store import Store, Unit
 
@@ -72,8 +79,11 @@ class DbTurnIO:
         turn_id: str,
         environment_id: str | None,
         environment: environment_pb2.Environment | None,
+        mcp: McpConnections | None = None,
     ) -> None:
         self.store = store
+        self.mcp = mcp
+        self._mcp_environment_lock = asyncio.Lock()
         self.org_id = org_id
         self.session_id = session_id
         self.turn_id = turn_id
@@ -343,8 +353,17 @@ class DbTurnIO:
         await self._transact(record)
         return TurnFailure("sandbox_error", message)
 
+    @property
+    def environment_ready(self) -> bool:
+        """Whether the environment is known to be ready (setup never undoes that)."""
+        return self._env_ready
+
     async def ensure_environment(self) -> None:
         if self._env_ready or self.env is None or self.environment_id is None:
+            return
+        if self.environment is not None and self.environment.status == environment_pb2.ENVIRONMENT_STATUS_READY:
+            # Read when the turn was claimed; a ready environment stays ready.
+            self._env_ready = True
             return
         try:
             env = await self.env.get_environment(self.environment_id)
@@ -384,3 +403,52 @@ class DbTurnIO:
             )
         )
 
+
+    # ----- MCP servers ------------------------------------------------------------
+    async def mcp_connect(self, tool: dict[str, Any]) -> McpClient:
+        label = str(tool["server_label"])
+        transport: dict[str, Any] = dict(tool["transport"])
+        if self.mcp is None:
+            raise McpUnavailable(f"MCP server {label!r} cannot be reached: MCP is not configured in this service")
+        # Stdio servers always run in the environment; HTTP ones only when asked to.
+        if transport["type"] == "stdio" or tool.get("connection_origin") == "environment":
+            return await self._environment_mcp(label, transport)
+        headers = dict(transport.get("headers") or {})
+        if transport.get("authorization"):
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = authorization_header(str(transport["authorization"]))
+        url = str(transport["server_url"])
+        timeout_s = self.mcp.call_timeout_s
+        return await self.mcp.connect(
+            self.session_id,
+            label,
+            transport_fingerprint("service", "", transport),
+            lambda: service_http_transport(url, headers, read_timeout_s=timeout_s),
+        )
+
+    async def _environment_mcp(self, label: str, transport: dict[str, Any]) -> McpClient:
+        assert self.mcp is not None
+        env, environment_id = self.env, self.environment_id
+        if env is None or environment_id is None:
+            raise McpUnavailable(f"MCP server {label!r} runs in the environment, and this session has none")
+        # Servers connect concurrently; the environment's events are emitted once.
+        async with self._mcp_environment_lock:
+            await self.ensure_environment()
+        try:
+            server, _ = await env.start_mcp_server(environment_id, self.session_id, label, json.dumps(transport))
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc_error(exc)
+            raise McpUnavailable(f"MCP server {label!r} could not start: {error.message}", reason=error.reason) from exc
+        if server.state == environment_pb2.MCP_SERVER_STATE_DEAD:
+            raise McpUnavailable(f"MCP server {label!r} is dead and is not restarted", reason="MCP_SERVER_DEAD")
+        session_id, timeout_s = self.session_id, self.mcp.call_timeout_s
+
+        async def send(message_json: str) -> str:
+            return await env.send_mcp_message(environment_id, session_id, label, message_json, timeout_s=timeout_s)
+
+        return await self.mcp.connect(
+            self.session_id,
+            label,
+            transport_fingerprint("environment", environment_id, transport),
+            lambda: environment_transport(send, label=label),
+        )

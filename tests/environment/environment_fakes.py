@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 
 from berth.common.v1 import common_pb2
-from services.core.errors import NotFound, SandboxUnavailable
+from berth.sandbox.v1 import sandbox_pb2
+from services.core.errors import McpServerDead, NotFound, SandboxUnavailable
 from services.environment.compute import ExecEvent, SandboxSpec
 
 
@@ -36,6 +37,10 @@ class FakeCompute:
     create_started: asyncio.Event = field(default_factory=asyncio.Event)
     exec_handler: ExecHandler | None = None
     exec_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # sandbox_id -> label -> broker; the first start of a label creates it.
+    brokers: dict[str, dict[str, sandbox_pb2.McpBroker]] = field(default_factory=dict)
+    # ("stop" | "close" | "destroy", sandbox_id, label) in call order.
+    mcp_calls: list[tuple[str, str, str]] = field(default_factory=list)
 
     def setup_runs(self, command: str) -> int:
         return sum(1 for c in self.execs if c.shell == command)
@@ -54,6 +59,7 @@ class FakeCompute:
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         self._check()
+        self.mcp_calls.append(("destroy", sandbox_id, ""))
         self.destroyed.append(sandbox_id)
         self.files.pop(sandbox_id, None)
 
@@ -103,3 +109,42 @@ class FakeCompute:
         if not found and path != "/workspace":
             raise NotFound(f"{path} does not exist")
         return found
+
+    async def start_mcp_broker(
+        self, sandbox_id: str, label: str, transport: sandbox_pb2.McpTransport
+    ) -> tuple[sandbox_pb2.McpBroker, bool]:
+        self._check()
+        brokers = self.brokers.setdefault(sandbox_id, {})
+        if label in brokers:
+            return brokers[label], False
+        kind = sandbox_pb2.MCP_TRANSPORT_TYPE_STDIO if transport.HasField("stdio") else sandbox_pb2.MCP_TRANSPORT_TYPE_HTTP
+        brokers[label] = sandbox_pb2.McpBroker(
+            label=label, transport_type=kind, state=sandbox_pb2.MCP_BROKER_STATE_RUNNING, pid=100 + len(brokers)
+        )
+        return brokers[label], True
+
+    async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]:
+        self._check()
+        return list(self.brokers.get(sandbox_id, {}).values())
+
+    async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
+        self._check()
+        broker = self.brokers.get(sandbox_id, {}).get(label)
+        if broker is None:
+            raise NotFound(f"no MCP broker {label}")
+        if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD:
+            raise McpServerDead(f"MCP server {label} is dead")
+        return message_json
+
+    async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker:
+        self._check()
+        self.mcp_calls.append(("stop", sandbox_id, label))
+        broker = self.brokers[sandbox_id][label]
+        broker.state = sandbox_pb2.MCP_BROKER_STATE_DEAD
+        return broker
+
+    async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool:
+        self._check()
+        self.mcp_calls.append(("close", sandbox_id, label))
+        broker = self.brokers.get(sandbox_id, {}).get(label)
+        return broker is not None and broker.transport_type == sandbox_pb2.MCP_TRANSPORT_TYPE_HTTP

@@ -22,6 +22,7 @@ class FakeModelServer:
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self.fail_with: int | None = None
+        self.chat_call = ("exec_command", '{"command": "echo hi"}')
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,7 +67,7 @@ class FakeModelServer:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": "call_m1", "type": "function", "function": {"name": "exec_command", "arguments": '{"command": "echo hi"}'}}
+                    {"id": "call_m1", "type": "function", "function": {"name": self.chat_call[0], "arguments": self.chat_call[1]}}
                 ],
             }
             finish = "tool_calls"
@@ -196,4 +197,27 @@ async def test_a_model_error_becomes_a_session_turn_error_code(model_server: Fak
     with pytest.raises(ModelError) as error:
         await provider.complete(ModelRequest(model="m", instructions=None, transcript=[{"role": "user", "text": "x"}], tools=[]))
     assert error.value.code == "invalid_request"
+    await provider.close()
+
+
+async def test_mcp_tool_names_are_mapped_to_valid_function_names_and_back(model_server: FakeModelServer) -> None:
+    from services.session.harness.models.base import ToolSpec
+    from services.session.harness.models.openai_provider import wire_name
+
+    wired = wire_name("docs.search")
+    assert wired != "docs.search" and all(c.isalnum() or c in "_-" for c in wired)
+    model_server.chat_call = (wired, '{"q": "x"}')
+    provider = OpenAIProvider(base_url=model_server.base_url, api_key="sk")
+    tools = [ToolSpec("docs.search", "Search", {"type": "object"}), ToolSpec("lookup", "Look up", {"type": "object"})]
+    request = ModelRequest(model="gpt-test", instructions=None, transcript=[{"role": "user", "text": "find"}], tools=tools)
+    first = await provider.complete(request)
+    assert [c.name for c in first.tool_calls] == ["docs.search"]
+    assert {t["function"]["name"] for t in model_server.requests[-1][1]["tools"]} == {wired, "lookup"}
+    request.transcript += [
+        {"role": "assistant", "tool_calls": [first.tool_calls[0].as_entry()]},
+        {"role": "tool", "call_id": "call_m1", "output": "found"},
+    ]
+    await provider.complete(request)
+    sent = model_server.requests[-1][1]["messages"]
+    assert sent[1]["tool_calls"][0]["function"]["name"] == wired
     await provider.close()

@@ -7,11 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import mcp_types
+
 from services.session.agents import AgentConfig
 from services.session.environment_client import EnvironmentClient
 from services.session.harness.models.base import Entry, Usage
 
-__all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure"]
+__all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure", "McpUnavailable", "McpClient"]
 
 
 class TurnFailure(Exception):
@@ -21,6 +23,27 @@ class TurnFailure(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class McpUnavailable(Exception):
+    """An MCP server cannot be used: it failed to start or initialize, it
+    died, or this session cannot reach it."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+
+
+class McpClient(Protocol):
+    """An initialized connection to one MCP server."""
+
+    @property
+    def tools(self) -> list[mcp_types.Tool]:
+        """The server's tools as last listed."""
+        ...
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> mcp_types.CallToolResult: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,13 @@ class TurnIO(Protocol):
     async def ensure_environment(self) -> None:
         """Before the first environment operation of a turn: pending/ready events
         around setup; raises TurnFailure("sandbox_error") when setup failed."""
+        ...
+
+    async def mcp_connect(self, tool: dict[str, Any]) -> McpClient:
+        """Connects to the server of an ``mcp`` tool (reusing the session's
+        connection) and lists its tools. An environment-origin server is
+        started or joined first, which enters the environment's init guard.
+        Raises McpUnavailable."""
         ...
 
     def sandbox_failure(self, exc: BaseException) -> TurnFailure:

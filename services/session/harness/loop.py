@@ -1,6 +1,10 @@
 """The agent loop of one turn: call the model with the session history and the
 tool definitions, execute the tool calls it makes, append items, and repeat
-until it answers without tool calls (at most ``MAX_ITERATIONS`` model calls)."""
+until it answers without tool calls (at most ``MAX_ITERATIONS`` model calls).
+
+The agent's MCP servers are connected before the first model call (a
+required one that fails ends the turn); the MCP calls of one model response
+run concurrently, everything else in the order the model gave."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any
 from services.core.logging import get_logger
 from services.session.harness.io import TurnFailure, TurnIO
 from services.session.harness.models.base import ModelError, ModelProvider, ModelRequest
+from services.session.harness.mcp_tools import McpToolbox, is_mcp_call
+from services.session.harness.models.base import ToolCall
 from services.session.harness.tools import PendingCall, execute_tool_call, tool_specs
 
 __all__ = ["run_turn", "MAX_ITERATIONS"]
@@ -37,13 +43,15 @@ async def _emit_message(io: TurnIO, text: str, phase: str) -> None:
 async def run_turn(io: TurnIO, provider_for: Callable[[str], ModelProvider]) -> None:
     """Runs until the final answer. Raises TurnFailure for a failed turn;
     cancellation arrives as CancelledError at any await."""
+    mcp = McpToolbox()
     for _ in range(MAX_ITERATIONS):
         config = await io.agent_config()
+        await mcp.prepare(io, config)
         request = ModelRequest(
             model=config["model"],
             instructions=config.get("instructions"),
             transcript=await io.transcript(),
-            tools=tool_specs(config, has_environment=io.environment_id is not None),
+            tools=tool_specs(config, has_environment=io.environment_id is not None) + mcp.specs(),
             text_format=config.get("text", {}).get("format"),
             reasoning_effort=(config.get("reasoning") or {}).get("effort"),
         )
@@ -59,10 +67,19 @@ async def run_turn(io: TurnIO, provider_for: Callable[[str], ModelProvider]) -> 
         if response.text:
             await _emit_message(io, response.text, "commentary")
         pending: list[PendingCall] = []
+        batch: list[ToolCall] = []
         for call in response.tool_calls:
+            if is_mcp_call(call.name):
+                batch.append(call)
+                continue
+            if batch:
+                await mcp.run(io, batch)
+                batch = []
             result = await execute_tool_call(io, config, call)
             if result is not None:
                 pending.append(result)
+        if batch:
+            await mcp.run(io, batch)
         if pending:
             await io.wait_function_results([p.call_id for p in pending])
     raise TurnFailure("internal_error", f"the agent did not finish within {MAX_ITERATIONS} model calls")

@@ -5,8 +5,7 @@
   the first one of a turn enters the init guard.
 - Application function tools (``agent.tools`` of type ``function``): the call
   becomes a pending function call; the turn waits for the tool result.
-- MCP tools (``mcp__LABEL__TOOL``): recorded as a failed ``mcp_call`` until MCP
-  support lands.
+- MCP tools (``LABEL.TOOL``): see ``harness/mcp_tools.py``.
 """
 
 from __future__ import annotations
@@ -133,9 +132,6 @@ async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> 
         return None
     if call.name in functions:
         return PendingCall(await io.add_function_call(call.name, call.arguments, call.id))
-    if call.name.startswith("mcp__"):
-        await _mcp_unavailable(io, call)
-        return None
     # The model called a tool it was not given; tell it so without a public item.
     await io.add_item(
         {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "failed"},
@@ -303,22 +299,6 @@ async def _write(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tupl
     message = f"wrote {len(data)} bytes to {path}"
     item.update(status="completed", exit_code=0, output=message)
     return item, message
-
-
-async def _mcp_unavailable(io: TurnIO, call: ToolCall) -> None:
-    _, label, tool = (call.name.split("__", 2) + ["", ""])[:3]
-    args = _arguments(call)
-    message = f"MCP server {label!r} is not available: MCP tools are not supported yet"
-    item = {
-        "type": "mcp_call",
-        "server_label": label,
-        "name": tool,
-        "arguments": args if args is not None else call.arguments,
-        "output": None,
-        "error": {"type": "mcp_unavailable", "message": message},
-        "status": "failed",
-    }
-    await io.add_item(item, entries=_call_entries(call, f"error: {message}"), output=True, done=True)
 
 
 __all__ += ["TurnFailure"]

@@ -54,6 +54,24 @@ async def echo(text: str, delay_s: float = 0.0) -> str:
     return text
 
 
+_rendezvous: dict[str, tuple[int, asyncio.Event]] = {}
+
+
+@server.tool()
+async def rendezvous(key: str, n: int, text: str, timeout_s: float = 20.0) -> str:
+    """Returns ``text`` once ``n`` calls with this ``key`` are in flight at
+    the same time; "timeout" if they never all were."""
+    count, arrived = _rendezvous.get(key, (0, asyncio.Event()))
+    _rendezvous[key] = (count + 1, arrived)
+    if count + 1 >= n:
+        arrived.set()
+    try:
+        await asyncio.wait_for(arrived.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return "timeout"
+    return text
+
+
 @server.tool()
 def initialize_count() -> int:
     """How many initialize requests this process has seen."""

@@ -27,7 +27,7 @@ def test_a_script_is_split_into_ordered_actions_and_echoed_text() -> None:
         ("write_file", {"path": "notes/a.md", "content": "# Title\nbody\n"}),
         ("read_file", {"path": "notes/a.md"}),
         ("lookup", {"q": "x"}),
-        ("mcp__docs__search", {"query": "y"}),
+        ("docs.search", {"query": "y"}),
     ]
     assert text == "Plan:\nThat is all."
 
@@ -66,3 +66,22 @@ def test_tool_results_follow_their_calls_and_missing_ones_are_filled_in() -> Non
         ("tool", "c"),
     ]
     assert out[-1]["output"].startswith("error:")
+
+
+async def test_actions_prefixed_with_an_ampersand_are_issued_in_one_model_response() -> None:
+    script = 'mcp docs.a {"n": 1}\n& mcp docs.b {"n": 2}\n& mcp docs.c\n$ ls\nok'
+    actions, text = parse_script(script)
+    assert [(a.tool, a.parallel) for a in actions] == [("docs.a", False), ("docs.b", True), ("docs.c", True), ("exec_command", False)]
+    assert text == "ok"
+    model = ScriptedProvider()
+    transcript: list[dict[str, object]] = [{"role": "user", "text": script}]
+    request = ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[])  # type: ignore[arg-type]
+    first = await model.complete(request)
+    assert [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [("docs.a", {"n": 1}), ("docs.b", {"n": 2}), ("docs.c", {})]
+    assert len({c.id for c in first.tool_calls}) == 3
+    for call in first.tool_calls:
+        transcript += [{"role": "assistant", "tool_calls": [call.as_entry()]}, {"role": "tool", "call_id": call.id, "output": "x"}]
+    second = await model.complete(request)
+    assert [c.name for c in second.tool_calls] == ["exec_command"]
+    transcript += [{"role": "assistant", "tool_calls": [second.tool_calls[0].as_entry()]}]
+    assert (await model.complete(request)).text == "ok"

@@ -103,6 +103,60 @@ BINDING_ROLE_REFERENCE: BindingRole.ValueType  # 2
 """The session referenced an existing environment."""
 Global___BindingRole: _TypeAlias = BindingRole  # noqa: Y015
 
+class _McpServerState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _McpServerStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_McpServerState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MCP_SERVER_STATE_UNSPECIFIED: _McpServerState.ValueType  # 0
+    """Not set, or the sandbox reports no broker for the label."""
+    MCP_SERVER_STATE_RUNNING: _McpServerState.ValueType  # 1
+    """The broker forwards messages to its server."""
+    MCP_SERVER_STATE_DEAD: _McpServerState.ValueType  # 2
+    """The server exited or was stopped; messages fail with FAILED_PRECONDITION
+    (MCP_SERVER_DEAD) and a later start does not restart it.
+    """
+
+class McpServerState(_McpServerState, metaclass=_McpServerStateEnumTypeWrapper):
+    """McpServerState is the state of an environment-origin MCP server, read from
+    its broker in the sandbox. A dead server is never restarted.
+    """
+
+MCP_SERVER_STATE_UNSPECIFIED: McpServerState.ValueType  # 0
+"""Not set, or the sandbox reports no broker for the label."""
+MCP_SERVER_STATE_RUNNING: McpServerState.ValueType  # 1
+"""The broker forwards messages to its server."""
+MCP_SERVER_STATE_DEAD: McpServerState.ValueType  # 2
+"""The server exited or was stopped; messages fail with FAILED_PRECONDITION
+(MCP_SERVER_DEAD) and a later start does not restart it.
+"""
+Global___McpServerState: _TypeAlias = McpServerState  # noqa: Y015
+
+class _McpTransportType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _McpTransportTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_McpTransportType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MCP_TRANSPORT_TYPE_UNSPECIFIED: _McpTransportType.ValueType  # 0
+    """Not set."""
+    MCP_TRANSPORT_TYPE_STDIO: _McpTransportType.ValueType  # 1
+    """A server process inside the sandbox speaking JSON-RPC on stdio."""
+    MCP_TRANSPORT_TYPE_HTTP: _McpTransportType.ValueType  # 2
+    """A streamable HTTP endpoint reached from the sandbox's network."""
+
+class McpTransportType(_McpTransportType, metaclass=_McpTransportTypeEnumTypeWrapper):
+    """McpTransportType is how an environment-origin MCP server is reached."""
+
+MCP_TRANSPORT_TYPE_UNSPECIFIED: McpTransportType.ValueType  # 0
+"""Not set."""
+MCP_TRANSPORT_TYPE_STDIO: McpTransportType.ValueType  # 1
+"""A server process inside the sandbox speaking JSON-RPC on stdio."""
+MCP_TRANSPORT_TYPE_HTTP: McpTransportType.ValueType  # 2
+"""A streamable HTTP endpoint reached from the sandbox's network."""
+Global___McpTransportType: _TypeAlias = McpTransportType  # noqa: Y015
+
 @_typing.final
 class InitialFile(_message.Message):
     """InitialFile is a file written into the workspace during setup."""
@@ -538,3 +592,70 @@ class StoredFile(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StoredFile: _TypeAlias = StoredFile  # noqa: Y015
+
+@_typing.final
+class McpServer(_message.Message):
+    """McpServer is one server_label of an environment's MCP label registry. The
+    first configuration to start a live broker owns the label for the
+    sandbox's life; later sessions using the label reach that server.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    TRANSPORT_TYPE_FIELD_NUMBER: _builtins.int
+    OWNER_SESSION_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    SESSION_IDS_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    label: _builtins.str
+    """The server_label; unique within the environment."""
+    origin: _builtins.str
+    """Where connections originate; always "environment" here (service-origin
+    servers live in the Session service and are not registered).
+    """
+    transport_type: Global___McpTransportType.ValueType
+    """How the broker reaches its server (the first configuration's transport)."""
+    owner_session_id: _builtins.str
+    """The session whose configuration started the server; empty when it is
+    not known (e.g. started without a session).
+    """
+    state: Global___McpServerState.ValueType
+    """Running or dead, from the sandbox; UNSPECIFIED when the sandbox does not
+    report the broker.
+    """
+    pid: _builtins.int
+    """PID of a stdio server inside the sandbox; 0 for HTTP or when unknown."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the label was registered."""
+
+    @_builtins.property
+    def session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Attached sessions that have used the label, in first-use order."""
+
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+        origin: _builtins.str = ...,
+        transport_type: Global___McpTransportType.ValueType = ...,
+        owner_session_id: _builtins.str = ...,
+        state: Global___McpServerState.ValueType = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        session_ids: _abc.Iterable[_builtins.str] | None = ...,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "environment_id", b"environment_id", "label", b"label", "origin", b"origin", "owner_session_id", b"owner_session_id", "pid", b"pid", "session_ids", b"session_ids", "state", b"state", "transport_type", b"transport_type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___McpServer: _TypeAlias = McpServer  # noqa: Y015

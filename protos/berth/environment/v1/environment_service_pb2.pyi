@@ -1129,3 +1129,172 @@ class ListStoredFilesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListStoredFilesResponse: _TypeAlias = ListStoredFilesResponse  # noqa: Y015
+
+@_typing.final
+class StartMcpServerRequest(_message.Message):
+    """Request for StartMcpServer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    TRANSPORT_JSON_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    session_id: _builtins.str
+    """The calling session, which must be attached; empty for a direct start."""
+    label: _builtins.str
+    """The server_label; 1-128 printable characters without spaces."""
+    transport_json: _builtins.str
+    """The MCP transport as the Agents API takes it: {"type":"stdio", command,
+    cwd, args, env, env_vars} or {"type":"http", server_url, authorization,
+    headers}. Used only if this call starts the server.
+    """
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+        transport_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "label", b"label", "session_id", b"session_id", "transport_json", b"transport_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartMcpServerRequest: _TypeAlias = StartMcpServerRequest  # noqa: Y015
+
+@_typing.final
+class StartMcpServerResponse(_message.Message):
+    """Response for StartMcpServer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """Whether this call started the server with its configuration."""
+    @_builtins.property
+    def server(self) -> _environment_pb2.McpServer:
+        """The label's server, which may predate this call."""
+
+    def __init__(
+        self,
+        *,
+        server: _environment_pb2.McpServer | None = ...,
+        created: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["server", b"server"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "server", b"server"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartMcpServerResponse: _TypeAlias = StartMcpServerResponse  # noqa: Y015
+
+@_typing.final
+class SendMcpMessageRequest(_message.Message):
+    """Request for SendMcpMessage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    session_id: _builtins.str
+    """The calling session, which must be attached; empty for a direct call."""
+    label: _builtins.str
+    """The server_label."""
+    message_json: _builtins.str
+    """One JSON-RPC message as JSON: a request, a notification, or a response."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+        message_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "label", b"label", "message_json", b"message_json", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendMcpMessageRequest: _TypeAlias = SendMcpMessageRequest  # noqa: Y015
+
+@_typing.final
+class SendMcpMessageResponse(_message.Message):
+    """Response for SendMcpMessage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_JSON_FIELD_NUMBER: _builtins.int
+    response_json: _builtins.str
+    """The JSON-RPC response to a request, with the request's own id; empty for
+    notifications and responses.
+    """
+    def __init__(
+        self,
+        *,
+        response_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["response_json", b"response_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendMcpMessageResponse: _TypeAlias = SendMcpMessageResponse  # noqa: Y015
+
+@_typing.final
+class ListMcpServersRequest(_message.Message):
+    """Request for ListMcpServers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMcpServersRequest: _TypeAlias = ListMcpServersRequest  # noqa: Y015
+
+@_typing.final
+class ListMcpServersResponse(_message.Message):
+    """Response for ListMcpServers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def servers(self) -> _containers.RepeatedCompositeFieldContainer[_environment_pb2.McpServer]:
+        """Every registered server of the environment, in registration order."""
+
+    def __init__(
+        self,
+        *,
+        servers: _abc.Iterable[_environment_pb2.McpServer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["servers", b"servers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListMcpServersResponse: _TypeAlias = ListMcpServersResponse  # noqa: Y015

@@ -135,6 +135,21 @@ class EnvironmentServiceStub:
                 request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListStoredFilesRequest.SerializeToString,
                 response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListStoredFilesResponse.FromString,
                 _registered_method=True)
+        self.StartMcpServer = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/StartMcpServer',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartMcpServerRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartMcpServerResponse.FromString,
+                _registered_method=True)
+        self.SendMcpMessage = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/SendMcpMessage',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.SendMcpMessageRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.SendMcpMessageResponse.FromString,
+                _registered_method=True)
+        self.ListMcpServers = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/ListMcpServers',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -164,7 +179,8 @@ class EnvironmentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteEnvironment(self, request, context):
-        """Destroys an environment without bindings and outside setup.
+        """Destroys an environment without bindings and outside setup, after
+        stopping every MCP broker in its sandbox.
         FAILED_PRECONDITION with ENVIRONMENT_IN_USE or INITIALIZATION_RUNNING.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -182,7 +198,10 @@ class EnvironmentServiceServicer:
 
     def DetachSession(self, request, context):
         """Removes a session's binding. A private, never-shared environment whose
-        owner detaches is deleted with its sandbox.
+        owner detaches is deleted with its sandbox. Otherwise the upstream HTTP
+        connections of the environment-origin MCP labels the session used are
+        closed, including the one its peers reuse (their next request opens a
+        fresh one); stdio MCP servers keep running.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -290,6 +309,34 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartMcpServer(self, request, context):
+        """Starts (or joins) the environment-origin MCP server of a label for a
+        session. Enters the init guard first. The first configuration to start a
+        live broker wins and is recorded as the label's owner; a later call with
+        another configuration joins that server without comparing them, and a
+        dead server is reported dead, not restarted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendMcpMessage(self, request, context):
+        """Sends one JSON-RPC message to a label's server through its broker and
+        returns the response to a request. Records that the session uses the
+        label. A dead server is FAILED_PRECONDITION (MCP_SERVER_DEAD).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListMcpServers(self, request, context):
+        """Lists the environment's MCP servers with their owner and live state.
+        Does not start the environment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +439,21 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.ListStoredFiles,
                     request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListStoredFilesRequest.FromString,
                     response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListStoredFilesResponse.SerializeToString,
+            ),
+            'StartMcpServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartMcpServer,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartMcpServerRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartMcpServerResponse.SerializeToString,
+            ),
+            'SendMcpMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendMcpMessage,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.SendMcpMessageRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.SendMcpMessageResponse.SerializeToString,
+            ),
+            'ListMcpServers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMcpServers,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -935,6 +997,87 @@ class EnvironmentService:
             '/berth.environment.v1.EnvironmentService/ListStoredFiles',
             berth_dot_environment_dot_v1_dot_environment__service__pb2.ListStoredFilesRequest.SerializeToString,
             berth_dot_environment_dot_v1_dot_environment__service__pb2.ListStoredFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartMcpServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/StartMcpServer',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.StartMcpServerRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.StartMcpServerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMcpMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/SendMcpMessage',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.SendMcpMessageRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.SendMcpMessageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMcpServers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/ListMcpServers',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersResponse.FromString,
             options,
             channel_credentials,
             insecure,

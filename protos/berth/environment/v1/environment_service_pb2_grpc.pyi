@@ -46,7 +46,8 @@ class EnvironmentServiceStub:
     ListEnvironments: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ListEnvironmentsRequest, _environment_service_pb2.ListEnvironmentsResponse]
     """Lists the organization's environments by creation time."""
     DeleteEnvironment: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.DeleteEnvironmentRequest, _environment_service_pb2.DeleteEnvironmentResponse]
-    """Destroys an environment without bindings and outside setup.
+    """Destroys an environment without bindings and outside setup, after
+    stopping every MCP broker in its sandbox.
     FAILED_PRECONDITION with ENVIRONMENT_IN_USE or INITIALIZATION_RUNNING.
     """
     AttachSession: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.AttachSessionRequest, _environment_service_pb2.AttachSessionResponse]
@@ -56,7 +57,10 @@ class EnvironmentServiceStub:
     """
     DetachSession: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.DetachSessionRequest, _environment_service_pb2.DetachSessionResponse]
     """Removes a session's binding. A private, never-shared environment whose
-    owner detaches is deleted with its sandbox.
+    owner detaches is deleted with its sandbox. Otherwise the upstream HTTP
+    connections of the environment-origin MCP labels the session used are
+    closed, including the one its peers reuse (their next request opens a
+    fresh one); stdio MCP servers keep running.
     """
     GetBinding: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.GetBindingRequest, _environment_service_pb2.GetBindingResponse]
     """Returns the binding of a session."""
@@ -93,6 +97,22 @@ class EnvironmentServiceStub:
     """Deletes a stored file."""
     ListStoredFiles: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ListStoredFilesRequest, _environment_service_pb2.ListStoredFilesResponse]
     """Lists stored files."""
+    StartMcpServer: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.StartMcpServerRequest, _environment_service_pb2.StartMcpServerResponse]
+    """Starts (or joins) the environment-origin MCP server of a label for a
+    session. Enters the init guard first. The first configuration to start a
+    live broker wins and is recorded as the label's owner; a later call with
+    another configuration joins that server without comparing them, and a
+    dead server is reported dead, not restarted.
+    """
+    SendMcpMessage: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.SendMcpMessageRequest, _environment_service_pb2.SendMcpMessageResponse]
+    """Sends one JSON-RPC message to a label's server through its broker and
+    returns the response to a request. Records that the session uses the
+    label. A dead server is FAILED_PRECONDITION (MCP_SERVER_DEAD).
+    """
+    ListMcpServers: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ListMcpServersRequest, _environment_service_pb2.ListMcpServersResponse]
+    """Lists the environment's MCP servers with their owner and live state.
+    Does not start the environment.
+    """
 
 @_typing.type_check_only
 class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
@@ -108,7 +128,8 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     ListEnvironments: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListEnvironmentsRequest, _environment_service_pb2.ListEnvironmentsResponse]  # type: ignore[assignment]
     """Lists the organization's environments by creation time."""
     DeleteEnvironment: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.DeleteEnvironmentRequest, _environment_service_pb2.DeleteEnvironmentResponse]  # type: ignore[assignment]
-    """Destroys an environment without bindings and outside setup.
+    """Destroys an environment without bindings and outside setup, after
+    stopping every MCP broker in its sandbox.
     FAILED_PRECONDITION with ENVIRONMENT_IN_USE or INITIALIZATION_RUNNING.
     """
     AttachSession: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.AttachSessionRequest, _environment_service_pb2.AttachSessionResponse]  # type: ignore[assignment]
@@ -118,7 +139,10 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     """
     DetachSession: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.DetachSessionRequest, _environment_service_pb2.DetachSessionResponse]  # type: ignore[assignment]
     """Removes a session's binding. A private, never-shared environment whose
-    owner detaches is deleted with its sandbox.
+    owner detaches is deleted with its sandbox. Otherwise the upstream HTTP
+    connections of the environment-origin MCP labels the session used are
+    closed, including the one its peers reuse (their next request opens a
+    fresh one); stdio MCP servers keep running.
     """
     GetBinding: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.GetBindingRequest, _environment_service_pb2.GetBindingResponse]  # type: ignore[assignment]
     """Returns the binding of a session."""
@@ -155,6 +179,22 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     """Deletes a stored file."""
     ListStoredFiles: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListStoredFilesRequest, _environment_service_pb2.ListStoredFilesResponse]  # type: ignore[assignment]
     """Lists stored files."""
+    StartMcpServer: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.StartMcpServerRequest, _environment_service_pb2.StartMcpServerResponse]  # type: ignore[assignment]
+    """Starts (or joins) the environment-origin MCP server of a label for a
+    session. Enters the init guard first. The first configuration to start a
+    live broker wins and is recorded as the label's owner; a later call with
+    another configuration joins that server without comparing them, and a
+    dead server is reported dead, not restarted.
+    """
+    SendMcpMessage: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.SendMcpMessageRequest, _environment_service_pb2.SendMcpMessageResponse]  # type: ignore[assignment]
+    """Sends one JSON-RPC message to a label's server through its broker and
+    returns the response to a request. Records that the session uses the
+    label. A dead server is FAILED_PRECONDITION (MCP_SERVER_DEAD).
+    """
+    ListMcpServers: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListMcpServersRequest, _environment_service_pb2.ListMcpServersResponse]  # type: ignore[assignment]
+    """Lists the environment's MCP servers with their owner and live state.
+    Does not start the environment.
+    """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     """EnvironmentService is the only path from sessions to compute."""
@@ -191,7 +231,8 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _environment_service_pb2.DeleteEnvironmentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_environment_service_pb2.DeleteEnvironmentResponse, _abc.Awaitable[_environment_service_pb2.DeleteEnvironmentResponse]]:
-        """Destroys an environment without bindings and outside setup.
+        """Destroys an environment without bindings and outside setup, after
+        stopping every MCP broker in its sandbox.
         FAILED_PRECONDITION with ENVIRONMENT_IN_USE or INITIALIZATION_RUNNING.
         """
 
@@ -213,7 +254,10 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_service_pb2.DetachSessionResponse, _abc.Awaitable[_environment_service_pb2.DetachSessionResponse]]:
         """Removes a session's binding. A private, never-shared environment whose
-        owner detaches is deleted with its sandbox.
+        owner detaches is deleted with its sandbox. Otherwise the upstream HTTP
+        connections of the environment-origin MCP labels the session used are
+        closed, including the one its peers reuse (their next request opens a
+        fresh one); stdio MCP servers keep running.
         """
 
     @_abc_1.abstractmethod
@@ -334,5 +378,39 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_service_pb2.ListStoredFilesResponse, _abc.Awaitable[_environment_service_pb2.ListStoredFilesResponse]]:
         """Lists stored files."""
+
+    @_abc_1.abstractmethod
+    def StartMcpServer(
+        self,
+        request: _environment_service_pb2.StartMcpServerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.StartMcpServerResponse, _abc.Awaitable[_environment_service_pb2.StartMcpServerResponse]]:
+        """Starts (or joins) the environment-origin MCP server of a label for a
+        session. Enters the init guard first. The first configuration to start a
+        live broker wins and is recorded as the label's owner; a later call with
+        another configuration joins that server without comparing them, and a
+        dead server is reported dead, not restarted.
+        """
+
+    @_abc_1.abstractmethod
+    def SendMcpMessage(
+        self,
+        request: _environment_service_pb2.SendMcpMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.SendMcpMessageResponse, _abc.Awaitable[_environment_service_pb2.SendMcpMessageResponse]]:
+        """Sends one JSON-RPC message to a label's server through its broker and
+        returns the response to a request. Records that the session uses the
+        label. A dead server is FAILED_PRECONDITION (MCP_SERVER_DEAD).
+        """
+
+    @_abc_1.abstractmethod
+    def ListMcpServers(
+        self,
+        request: _environment_service_pb2.ListMcpServersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.ListMcpServersResponse, _abc.Awaitable[_environment_service_pb2.ListMcpServersResponse]]:
+        """Lists the environment's MCP servers with their owner and live state.
+        Does not start the environment.
+        """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,8 +1,14 @@
 """Any OpenAI-compatible server through the ``openai`` package: Chat
-Completions by default, the Responses API when ``model_api == "responses"``."""
+Completions by default, the Responses API when ``model_api == "responses"``.
+
+Function names there are limited to ``[A-Za-z0-9_-]{1,64}``, while MCP tools
+are named ``<server_label>.<tool>``: such names are mapped to valid ones on
+the way out (tool definitions and past calls alike) and back on the way in."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any, Literal
 
 import openai
@@ -17,7 +23,51 @@ from services.session.harness.models.base import (
     normalize_transcript,
 )
 
-__all__ = ["OpenAIProvider"]
+__all__ = ["OpenAIProvider", "wire_name"]
+
+
+_VALID_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_INVALID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def wire_name(name: str) -> str:
+    """A valid function name for ``name``: unchanged when already valid;
+    otherwise dots become ``__``, other characters ``_``, and a hash suffix
+    keeps overlong or colliding names distinct."""
+    if _VALID_NAME.match(name):
+        return name
+    candidate = _INVALID_CHARS.sub("_", name.replace(".", "__"))
+    if 0 < len(candidate) <= 64 and candidate != name:
+        return candidate
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{candidate[:55]}_{digest}"
+
+
+class _Names:
+    """The name mapping of one request, with collisions resolved."""
+
+    def __init__(self, tools: list[ToolSpec]) -> None:
+        self.out: dict[str, str] = {}
+        self.back: dict[str, str] = {}
+        valid = {t.name for t in tools if _VALID_NAME.match(t.name)}
+        for name in sorted(valid):
+            self.out[name] = name
+            self.back[name] = name
+        for tool in tools:
+            if tool.name in self.out:
+                continue
+            wired = wire_name(tool.name)
+            if wired in self.back:
+                digest = hashlib.sha256(tool.name.encode()).hexdigest()[:8]
+                wired = f"{_INVALID_CHARS.sub('_', tool.name)[:55]}_{digest}"
+            self.out[tool.name] = wired
+            self.back[wired] = tool.name
+
+    def to_wire(self, name: str) -> str:
+        return self.out.get(name) or wire_name(name)
+
+    def from_wire(self, name: str) -> str:
+        return self.back.get(name, name)
 
 
 def _error_code(exc: openai.OpenAIError) -> str:
@@ -43,7 +93,7 @@ def _error_code(exc: openai.OpenAIError) -> str:
     return "internal_error"
 
 
-def _chat_messages(request: ModelRequest) -> list[dict[str, Any]]:
+def _chat_messages(request: ModelRequest, names: _Names) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
@@ -55,7 +105,7 @@ def _chat_messages(request: ModelRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": entry["call_id"], "content": str(entry.get("output", ""))})
         elif role == "assistant":
             calls = [
-                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                {"id": c["id"], "type": "function", "function": {"name": names.to_wire(c["name"]), "arguments": c["arguments"]}}
                 for c in entry.get("tool_calls") or ()
             ]
             previous = messages[-1] if messages else None
@@ -70,7 +120,7 @@ def _chat_messages(request: ModelRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _responses_input(request: ModelRequest) -> list[dict[str, Any]]:
+def _responses_input(request: ModelRequest, names: _Names) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for entry in normalize_transcript(request.transcript):
         role = entry.get("role")
@@ -82,15 +132,23 @@ def _responses_input(request: ModelRequest) -> list[dict[str, Any]]:
             if entry.get("text"):
                 items.append({"role": "assistant", "content": str(entry["text"])})
             for c in entry.get("tool_calls") or ():
-                items.append({"type": "function_call", "call_id": c["id"], "name": c["name"], "arguments": c["arguments"]})
+                items.append(
+                    {"type": "function_call", "call_id": c["id"], "name": names.to_wire(c["name"]), "arguments": c["arguments"]}
+                )
     return items
 
 
-def _tool_defs(tools: list[ToolSpec], api: str) -> list[dict[str, Any]]:
+def _tool_defs(tools: list[ToolSpec], api: str, names: _Names) -> list[dict[str, Any]]:
     if api == "responses":
-        return [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters} for t in tools]
+        return [
+            {"type": "function", "name": names.to_wire(t.name), "description": t.description, "parameters": t.parameters}
+            for t in tools
+        ]
     return [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        {
+            "type": "function",
+            "function": {"name": names.to_wire(t.name), "description": t.description, "parameters": t.parameters},
+        }
         for t in tools
     ]
 
@@ -118,9 +176,10 @@ class OpenAIProvider:
             raise ModelError(_error_code(exc), f"model call failed: {exc}") from exc
 
     async def _chat(self, request: ModelRequest) -> ModelResponse:
-        kwargs: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request)}
+        names = _Names(request.tools)
+        kwargs: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request, names)}
         if request.tools:
-            kwargs["tools"] = _tool_defs(request.tools, "chat")
+            kwargs["tools"] = _tool_defs(request.tools, "chat", names)
         if request.text_format and request.text_format.get("type") == "json_schema":
             kwargs["response_format"] = {
                 "type": "json_schema",
@@ -133,7 +192,7 @@ class OpenAIProvider:
             raise ModelError("server_error", "the model returned no choices")
         message = completion.choices[0].message
         calls = [
-            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments or "{}")
+            ToolCall(id=c.id, name=names.from_wire(c.function.name), arguments=c.function.arguments or "{}")
             for c in message.tool_calls or ()
             if getattr(c, "function", None) is not None
         ]
@@ -149,11 +208,12 @@ class OpenAIProvider:
         return ModelResponse(text=message.content or None, tool_calls=calls, usage=usage)
 
     async def _responses(self, request: ModelRequest) -> ModelResponse:
-        kwargs: dict[str, Any] = {"model": request.model, "input": _responses_input(request)}
+        names = _Names(request.tools)
+        kwargs: dict[str, Any] = {"model": request.model, "input": _responses_input(request, names)}
         if request.instructions:
             kwargs["instructions"] = request.instructions
         if request.tools:
-            kwargs["tools"] = _tool_defs(request.tools, "responses")
+            kwargs["tools"] = _tool_defs(request.tools, "responses", names)
         if request.text_format and request.text_format.get("type") == "json_schema":
             kwargs["text"] = {"format": {"type": "json_schema", "name": "output", "schema": request.text_format["schema"]}}
         if request.reasoning_effort:
@@ -165,7 +225,7 @@ class OpenAIProvider:
             if item.type == "message":
                 texts.extend(part.text for part in item.content if getattr(part, "type", "") == "output_text")
             elif item.type == "function_call":
-                calls.append(ToolCall(id=item.call_id, name=item.name, arguments=item.arguments or "{}"))
+                calls.append(ToolCall(id=item.call_id, name=names.from_wire(item.name), arguments=item.arguments or "{}"))
         usage = None
         if response.usage is not None:
             u = response.usage

@@ -17,14 +17,19 @@ backticks, the content, and a closing line of three backticks)
     Call the application function tool NAME with the JSON object as its
     arguments (``{}`` when omitted). The turn waits for the tool result.
 ``mcp LABEL.TOOL {JSON}``
-    Call TOOL of the MCP server LABEL (tool name ``mcp__LABEL__TOOL``).
+    Call TOOL of the MCP server LABEL (tool name ``LABEL.TOOL``) with the
+    JSON object as its arguments.
+``& ACTION``
+    Any action line prefixed with ``& `` is issued in the same model response
+    as the action before it (parallel tool calls).
 any other line
     Echoed: all such lines, joined by newlines and stripped, form the final
     assistant message. A script made only of actions ends with ``done``.
 
-Actions run one per model call, in order: the model counts the tool calls it
-already made after the last user message and issues the next one; once all
-ran it answers with the final message. Usage is estimated as one token per
+Actions run one step per model call, in order (a step is an action plus the
+``&`` actions after it): the model counts the tool calls it already made
+after the last user message and issues the next step; once all ran it
+answers with the final message. Usage is estimated as one token per
 four characters.
 """
 
@@ -43,10 +48,12 @@ __all__ = ["ScriptedProvider", "parse_script", "ScriptAction", "mcp_tool_name"]
 class ScriptAction:
     tool: str
     arguments: dict[str, Any]
+    # Issued in the same model response as the action before it.
+    parallel: bool = False
 
 
 def mcp_tool_name(label: str, tool: str) -> str:
-    return f"mcp__{label}__{tool}"
+    return f"{label}.{tool}"
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -69,6 +76,10 @@ def parse_script(script: str) -> tuple[list[ScriptAction], str]:
     while i < len(lines):
         line = lines[i]
         stripped = line.strip()
+        parallel = bool(actions) and stripped.startswith("& ")
+        if parallel:
+            stripped = stripped[2:].strip()
+        before = len(actions)
         if stripped.startswith("$ ") or stripped == "$":
             actions.append(ScriptAction("exec_command", {"command": stripped[1:].strip()}))
         elif stripped.startswith("write ") and i + 1 < len(lines) and lines[i + 1].strip().startswith("```"):
@@ -91,8 +102,20 @@ def parse_script(script: str) -> tuple[list[ScriptAction], str]:
             actions.append(ScriptAction(mcp_tool_name(label, tool), _json_object(rest)))
         else:
             echoed.append(line)
+        if parallel and len(actions) > before:
+            actions[-1] = ScriptAction(actions[-1].tool, actions[-1].arguments, parallel=True)
         i += 1
     return actions, "\n".join(echoed).strip()
+
+
+def _steps(actions: list[ScriptAction]) -> list[list[ScriptAction]]:
+    steps: list[list[ScriptAction]] = []
+    for action in actions:
+        if action.parallel and steps:
+            steps[-1].append(action)
+        else:
+            steps.append([action])
+    return steps
 
 
 def _tokens(text: str) -> int:
@@ -109,11 +132,20 @@ class ScriptedProvider:
         made = sum(len(e.get("tool_calls") or ()) for e in request.transcript[last_user + 1 :])
         actions, text = parse_script(script)
         input_tokens = sum(_tokens(_entry_text(e)) for e in request.transcript)
-        if made < len(actions):
-            action = actions[made]
-            arguments = json.dumps(action.arguments, separators=(",", ":"))
-            call = ToolCall(id=f"call_script_{made}", name=action.tool, arguments=arguments)
-            return ModelResponse(text=None, tool_calls=[call], usage=Usage(input_tokens, _tokens(arguments)))
+        issued = 0
+        for step in _steps(actions):
+            if issued >= made:
+                calls = [
+                    ToolCall(
+                        id=f"call_script_{issued + n}",
+                        name=action.tool,
+                        arguments=json.dumps(action.arguments, separators=(",", ":")),
+                    )
+                    for n, action in enumerate(step)
+                ]
+                output = sum(_tokens(c.arguments) for c in calls)
+                return ModelResponse(text=None, tool_calls=calls, usage=Usage(input_tokens, output))
+            issued += len(step)
         answer = text or "done"
         return ModelResponse(text=answer, usage=Usage(input_tokens, _tokens(answer)))
 
