@@ -6,6 +6,10 @@
 #
 #   deploy/images/build-base.sh [tag] [mirror]
 #
+# BERTH_BASE_PACKAGES adds Debian packages (comma or space separated); the
+# service images' build stage uses
+#   BERTH_BASE_PACKAGES=python3-venv deploy/images/build-base.sh berth-python:bookworm
+#
 # The host's CA bundle is copied in (BERTH_CA_BUNDLE, default
 # /etc/ssl/certs/ca-certificates.crt) so HTTPS through an intercepting proxy
 # works inside containers the same way it does on the host.
@@ -13,6 +17,9 @@ set -euo pipefail
 TAG="${1:-berth-base:bookworm}"
 MIRROR="${2:-${BERTH_DEBIAN_MIRROR:-http://deb.debian.org/debian}}"
 CA_BUNDLE="${BERTH_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
+PACKAGES="python3,ca-certificates"
+EXTRA="$(echo "${BERTH_BASE_PACKAGES:-}" | tr ' ' ',' | sed 's/,,*/,/g; s/^,//; s/,$//')"
+[[ -n "$EXTRA" ]] && PACKAGES="$PACKAGES,$EXTRA"
 
 if docker image inspect "$TAG" >/dev/null 2>&1 && [[ "${BERTH_REBUILD_BASE:-0}" != "1" ]]; then
   echo "$TAG exists"
@@ -21,7 +28,10 @@ fi
 command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
 ROOTFS="$(mktemp -d /tmp/berth-rootfs.XXXXXX)"
 trap 'rm -rf "$ROOTFS"' EXIT
-debootstrap --variant=minbase --include=python3,ca-certificates bookworm "$ROOTFS" "$MIRROR" >/dev/null
+# mktemp makes the directory 0700, and it becomes the image's "/": a
+# non-root user in the image could then not even reach /bin.
+chmod 0755 "$ROOTFS"
+debootstrap --variant=minbase --include="$PACKAGES" bookworm "$ROOTFS" "$MIRROR" >/dev/null
 if [[ -f "$CA_BUNDLE" ]]; then
   cp "$CA_BUNDLE" "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
 fi
