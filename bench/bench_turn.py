@@ -1,0 +1,122 @@
+"""Turn overhead, warm: a scripted one-command turn (``$ true``) from the
+POST of its input event to ``agent.session.turn.completed`` arriving on an
+SSE stream that is already open, on a session whose environment is ready.
+Baseline in the same run: a warm exec of ``true`` straight through the
+Environment service's ExecCommand RPC, i.e. the compute part of the turn
+without the turn machinery (session DB, harness loop, event log, SSE).
+Target: p50 under 30 ms."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import httpx
+
+from bench.runner import Result, measure, summarize
+from bench.stack import running_stack
+from berth.environment.v1 import environment_service_pb2 as env_pb
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
+from gateway.keys import create_key
+
+RUNS = 50
+WARMUP = 3
+SCRIPT = "$ true"
+
+
+class _EventReader:
+    """Reads ``(sequence, type)`` of SSE frames from an open response."""
+
+    def __init__(self, lines: AsyncIterator[str]) -> None:
+        self._lines = lines
+
+    async def next(self) -> tuple[int, str]:
+        sequence, kind = -1, ""
+        async for line in self._lines:
+            if line.startswith("id: "):
+                sequence = int(line[4:])
+            elif line.startswith("event: "):
+                kind = line[7:]
+            elif line == "" and kind:
+                return sequence, kind
+        raise RuntimeError("the event stream ended")
+
+    async def until(self, kind: str) -> int:
+        while True:
+            sequence, seen = await self.next()
+            if seen == kind:
+                return sequence
+
+
+async def run(tmp: Path) -> list[Result]:
+    async with running_stack(tmp / "berth") as stack:
+        record, _ = await create_key(stack.gateway.database, "bench", ["tasks:read"])
+        org = (("x-berth-org", record.org_id),)
+        async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers, timeout=60) as http:
+            created = await http.post(
+                "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}}
+            )
+            created.raise_for_status()
+            session_id = created.json()["id"]
+            environment_id = created.json()["environment"]["id"]
+            message = {
+                "events": [
+                    {
+                        "type": "agent.session.input.message",
+                        "input": [{"role": "user", "content": [{"type": "input_text", "text": SCRIPT}]}],
+                    }
+                ]
+            }
+
+            async with http.stream(
+                "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
+            ) as response:
+                response.raise_for_status()
+                events = _EventReader(response.aiter_lines())
+
+                async def turn() -> None:
+                    sent = await http.post(f"/agents/sessions/{session_id}/events", json=message)
+                    if sent.status_code != 202:
+                        raise RuntimeError(f"input refused: {sent.status_code} {sent.text}")
+                    await events.until("agent.session.turn.completed")
+
+                async def settle() -> None:
+                    # Not timed: the idle that follows, so the next turn starts on an idle session.
+                    await events.until("agent.session.idle")
+
+                # The first turn provisions the sandbox; the rest are warm.
+                for _ in range(WARMUP):
+                    await turn()
+                    await settle()
+                samples: list[float] = []
+                for _ in range(RUNS):
+                    t0 = time.perf_counter()
+                    await turn()
+                    samples.append((time.perf_counter() - t0) * 1000)
+                    await settle()
+
+            statuses = (await http.get(f"/agents/sessions/{session_id}/turns", params={"limit": 100})).json()["data"]
+            if any(t["status"] != "completed" for t in statuses):
+                raise RuntimeError(f"a benchmark turn did not complete: {json.dumps(statuses[:3])}")
+
+        channel = grpc.aio.insecure_channel(stack.settings.environment_addr)
+        stub = env_grpc.EnvironmentServiceStub(channel)
+        try:
+
+            async def direct_exec() -> None:
+                call = stub.ExecCommand(
+                    env_pb.ExecCommandRequest(environment_id=environment_id, session_id=session_id, shell="true"),
+                    metadata=org,
+                    timeout=30,
+                )
+                async for message_ in call:
+                    if message_.WhichOneof("event") == "exit" and message_.exit.exit_code != 0:
+                        raise RuntimeError("true failed")
+
+            base = await measure(direct_exec, runs=RUNS, warmup=WARMUP)
+        finally:
+            await channel.close()
+    return [summarize("turn `$ true`, POST -> turn.completed (warm)", samples, "Environment ExecCommand(true)", base, "p50 < 30 ms")]
