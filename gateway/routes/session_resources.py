@@ -43,9 +43,10 @@ async def create_events(
         return Response(status_code=202)
 
 
-def _last_event_id(value: str | None) -> int:
+def _last_event_id(value: str | None) -> int | None:
+    """The sequence to resume after, or None for a live subscription."""
     if value is None or not value.strip():
-        return 0
+        return None
     try:
         sequence = int(value.strip())
     except ValueError:
@@ -68,7 +69,13 @@ async def stream_events(
     # A unary check first, so an unknown session is a 404 rather than a
     # 200 stream that ends at once. Headers then go out immediately: the SDK
     # submits input only after they arrive.
-    await state.session.GetSession(pb.GetSessionRequest(session_id=session_id))
+    current = await state.session.GetSession(pb.GetSessionRequest(session_id=session_id))
+    if after is None:
+        # No Last-Event-ID: a live subscription from now on, so the SDK's
+        # sessions.stream() sees only the turn it is about to submit. The
+        # sequence is read before the headers go out and the SDK posts its
+        # input only after they arrive, so nothing is missed.
+        after = current.session.last_sequence
     events = relay_session_events(
         state.session,
         session_id,

@@ -68,6 +68,11 @@ async def start_grpc_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            # Clients ping idle connections every 30 s (see _CHANNEL_OPTIONS);
+            # accept that instead of answering GOAWAY "too_many_pings".
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ],
     )
     names = list(register(server))

@@ -81,6 +81,7 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         create_time=_ts(row.created_at),
         last_active_time=_ts(row.last_active_at),
         usage_json=row.usage_json,
+        last_sequence=row.event_seq,
     )
     if view.environment is not None:
         message.environment.CopyFrom(view.environment)

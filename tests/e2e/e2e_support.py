@@ -103,7 +103,9 @@ async def send_script(client: openai.AsyncOpenAI, session_id: str, script: str) 
 async def next_turn_end(client: openai.AsyncOpenAI, session_id: str, known: set[str], *, timeout: float = 30.0) -> Turn:
     """Follows the session's event stream until a turn not in ``known`` ends."""
     async with asyncio.timeout(timeout):
-        stream = await client.beta.agents.sessions.events.stream(session_id)
+        # Last-Event-ID 0 replays the whole log; without it the stream is live
+        # from now and could miss a turn that already ended.
+        stream = await client.beta.agents.sessions.events.stream(session_id, extra_headers={"Last-Event-ID": "0"})
         async with stream:
             async for event in stream:
                 if event.type in TERMINAL_TURN_EVENTS:

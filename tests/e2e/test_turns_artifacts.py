@@ -16,8 +16,7 @@ from turns_support import HOSTED, SCRIPTED, strict_client
 
 
 async def _run(client: openai.AsyncOpenAI, session_id: str, script: str) -> AgentTurnResult:
-    """One completed turn, as the result the SDK's artifact helper scopes to.
-    (Not sessions.stream(): see the xfail in test_turns_streaming.py.)"""
+    """One completed turn, as the result the SDK's artifact helper scopes to."""
     turn = await run_script(client, session_id, script, timeout=60)
     assert turn.status == "completed", turn
     return AgentTurnResult(turn=turn, messages=[])

@@ -126,14 +126,6 @@ async def test_iterating_the_sessions_stream_helper_ends_at_the_idle_after_the_t
     assert kinds[-2:] == ["agent.session.turn.completed", "agent.session.idle"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "GET /events without Last-Event-ID replays the whole log, so sessions.stream() takes the first "
-        "turn's turn.created as its root turn and returns that turn's result (wire-contract.md §8.1: "
-        "do not replay older turns on subscribe)"
-    ),
-)
 async def test_the_sessions_stream_helper_on_a_later_turn_yields_only_that_turn(stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)

@@ -52,7 +52,7 @@ def sdk(stack: Stack) -> openai.AsyncOpenAI:
 async def test_event_stream_frames_each_event_with_sequence_type_and_json(stack: Stack) -> None:
     fake = with_events(stack, 3)
     async with stack.client() as client:
-        response = await client.get(f"/v1/agents/sessions/{fake.session.id}/events")
+        response = await client.get(f"/v1/agents/sessions/{fake.session.id}/events", headers={"Last-Event-ID": "0"})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     got = frames(response.text)

@@ -26,7 +26,7 @@ from berth.environment.v1 import environment_pb2 as berth_dot_environment_dot_v1
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65rth/session/v1/session.proto\x12\x10\x62\x65rth.session.v1\x1a&berth/environment/v1/environment.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa3\x02\n\x05\x41gent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x37\n\x08metadata\x18\x07 \x03(\x0b\x32%.berth.session.v1.Agent.MetadataEntry\x12\x0f\n\x07version\x18\x08 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x04\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nagent_json\x18\x04 \x01(\t\x12;\n\x10\x65nvironment_kind\x18\x05 \x01(\x0e\x32!.berth.session.v1.EnvironmentKind\x12\x16\n\x0e\x65nvironment_id\x18\x06 \x01(\t\x12/\n\x06status\x18\x07 \x01(\x0e\x32\x1f.berth.session.v1.SessionStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x1d\n\x15required_actions_json\x18\t \x01(\t\x12\x39\n\x08metadata\x18\n \x03(\x0b\x32\'.berth.session.v1.Session.MetadataEntry\x12\x11\n\tvault_ids\x18\x0b \x03(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10last_active_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nusage_json\x18\x0e \x01(\t\x12\x36\n\x0b\x65nvironment\x18\x0f \x01(\x0b\x32!.berth.environment.v1.Environment\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"g\n\x04Turn\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12,\n\x06status\x18\x03 \x01(\x0e\x32\x1c.berth.session.v1.TurnStatus\x12\x11\n\tturn_json\x18\x04 \x01(\t\"X\n\x04Item\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0c\n\x04type\x18\x04 \x01(\t\x12\x11\n\titem_json\x18\x05 \x01(\t\"B\n\x0cSessionEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x12\n\nevent_json\x18\x03 \x01(\t\"\xb6\x01\n\x08\x41rtifact\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa7\x01\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_IDLE\x10\x01\x12\x1e\n\x1aSESSION_STATUS_IN_PROGRESS\x10\x02\x12\"\n\x1eSESSION_STATUS_REQUIRES_ACTION\x10\x03\x12\x19\n\x15SESSION_STATUS_FAILED\x10\x04*k\n\x0f\x45nvironmentKind\x12 \n\x1c\x45NVIRONMENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NVIRONMENT_KIND_NONE\x10\x01\x12\x1b\n\x17\x45NVIRONMENT_KIND_HOSTED\x10\x02*\xc5\x01\n\nTurnStatus\x12\x1b\n\x17TURN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TURN_STATUS_QUEUED\x10\x01\x12\x1b\n\x17TURN_STATUS_IN_PROGRESS\x10\x02\x12\x17\n\x13TURN_STATUS_WAITING\x10\x03\x12\x19\n\x15TURN_STATUS_COMPLETED\x10\x04\x12\x16\n\x12TURN_STATUS_FAILED\x10\x05\x12\x19\n\x15TURN_STATUS_CANCELLED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65rth/session/v1/session.proto\x12\x10\x62\x65rth.session.v1\x1a&berth/environment/v1/environment.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa3\x02\n\x05\x41gent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x37\n\x08metadata\x18\x07 \x03(\x0b\x32%.berth.session.v1.Agent.MetadataEntry\x12\x0f\n\x07version\x18\x08 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc8\x04\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nagent_json\x18\x04 \x01(\t\x12;\n\x10\x65nvironment_kind\x18\x05 \x01(\x0e\x32!.berth.session.v1.EnvironmentKind\x12\x16\n\x0e\x65nvironment_id\x18\x06 \x01(\t\x12/\n\x06status\x18\x07 \x01(\x0e\x32\x1f.berth.session.v1.SessionStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x1d\n\x15required_actions_json\x18\t \x01(\t\x12\x39\n\x08metadata\x18\n \x03(\x0b\x32\'.berth.session.v1.Session.MetadataEntry\x12\x11\n\tvault_ids\x18\x0b \x03(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10last_active_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nusage_json\x18\x0e \x01(\t\x12\x36\n\x0b\x65nvironment\x18\x0f \x01(\x0b\x32!.berth.environment.v1.Environment\x12\x15\n\rlast_sequence\x18\x10 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"g\n\x04Turn\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12,\n\x06status\x18\x03 \x01(\x0e\x32\x1c.berth.session.v1.TurnStatus\x12\x11\n\tturn_json\x18\x04 \x01(\t\"X\n\x04Item\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0c\n\x04type\x18\x04 \x01(\t\x12\x11\n\titem_json\x18\x05 \x01(\t\"B\n\x0cSessionEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x12\n\nevent_json\x18\x03 \x01(\t\"\xb6\x01\n\x08\x41rtifact\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa7\x01\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_IDLE\x10\x01\x12\x1e\n\x1aSESSION_STATUS_IN_PROGRESS\x10\x02\x12\"\n\x1eSESSION_STATUS_REQUIRES_ACTION\x10\x03\x12\x19\n\x15SESSION_STATUS_FAILED\x10\x04*k\n\x0f\x45nvironmentKind\x12 \n\x1c\x45NVIRONMENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NVIRONMENT_KIND_NONE\x10\x01\x12\x1b\n\x17\x45NVIRONMENT_KIND_HOSTED\x10\x02*\xc5\x01\n\nTurnStatus\x12\x1b\n\x17TURN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TURN_STATUS_QUEUED\x10\x01\x12\x1b\n\x17TURN_STATUS_IN_PROGRESS\x10\x02\x12\x17\n\x13TURN_STATUS_WAITING\x10\x03\x12\x19\n\x15TURN_STATUS_COMPLETED\x10\x04\x12\x16\n\x12TURN_STATUS_FAILED\x10\x05\x12\x19\n\x15TURN_STATUS_CANCELLED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,26 +37,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AGENT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SESSION_METADATAENTRY']._loaded_options = None
   _globals['_SESSION_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONSTATUS']._serialized_start=1432
-  _globals['_SESSIONSTATUS']._serialized_end=1599
-  _globals['_ENVIRONMENTKIND']._serialized_start=1601
-  _globals['_ENVIRONMENTKIND']._serialized_end=1708
-  _globals['_TURNSTATUS']._serialized_start=1711
-  _globals['_TURNSTATUS']._serialized_end=1908
+  _globals['_SESSIONSTATUS']._serialized_start=1455
+  _globals['_SESSIONSTATUS']._serialized_end=1622
+  _globals['_ENVIRONMENTKIND']._serialized_start=1624
+  _globals['_ENVIRONMENTKIND']._serialized_end=1731
+  _globals['_TURNSTATUS']._serialized_start=1734
+  _globals['_TURNSTATUS']._serialized_end=1931
   _globals['_AGENT']._serialized_start=126
   _globals['_AGENT']._serialized_end=417
   _globals['_AGENT_METADATAENTRY']._serialized_start=370
   _globals['_AGENT_METADATAENTRY']._serialized_end=417
   _globals['_SESSION']._serialized_start=420
-  _globals['_SESSION']._serialized_end=981
+  _globals['_SESSION']._serialized_end=1004
   _globals['_SESSION_METADATAENTRY']._serialized_start=370
   _globals['_SESSION_METADATAENTRY']._serialized_end=417
-  _globals['_TURN']._serialized_start=983
-  _globals['_TURN']._serialized_end=1086
-  _globals['_ITEM']._serialized_start=1088
-  _globals['_ITEM']._serialized_end=1176
-  _globals['_SESSIONEVENT']._serialized_start=1178
-  _globals['_SESSIONEVENT']._serialized_end=1244
-  _globals['_ARTIFACT']._serialized_start=1247
-  _globals['_ARTIFACT']._serialized_end=1429
+  _globals['_TURN']._serialized_start=1006
+  _globals['_TURN']._serialized_end=1109
+  _globals['_ITEM']._serialized_start=1111
+  _globals['_ITEM']._serialized_end=1199
+  _globals['_SESSIONEVENT']._serialized_start=1201
+  _globals['_SESSIONEVENT']._serialized_end=1267
+  _globals['_ARTIFACT']._serialized_start=1270
+  _globals['_ARTIFACT']._serialized_end=1452
 # @@protoc_insertion_point(module_scope)

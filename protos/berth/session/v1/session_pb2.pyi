@@ -237,6 +237,7 @@ class Session(_message.Message):
     LAST_ACTIVE_TIME_FIELD_NUMBER: _builtins.int
     USAGE_JSON_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    LAST_SEQUENCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("sess_...")."""
     org_id: _builtins.str
@@ -257,6 +258,10 @@ class Session(_message.Message):
     """Pending required actions as a wire JSON array."""
     usage_json: _builtins.str
     """Token usage as wire JSON, empty when unknown."""
+    last_sequence: _builtins.int
+    """Sequence number of the newest persisted event; a live subscription
+    starts after it.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Custom metadata."""
@@ -295,10 +300,11 @@ class Session(_message.Message):
         last_active_time: _timestamp_pb2.Timestamp | None = ...,
         usage_json: _builtins.str = ...,
         environment: _environment_pb2.Environment | None = ...,
+        last_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_json", b"agent_json", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "metadata", b"metadata", "org_id", b"org_id", "required_actions_json", b"required_actions_json", "status", b"status", "usage_json", b"usage_json", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_json", b"agent_json", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions_json", b"required_actions_json", "status", b"status", "usage_json", b"usage_json", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
