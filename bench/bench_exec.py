@@ -48,5 +48,8 @@ async def run(tmp: Path) -> list[Result]:
             results.append(summarize("sandbox Exec(true), warm", service_ms, "raw bwrap true (fresh)", bwrap_ms))
         return results
     finally:
-        await channel.close()
-        await service.stop(0.2)
+        try:
+            await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_bench"), metadata=ORG)
+        finally:
+            await channel.close()
+            await service.stop(0.2)

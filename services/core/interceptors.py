@@ -1,7 +1,9 @@
 """Server and client interceptors.
 
-Server side: bind request context (org, request ID, method) into structlog
-contextvars, require an organization on every Berth RPC, and map domain errors
+Server side: bind request context (org, request ID, method, and the session,
+environment, turn and sandbox IDs a request names) into structlog
+contextvars, count requests and their latency by method and status code,
+require an organization on every Berth RPC, and map domain errors
 to rich gRPC statuses in one place; an unknown exception becomes INTERNAL with
 its traceback logged. Client side: propagate the organization and put a
 deadline on every call that has none.
@@ -9,6 +11,8 @@ deadline on every call that has none.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -28,6 +32,28 @@ log = get_logger("berth.rpc")
 
 _UNAUTHENTICATED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 _STREAM_DEADLINE_S = 24 * 3600.0
+
+
+# Request fields bound into the log context of the RPC, so every line a
+# handler logs names the resources it works on.
+_CONTEXT_FIELDS = ("session_id", "environment_id", "turn_id", "sandbox_id")
+
+
+@functools.cache
+def _context_fields(descriptor: Any) -> tuple[str, ...]:
+    return tuple(name for name in _CONTEXT_FIELDS if name in descriptor.fields_by_name)
+
+
+def _request_ids(request: Any) -> dict[str, str]:
+    descriptor = getattr(request, "DESCRIPTOR", None)
+    if descriptor is None:
+        return {}
+    ids: dict[str, str] = {}
+    for name in _context_fields(descriptor):
+        value = getattr(request, name)
+        if value and isinstance(value, str):
+            ids[name] = value
+    return ids
 
 
 class _Status(grpc.Status):
@@ -66,16 +92,18 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
             elif key == REQUEST_ID_METADATA_KEY:
                 request_id = value if isinstance(value, str) else value.decode()
 
-        def bind() -> float:
+        def bind(request: Any) -> float:
             org_id_var.set(org)
             request_id_var.set(request_id)
             structlog.contextvars.clear_contextvars()
-            structlog.contextvars.bind_contextvars(org_id=org, rpc=method, request_id=request_id or None)
+            structlog.contextvars.bind_contextvars(
+                org_id=org, rpc=method, request_id=request_id or None, **_request_ids(request)
+            )
             return time.perf_counter()
 
         def record(code: str, started: float) -> None:
             RPC_REQUESTS.labels(method=method, code=code).inc()
-            RPC_LATENCY.labels(method=method).observe(time.perf_counter() - started)
+            RPC_LATENCY.labels(method=method, code=code).observe(time.perf_counter() - started)
 
         async def fail(context: grpc.aio.ServicerContext, exc: BaseException, started: float) -> None:
             if isinstance(exc, grpc.RpcError) and not isinstance(exc, grpc.aio.AbortError):
@@ -98,12 +126,15 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                started = bind()
+                started = bind(request)
                 if not org:
                     await _abort(context, missing_org())
                 try:
                     response = await inner_uu(request, context)
                 except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:
+                    record("CANCELLED", started)
                     raise
                 except Exception as exc:  # the one place errors become statuses
                     await fail(context, exc, started)
@@ -120,13 +151,16 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                started = bind()
+                started = bind(request)
                 if not org:
                     await _abort(context, missing_org())
                 try:
                     async for response in inner_us(request, context):
                         yield response
                 except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:
+                    record("CANCELLED", started)
                     raise
                 except Exception as exc:
                     await fail(context, exc, started)

@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 RPC_REQUESTS = Counter("berth_rpc_requests_total", "gRPC requests served", ["method", "code"])
-RPC_LATENCY = Histogram("berth_rpc_latency_seconds", "gRPC request latency", ["method"])
+RPC_LATENCY = Histogram("berth_rpc_latency_seconds", "gRPC request latency", ["method", "code"])
 HTTP_REQUESTS = Counter("berth_http_requests_total", "HTTP requests served", ["method", "route", "status"])
 HTTP_LATENCY = Histogram("berth_http_latency_seconds", "HTTP request latency", ["method", "route"])
 ENVIRONMENTS = Gauge("berth_environments", "Environments by status", ["status"])
@@ -27,5 +27,6 @@ INIT_DURATION = Histogram(
 
 
 def start_metrics_server(port: int) -> None:
+    """Serves this process's metrics at ``http://0.0.0.0:<port>/metrics``; 0 disables it."""
     if port:
         start_http_server(port)

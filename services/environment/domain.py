@@ -12,9 +12,10 @@ import binascii
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import structlog
 from sqlalchemy.exc import IntegrityError
 
 from berth.common.v1 import common_pb2
@@ -123,8 +124,19 @@ def _not_found(environment_id: str) -> NotFound:
 
 
 class EnvironmentDomain:
-    def __init__(self, db: Database, guard: InitGuard, compute: Compute, file_store: FileStore, settings: Settings) -> None:
+    def __init__(
+        self,
+        db: Database,
+        guard: InitGuard,
+        compute: Compute,
+        file_store: FileStore,
+        settings: Settings,
+        *,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self._db = db
+        # Called after environments are created or deleted (metrics).
+        self._on_change = on_change or (lambda: None)
         self._guard = guard
         self._compute = compute
         self._files = file_store
@@ -180,7 +192,9 @@ class EnvironmentDomain:
             s.add(row)
             if binding is not None:
                 s.add(binding)
-        log.info("environment_created", environment_id=row.id, owner_session_id=owner_session_id or None)
+        self._on_change()
+        structlog.contextvars.bind_contextvars(environment_id=row.id)
+        log.info("environment_created", owner_session_id=owner_session_id or None)
         return row, binding
 
     async def _validated_config(
@@ -277,6 +291,7 @@ class EnvironmentDomain:
                 raise
         async with self._db.transaction() as s:
             await repo.delete_environment_rows(s, row.id)
+        self._on_change()
         self._output_dirs = {k for k in self._output_dirs if k[0] != row.id}
         self._mcp_uses = {k for k in self._mcp_uses if k[0] != row.id}
 

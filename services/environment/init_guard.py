@@ -118,8 +118,11 @@ class InitGuard:
         setup_timeout_s: float,
         poll_min_s: float = 0.02,
         poll_max_s: float = 0.2,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        # Called after every status transition this guard makes (metrics).
+        self._on_change = on_change or (lambda: None)
         self._setup = setup
         self.instance_id = instance_id
         self._lease_s = lease_s
@@ -199,6 +202,7 @@ class InitGuard:
             )
         if not won:
             return None
+        self._on_change()
         op = _Operation(row.id, row.init_version + 1)
         self._ops[row.id] = op
         self._spawn(self._own(op, row))
@@ -240,6 +244,7 @@ class InitGuard:
                 await self._write(
                     lambda s: repo.revert_init(s, row.id, version=op.version, owner=self.instance_id, now=time.time())
                 )
+                self._on_change()
                 log.warning("environment_setup_deferred", reason="sandbox_unavailable")
                 return
             except TimeoutError:
@@ -285,7 +290,7 @@ class InitGuard:
             self._finish(op)
 
     async def _settle(self, op: _Operation, status: str, code: str, message: str) -> bool:
-        return await self._write(
+        settled = await self._write(
             lambda s: repo.finish_init(
                 s,
                 op.environment_id,
@@ -297,6 +302,9 @@ class InitGuard:
                 now=time.time(),
             )
         )
+        if settled:
+            self._on_change()
+        return settled
 
     async def _write(self, change: Callable[..., Awaitable[bool]]) -> bool:
         """A fenced write; a database hiccup is retried, since losing the
@@ -351,6 +359,7 @@ class InitGuard:
                                 error_message="the process running setup stopped; setup is not retried",
                             )
                             if failed:
+                                self._on_change()
                                 log.warning("environment_setup_owner_lost", environment_id=op.environment_id)
                             return
                 except Exception:

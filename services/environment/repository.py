@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from sqlalchemy import delete, false, select, update
+from sqlalchemy import delete, false, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -36,6 +36,7 @@ __all__ = [
     "get_environment_by_id",
     "get_environment_config",
     "list_environments",
+    "count_environments_by_status",
     "start_init",
     "renew_lease",
     "finish_init",
@@ -117,6 +118,16 @@ async def list_environments(
         stmt = stmt.where(EnvironmentRow.id > after if ascending else EnvironmentRow.id < after)
     stmt = stmt.order_by(EnvironmentRow.id.asc() if ascending else EnvironmentRow.id.desc()).limit(limit)
     return (await session.execute(stmt)).scalars().all()
+
+
+async def count_environments_by_status(session: AsyncSession) -> dict[str, int]:
+    """Environments of every organization by status (for the metrics gauge)."""
+    stmt = (
+        select(EnvironmentRow.status, func.count())
+        .where(EnvironmentRow.deleting == false())
+        .group_by(EnvironmentRow.status)
+    )
+    return {str(status): int(count) for status, count in (await session.execute(stmt)).all()}
 
 
 async def start_init(

@@ -21,6 +21,7 @@ from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
+from services.environment.status_gauge import EnvironmentStatusGauge
 
 __all__ = ["start_environment_service"]
 
@@ -47,15 +48,19 @@ async def start_environment_service(
             closers.append(channel.close)
             compute = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0))
         file_store = FileStore(db, settings.data_dir / "blobs", max_bytes=settings.max_body_bytes)
+        gauge = EnvironmentStatusGauge(db)
+        gauge.start()
+        closers.append(gauge.close)
         guard = InitGuard(
             db,
             EnvironmentSetup(compute, file_store, db, settings),
             instance_id=_instance_id(),
             lease_s=settings.init_lease_s,
             setup_timeout_s=settings.setup_timeout_s,
+            on_change=gauge.touch,
         )
         closers.append(guard.close)
-        domain = EnvironmentDomain(db, guard, compute, file_store, settings)
+        domain = EnvironmentDomain(db, guard, compute, file_store, settings, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store)
 
         def register(server: grpc.aio.Server) -> list[str]:

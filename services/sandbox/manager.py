@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from services.core.db import Database
 from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
@@ -151,10 +151,8 @@ class SandboxManager:
 
     async def _update_gauge(self) -> None:
         async with self._db.transaction(read_only=True) as s:
-            rows = (await s.execute(select(SandboxRow.state))).scalars().all()
-        counts: dict[str, int] = {}
-        for state in rows:
-            counts[state] = counts.get(state, 0) + 1
+            grouped = await s.execute(select(SandboxRow.state, func.count()).group_by(SandboxRow.state))
+        counts = {str(state): int(count) for state, count in grouped.all()}
         for state in ("creating", "running", "paused", "destroyed", "error"):
             SANDBOXES.labels(state=state).set(counts.get(state, 0))
 
@@ -253,10 +251,22 @@ class SandboxManager:
                 raise NotFound(f"sandbox {sandbox_id} not found")
             if row.state == "destroyed":
                 return
+            handle_json = row.handle_json
         live = self._live.pop(sandbox_id, None)
         if live is not None:
             await live.client.close()
             await self._backend.destroy(live.handle)
+        else:
+            # Not held here (an `error` sandbox, say one that did not survive
+            # a restart, or whose create failed half-way): what the backend
+            # made for it still exists and goes through the backend too.
+            handle = _stored_handle(handle_json) or self._backend.leftover_handle(sandbox_id)
+            if handle is not None:
+                try:
+                    await self._backend.destroy(handle)
+                except Exception as exc:
+                    log.warning("sandbox_destroy_failed", sandbox_id=sandbox_id, error=str(exc))
+                    raise SandboxUnavailable(f"sandbox {sandbox_id} could not be destroyed: {exc}") from exc
         await self._set_state(sandbox_id, "destroyed")
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
@@ -324,6 +334,13 @@ class SandboxManager:
                     log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
                 except Exception as exc:  # one broken sandbox must not stop the reaper
                     log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))
+
+
+def _stored_handle(handle_json: str) -> BackendHandle | None:
+    try:
+        return BackendHandle.from_json(handle_json)
+    except (ValueError, KeyError, TypeError):
+        return None  # "{}": the create never got as far as a handle
 
 
 def _daemon_error(exc: DaemonError) -> Exception:

@@ -109,3 +109,9 @@ class SandboxBackend(ABC):
     @abstractmethod
     async def is_alive(self, handle: BackendHandle) -> bool:
         """Whether the sandbox's processes still exist (paused counts as alive)."""
+
+    def leftover_handle(self, sandbox_id: str) -> BackendHandle | None:
+        """A handle to what a create that never returned one may have left
+        behind (container, directories), for ``destroy``; None when the
+        backend cannot name it."""
+        return None

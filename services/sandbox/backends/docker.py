@@ -111,7 +111,8 @@ _RUN_IN_SANDBOX = "/run/berth"
 _CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "GIT_SSL_CAINFO")
 _LIVE_STATES = ("running", "paused")
 _PIDS_LIMIT = 4096
-_POLL_S = 0.02
+_POLL_S = 0.01
+_INSPECT_S = 0.25
 _MANAGED = "berth.managed"
 _INSTALLATION = "berth.installation"
 _SANDBOX_LABEL = "berth.sandbox_id"
@@ -149,10 +150,19 @@ def _proxy_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _copy_by_content(source: Path, target_dir: Path, stem: str, suffix: str) -> Path:
+_CopyKey = tuple[str, int, int, str]
+
+
+def _copy_by_content(source: Path, target_dir: Path, stem: str, suffix: str, copies: dict[_CopyKey, Path]) -> Path:
     """Copies ``source`` to a read-only file named by its content hash;
     an existing copy is reused as it is (and never rewritten under a
-    container that has it mounted)."""
+    container that has it mounted). ``copies`` remembers the copy made for
+    an unchanged source, so it is not read and hashed again."""
+    stat = source.stat()
+    key = (str(source), stat.st_size, stat.st_mtime_ns, str(target_dir))
+    known = copies.get(key)
+    if known is not None and known.exists():
+        return known
     data = source.read_bytes()
     target = target_dir / f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
     if not target.exists():
@@ -161,6 +171,7 @@ def _copy_by_content(source: Path, target_dir: Path, stem: str, suffix: str) -> 
         tmp.write_bytes(data)
         tmp.chmod(0o444)
         tmp.replace(target)
+    copies[key] = target
     return target
 
 
@@ -183,6 +194,7 @@ class DockerBackend(SandboxBackend):
         self._enabled_network: str | None = None
         self._engine_cpus: int | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        self._copies: dict[_CopyKey, Path] = {}
 
     # ------------------------------------------------------------ public interface
 
@@ -247,6 +259,17 @@ class DockerBackend(SandboxBackend):
     async def is_alive(self, handle: BackendHandle) -> bool:
         container = await self._get(str(handle.private.get("container_id", "")))
         return container is not None and container.status in _LIVE_STATES
+
+    def leftover_handle(self, sandbox_id: str) -> BackendHandle | None:
+        if not _SANDBOX_ID.match(sandbox_id):
+            return None
+        paths = self._paths(sandbox_id)
+        # destroy() finds the container by name and deletes the directory by ID.
+        return BackendHandle(
+            sandbox_id=sandbox_id,
+            socket_path=str(paths.socket),
+            private={"container_name": self._container_name(sandbox_id), "home": str(paths.home)},
+        )
 
     # ------------------------------------------------------------ engine access
 
@@ -449,8 +472,8 @@ class DockerBackend(SandboxBackend):
             (paths.run / "state").mkdir(mode=0o700, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 paths.socket.unlink()
-            daemon = _copy_by_content(_DAEMON_SOURCE, shared, "sandboxd", ".py")
-            ca = None if ca_source is None else _copy_by_content(ca_source, shared, "ca-bundle", ".crt")
+            daemon = _copy_by_content(_DAEMON_SOURCE, shared, "sandboxd", ".py", self._copies)
+            ca = None if ca_source is None else _copy_by_content(ca_source, shared, "ca-bundle", ".crt", self._copies)
             return daemon, ca
 
         daemon_file, ca_file = await asyncio.to_thread(prepare)
@@ -510,7 +533,8 @@ class DockerBackend(SandboxBackend):
                 **limits,
             )
         )
-        await self._call(container.reload)
+        # run() returns the container as inspected at creation, which is all
+        # a handle needs; readiness comes from the daemon, not the engine.
         handle = self._handle_for(container)
         try:
             await self._wait_ready(handle, container)
@@ -529,8 +553,12 @@ class DockerBackend(SandboxBackend):
         return handle
 
     async def _wait_ready(self, handle: BackendHandle, container: Container) -> None:
+        """Waits for sandboxd to answer on its socket. The socket file is
+        checked often (cheap); the engine is asked whether the container
+        died only every ``_INSPECT_S``, as each inspect is an API round trip."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._start_timeout_s
+        next_inspect = loop.time() + _INSPECT_S
         last_error: Exception | None = None
         while loop.time() < deadline:
             if os.path.exists(handle.socket_path):
@@ -542,12 +570,14 @@ class DockerBackend(SandboxBackend):
                     last_error = exc
                 finally:
                     await client.close()
-            await self._call(container.reload)
-            if container.status not in ("created", "running"):
-                raise SandboxStartError(
-                    f"sandbox {handle.sandbox_id} container is {container.status} while starting: "
-                    f"{await self._log_tail(container)}"
-                )
+            if loop.time() >= next_inspect:
+                await self._call(container.reload)
+                if container.status not in ("created", "running"):
+                    raise SandboxStartError(
+                        f"sandbox {handle.sandbox_id} container is {container.status} while starting: "
+                        f"{await self._log_tail(container)}"
+                    )
+                next_inspect = loop.time() + _INSPECT_S
             await asyncio.sleep(_POLL_S)
         raise SandboxStartError(
             f"sandbox daemon {handle.sandbox_id} not ready after {self._start_timeout_s}s "

@@ -296,6 +296,10 @@ class LocalBackend(SandboxBackend):
     async def is_alive(self, handle: BackendHandle) -> bool:
         return self._alive(handle)
 
+    def leftover_handle(self, sandbox_id: str) -> BackendHandle | None:
+        # The handle file is written as soon as the sandbox process exists.
+        return self._load_handle(sandbox_id)
+
     # ------------------------------------------------------------ starting
 
     def _paths(self, sandbox_id: str) -> _Paths:

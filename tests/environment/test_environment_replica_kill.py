@@ -1,0 +1,285 @@
+"""Two Environment service replicas as separate processes on one PostgreSQL
+database, with the real Sandbox service: SIGKILL the replica that owns a
+running setup, and the other replica fails the environment with
+``setup_owner_lost`` once the lease expires, promptly, without ever running
+setup a second time.
+
+The in-process variants (a graceful stop, an expired lease written by hand,
+fifty first operations split across two instances on PostgreSQL) are in
+test_environment_init_guard.py; this one kills a real process, so nothing
+of the owner's shutdown path runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
+from berth.sandbox.v1 import sandbox_service_pb2
+
+pytestmark = [pytest.mark.postgres, pytest.mark.timeout(120)]
+
+PG_SERVER = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REPO = Path(__file__).resolve().parents[2]
+LEASE_S = 1.5
+FAILED = environment_pb2.ENVIRONMENT_STATUS_FAILED
+MARKER = "berth-setup-gate"
+# Counts its runs, then blocks until the test releases it.
+GATED_SETUP = (
+    f"echo run >> /workspace/setup-runs; "
+    f"while [ ! -e /workspace/release ]; do sleep 0.05; done  # {MARKER}"
+)
+# Prints the PIDs of live processes whose command line carries the marker.
+FIND_MARKED = """
+import os, sys
+for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    try:
+        cmdline = open("/proc/%s/cmdline" % pid, "rb").read()
+        state = open("/proc/%s/stat" % pid).read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        continue
+    if state != "Z" and sys.argv[1].encode() in cmdline:
+        print(pid)
+"""
+
+
+async def _admin(sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(PG_SERVER, timeout=3)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def fresh_database() -> AsyncIterator[str]:
+    """A PostgreSQL database of this test alone, dropped afterwards."""
+    name = f"berth_kill_{secrets.token_hex(4)}"
+    try:
+        await _admin(f'CREATE DATABASE "{name}"')
+    except Exception as exc:  # unreachable server, authentication, ...
+        if os.environ.get("BERTH_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"PostgreSQL is required (BERTH_REQUIRE_POSTGRES=1) but unavailable: {PG_SERVER}: {exc!r}")
+        pytest.skip(f"PostgreSQL unavailable at {PG_SERVER}: {exc!r}")
+    try:
+        yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        await _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Replica:
+    name: str
+    process: subprocess.Popen[bytes]
+    address: str
+    log_path: Path
+    channel: grpc.aio.Channel
+
+    @property
+    def stub(self) -> environment_service_pb2_grpc.EnvironmentServiceStub:
+        return environment_service_pb2_grpc.EnvironmentServiceStub(self.channel)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+
+class Replicas:
+    """``python -m services.environment`` processes; every one left running
+    is stopped (SIGTERM, then SIGKILL) at teardown."""
+
+    def __init__(self, tmp_path: Path, database_url: str, sandbox_addr: str) -> None:
+        self.tmp_path = tmp_path
+        self.database_url = database_url
+        self.sandbox_addr = sandbox_addr
+        self.started: list[Replica] = []
+
+    def spawn(self, name: str) -> Replica:
+        address = f"127.0.0.1:{_free_port()}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
+        env.update(
+            BERTH_ENVIRONMENT_ADDR=address,
+            BERTH_ENVIRONMENT_DATABASE_URL=self.database_url,
+            BERTH_SANDBOX_ADDR=self.sandbox_addr,
+            BERTH_INIT_LEASE_S=str(LEASE_S),
+            BERTH_DATA_DIR=str(self.tmp_path / name),
+            BERTH_RPC_TIMEOUT_S="10",
+            BERTH_LOG_JSON="1",
+        )
+        log_path = self.tmp_path / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "services.environment"],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        replica = Replica(name, process, address, log_path, grpc.aio.insecure_channel(address))
+        self.started.append(replica)
+        return replica
+
+    async def serving(self, replica: Replica) -> None:
+        health = health_pb2_grpc.HealthStub(replica.channel)
+        try:
+            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            pytest.fail(f"replica {replica.name} did not start ({exc.code().name}):\n{replica.log_tail()}")
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def stop_all(self) -> None:
+        for replica in self.started:
+            await replica.channel.close()
+            if replica.process.poll() is None:
+                replica.process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.to_thread(replica.process.wait, 15)
+                except subprocess.TimeoutExpired:
+                    replica.process.kill()
+                    await asyncio.to_thread(replica.process.wait)
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path, fresh_database: str, sandbox_service: SandboxService) -> AsyncIterator[Replicas]:
+    group = Replicas(tmp_path, fresh_database, sandbox_service.address)
+    try:
+        yield group
+    finally:
+        await group.stop_all()
+
+
+async def _lease_row(database_url: str, environment_id: str) -> tuple[str, str, float]:
+    import asyncpg
+
+    conn = await asyncpg.connect(database_url, timeout=3)
+    try:
+        row = await conn.fetchrow(
+            "SELECT status, lease_owner, lease_expires_at FROM environments WHERE id = $1", environment_id
+        )
+    finally:
+        await conn.close()
+    assert row is not None
+    return str(row["status"]), str(row["lease_owner"]), float(row["lease_expires_at"])
+
+
+async def _setup_runs(sandbox: SandboxService, sandbox_id: str) -> list[str]:
+    try:
+        return (await sandbox.read(sandbox_id, "/workspace/setup-runs")).decode().splitlines()
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return []
+        raise
+
+
+async def _marked_processes(sandbox: SandboxService, sandbox_id: str) -> list[str]:
+    out = b""
+    request = sandbox_service_pb2.ExecRequest(sandbox_id=sandbox_id, argv=["python3", "-c", FIND_MARKED, MARKER])
+    async for message in sandbox.stub.Exec(request, metadata=md()):
+        if message.HasField("chunk"):
+            out += message.chunk.data
+    return out.decode().split()
+
+
+async def test_killing_the_replica_that_runs_setup_fails_the_environment_once_its_lease_expires(
+    replicas: Replicas, sandbox_service: SandboxService
+) -> None:
+    one, two = replicas.spawn("replica-1"), replicas.spawn("replica-2")
+    await asyncio.gather(replicas.serving(one), replicas.serving(two))
+
+    env = (await create_env(two.stub, config=setup_config(GATED_SETUP))).environment
+
+    # Replica 1 wins the init: its setup command runs, blocked on the gate.
+    owner_call = asyncio.ensure_future(ensure(one.stub, env.id))
+
+    async def setup_started() -> bool:
+        if owner_call.done():
+            return True
+        try:
+            return len(await _setup_runs(sandbox_service, env.sandbox_id)) == 1
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return False  # the sandbox is still being created
+            raise
+
+    await wait_until(setup_started, timeout=30, what="setup started through replica 1")
+    assert not owner_call.done(), owner_call
+    status, lease_owner, _ = await _lease_row(replicas.database_url, env.id)
+    assert status == "initializing"
+    assert lease_owner.split(":")[1] == str(one.process.pid), lease_owner
+
+    # Replica 2 joins the running operation and waits for it.
+    waiter = asyncio.ensure_future(ensure(two.stub, env.id))
+    joined_at = time.time()
+
+    one.process.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    await asyncio.to_thread(one.process.wait, 10)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(owner_call, 10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The owner's last renewal still holds: nobody fails a live lease.
+    status, _, expires_at = await _lease_row(replicas.database_url, env.id)
+    assert status == "initializing"
+    assert not waiter.done()
+
+    result = await asyncio.wait_for(waiter, LEASE_S + 10)
+    failed_at = time.time()
+    assert result.status == FAILED
+    assert result.error.code == "setup_owner_lost"
+    assert joined_at < expires_at <= failed_at, "the environment failed before the lease expired"
+    assert failed_at - expires_at < 1.0, f"failed {failed_at - expires_at:.2f}s after the lease expired"
+    assert failed_at - killed_at < LEASE_S + 1.0
+
+    # Every later operation through replica 2 answers FAILED at once and runs nothing.
+    started = time.monotonic()
+    again = await ensure(two.stub, env.id)
+    assert (again.status, again.error.code) == (FAILED, "setup_owner_lost")
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await run_command(two.stub, env.id, "true")
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason_of(info.value) == "ENVIRONMENT_FAILED"
+
+    # Releasing the gate lets the orphaned command end (unless the kill
+    # ended it already); no second run starts, then or later.
+    await sandbox_service.stub.WriteFile(
+        sandbox_service_pb2.WriteFileRequest(sandbox_id=env.sandbox_id, path="/workspace/release", data=b""), metadata=md()
+    )
+
+    async def orphan_ended() -> bool:
+        return await _marked_processes(sandbox_service, env.sandbox_id) == []
+
+    await wait_until(orphan_ended, timeout=15, what="the orphaned setup command ended")
+    assert (await ensure(two.stub, env.id)).status == FAILED
+    assert await _setup_runs(sandbox_service, env.sandbox_id) == ["run"]
+    assert (await _lease_row(replicas.database_url, env.id))[0] == "failed"
+
+    # The failed environment is deleted with its sandbox.
+    await two.stub.DeleteEnvironment(pb.DeleteEnvironmentRequest(environment_id=env.id), metadata=md())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await sandbox_service.stub.GetSandbox(sandbox_service_pb2.GetSandboxRequest(sandbox_id=env.sandbox_id), metadata=md())
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,128 @@
+"""Destroying a sandbox in ``error`` state (here: one that did not survive a
+restart of its Sandbox service) removes what its backend made for it, the
+container and the data directory, although the service never held it live."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
+
+from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
+from services.sandbox.backends.base import BackendHandle
+from services.sandbox.backends.docker import installation_id
+from services.sandbox.backends.local import LocalBackend
+from services.sandbox.server import start_sandbox_service
+
+ORG = (("x-berth-org", "org_a"),)
+
+
+class Running:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.handle: ServiceHandle | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
+        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
+        self.channel = grpc.aio.insecure_channel(self.handle.address)
+        return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.handle is not None:
+            await self.handle.stop(0.2)
+            self.handle = None
+
+
+def _kill_every_process(handle: BackendHandle) -> None:
+    """SIGKILLs the sandbox's processes: bubblewrap and, through its cgroup,
+    everything inside (sandboxd runs in a session of its own)."""
+    pids = {int(handle.private["pid"])}
+    cgroup = handle.private.get("cgroup")
+    if cgroup:
+        pids |= {int(p) for p in (Path(str(cgroup)) / "cgroup.procs").read_text().split()}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def _none_alive(data_dir: Path) -> bool:
+    return await LocalBackend(data_dir, isolation="none").adopt() == []
+
+
+async def _state(stub: sandbox_service_pb2_grpc.SandboxServiceStub, sandbox_id: str) -> int:
+    response = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id=sandbox_id), metadata=ORG)
+    return int(response.sandbox.state)
+
+
+async def test_destroying_a_local_sandbox_lost_in_a_restart_deletes_its_directory(
+    tmp_path: Path, bwrap_available: None, wait_for: Any
+) -> None:
+    service = Running(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0))
+    home = tmp_path / "berth" / "sandboxes" / "sbx_lost"
+    handle: BackendHandle | None = None
+    try:
+        stub = await service.start()
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_lost"), metadata=ORG)
+        await service.stop()
+        # The sandbox dies while no service watches it (a host reboot, an OOM kill).
+        (handle,) = await LocalBackend(tmp_path / "berth", isolation="none").adopt()
+        _kill_every_process(handle)
+        await wait_for(lambda: _none_alive(tmp_path / "berth"), message="the sandbox died")
+
+        stub = await service.start()
+        assert await _state(stub, "sbx_lost") == sandbox_pb2.SANDBOX_STATE_ERROR
+        assert home.is_dir()
+        await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_lost"), metadata=ORG)
+        assert not home.exists()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _state(stub, "sbx_lost")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await service.stop()
+        if handle is not None and home.exists():  # the test failed half-way: leave no process behind
+            with contextlib.suppress(Exception):
+                await LocalBackend(tmp_path / "berth", isolation="none").destroy(handle)
+
+
+@pytest.mark.docker
+async def test_destroying_a_docker_sandbox_lost_in_a_restart_removes_its_container_and_directory(
+    tmp_path: Path, docker_engine: Any, docker_test_image: str  # noqa: F811 (fixtures)
+) -> None:
+    import docker.errors
+
+    data_dir = tmp_path / "berth"
+    settings = Settings(data_dir=data_dir, sandbox_idle_pause_s=0, sandbox_backend="docker", docker_image=docker_test_image)
+    service = Running(settings)
+    name = f"berth-{installation_id(data_dir)}-sbx_lost"
+    home = data_dir / "sandboxes" / "sbx_lost"
+    try:
+        stub = await service.start()
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_lost"), metadata=ORG)
+        await service.stop()
+        docker_engine.containers.get(name).kill()  # the container exits while no service watches it
+
+        stub = await service.start()
+        assert await _state(stub, "sbx_lost") == sandbox_pb2.SANDBOX_STATE_ERROR
+        assert docker_engine.containers.get(name).status == "exited"  # kept for inspection until destroyed
+        await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_lost"), metadata=ORG)
+        with pytest.raises(docker.errors.NotFound):
+            docker_engine.containers.get(name)
+        assert not home.exists()
+    finally:
+        await service.stop()
+        try:
+            docker_engine.containers.get(name).remove(force=True)
+        except docker.errors.NotFound:
+            pass
