@@ -15,7 +15,7 @@ import hashlib
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,22 +103,25 @@ async def published_state(s: AsyncSession, session_id: str) -> dict[str, Publish
 async def collect_outputs(
     env: EnvironmentClient,
     blobs: BlobStore,
-    previous: dict[str, PublishedOutputRow],
+    previous: Callable[[], Awaitable[dict[str, PublishedOutputRow]]],
     *,
     session_id: str,
     environment_id: str,
 ) -> list[OutputFile]:
     """Reads new or changed output files into the blob store (no transaction
-    is held meanwhile)."""
+    is held meanwhile). ``previous`` loads the session's publication state;
+    it is only read when there are output files."""
     outputs = await env.list_session_outputs(environment_id, session_id)
+    entries = [e for e in outputs.entries if e.type == common_pb2.FILE_TYPE_FILE]
+    if not entries:
+        return []
+    published = await previous()
     files: list[OutputFile] = []
-    for entry in outputs.entries:
-        if entry.type != common_pb2.FILE_TYPE_FILE:
-            continue
+    for entry in entries:
         # Published under the original absolute path in the environment, as
         # SessionArtifact.path documents.
         path = entry.path
-        known = previous.get(path)
+        known = published.get(path)
         if known is not None and known.size_bytes == entry.size_bytes and known.mtime == entry.mtime:
             continue
         sha, size = await blobs.put(env.read_file_chunks(environment_id, entry.path))

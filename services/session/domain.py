@@ -40,7 +40,7 @@ from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
 from services.session.models import AgentRow, ArtifactRow, EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.repository import ACTIVE_TURN_STATUSES, Page
-from services.session.runner import TurnRunner
+from services.session.runner import ClaimedTurn, TurnRunner
 from services.session.store import Store, Unit
 
 __all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall", "parse_body"]
@@ -364,8 +364,7 @@ class SessionDomain:
             next_output_index=0,
         )
         u.session.add(turn)
-        await u.emit(row.id, wire.turn_event("agent.session.turn.created", views.turn_json(turn)))
-        row.last_active_at = now
+        await u.emit(row.id, wire.turn_event("agent.session.turn.created", views.turn_json(turn)), touch={"last_active_at": now})
         return turn.id
 
     async def create_session(self, body: dict[str, Any]) -> CreatedSession:
@@ -514,6 +513,7 @@ class SessionDomain:
                     raise
         if self.mcp is not None:
             await self.mcp.close_session(session_id)
+        self.runner.forget(session_id)
 
         async def remove(u: Unit) -> list[str]:
             shas = await repo.delete_session_rows(u.session, session_id)
@@ -533,8 +533,10 @@ class SessionDomain:
         kick = False
         cancel: list[str] = []
 
+        started: ClaimedTurn | None = None
+
         async def apply(u: Unit) -> int:
-            nonlocal kick
+            nonlocal kick, started
             row = await repo.get_session(u.session, org, session_id)
             for i, event in enumerate(events):
                 p = f"events[{i}]"
@@ -560,14 +562,19 @@ class SessionDomain:
                     )
                 else:
                     raise InvalidArgument(f"unsupported input event type {kind!r}", param=f"{p}.type")
-            await u.session.flush()
-            await u.session.refresh(row)
-            return row.event_seq
+            # The loaded row follows the counter updates of this transaction.
+            sequence = row.event_seq
+            if kick and row.active_turn_id is None:
+                # An idle session starts its turn in this same transaction.
+                started = await self.runner.start_in(u, org, session_id)
+            return sequence
 
         sequence = await self.store.transact(apply)
         for turn_id in cancel:
             self.runner.cancel_local(turn_id)
-        if kick:
+        if started is not None:
+            self.runner.run_started(started)
+        elif kick:
             self.runner.kick(session_id, org)
         return SubmitResult(list(dict.fromkeys(turn_ids)), sequence)
 

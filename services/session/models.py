@@ -89,7 +89,8 @@ class TurnRow(Base):
     lease_expires_at: Mapped[float] = mapped_column(Float)
     # The user messages (lists of content parts) that become items when the turn starts.
     input_json: Mapped[str] = mapped_column(Text)
-    # Next output_index for agent output items of this turn.
+    # Output items the turn produced: the next output_index. The worker running
+    # the turn counts in memory and records the total when the turn ends.
     next_output_index: Mapped[int] = mapped_column(Integer)
 
 

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Table, case, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.errors import InvalidArgument, NotFound
@@ -38,6 +38,10 @@ __all__ = [
 ACTIVE_TURN_STATUSES = ("queued", "in_progress", "waiting")
 
 Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
+
+# Core tables for the statements on a turn's path.
+_SESSIONS = cast(Table, SessionRow.__table__)
+_TURNS = cast(Table, TurnRow.__table__)
 
 
 @dataclass(frozen=True)
@@ -136,14 +140,6 @@ async def required_actions(s: AsyncSession, session_id: str) -> list[dict[str, A
     ]
 
 
-async def queued_turn(s: AsyncSession, session_id: str) -> TurnRow | None:
-    return (
-        await s.execute(
-            select(TurnRow).where(TurnRow.session_id == session_id, TurnRow.status == "queued").order_by(TurnRow.pk).limit(1)
-        )
-    ).scalar_one_or_none()
-
-
 EVENTS_BATCH = 500
 
 
@@ -160,29 +156,81 @@ async def events_after(s: AsyncSession, session_id: str, after: int, limit: int 
     )
 
 
-async def claim_active_turn(s: AsyncSession, session_id: str, turn_id: str, now: float) -> bool:
-    """The per-session mutex: at most one turn holds ``active_turn_id``."""
+async def queued_turn(s: AsyncSession, session_id: str) -> TurnRow | None:
+    """The session's oldest queued turn. Like the rows the turn-path
+    functions below return, it is built from a Core statement's result and
+    not tracked by the ORM session (the ORM's bookkeeping costs more CPU than
+    these statements)."""
+    row = (
+        await s.execute(
+            select(_TURNS).where(_TURNS.c.session_id == session_id, _TURNS.c.status == "queued").order_by(_TURNS.c.pk).limit(1)
+        )
+    ).one_or_none()
+    return TurnRow(**row._mapping) if row is not None else None
+
+
+async def claim_active_turn(s: AsyncSession, session_id: str, turn_id: str, now: float, *, events: int = 0) -> SessionRow | None:
+    """The per-session mutex: at most one turn holds ``active_turn_id``.
+    Returns the claimed session row (untracked), with ``events`` sequence
+    numbers allocated up to its ``event_seq`` (for ``Unit.append``)."""
     result = await s.execute(
-        update(SessionRow)
-        .where(SessionRow.id == session_id, SessionRow.active_turn_id.is_(None))
-        .values(active_turn_id=turn_id, status="in_progress", last_active_at=now)
+        update(_SESSIONS)
+        .where(_SESSIONS.c.id == session_id, _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status != "deleting")
+        .values(active_turn_id=turn_id, status="in_progress", last_active_at=now, event_seq=_SESSIONS.c.event_seq + events)
+        .returning(*_SESSIONS.c)
     )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    row = result.one_or_none()
+    return SessionRow(**row._mapping) if row is not None else None
 
 
 async def set_turn_status(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> bool:
-    result = await s.execute(update(TurnRow).where(TurnRow.id == turn_id, TurnRow.status.in_(expected)).values(**values))
+    result = await s.execute(update(_TURNS).where(_TURNS.c.id == turn_id, _TURNS.c.status.in_(expected)).values(**values))
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-async def next_output_index(s: AsyncSession, turn_id: str) -> int:
+async def transition_turn(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> TurnRow | None:
+    """``set_turn_status`` that returns the updated turn (untracked)."""
     result = await s.execute(
-        update(TurnRow)
-        .where(TurnRow.id == turn_id)
-        .values(next_output_index=TurnRow.next_output_index + 1)
-        .returning(TurnRow.next_output_index)
+        update(_TURNS).where(_TURNS.c.id == turn_id, _TURNS.c.status.in_(expected)).values(**values).returning(*_TURNS.c)
     )
-    return int(result.scalar_one()) - 1
+    row = result.one_or_none()
+    return TurnRow(**row._mapping) if row is not None else None
+
+
+async def release_active_turn(
+    s: AsyncSession, session_id: str, turn_id: str, now: float, *, events: int, usage_json: str | None
+) -> tuple[SessionRow, bool] | None:
+    """Releases the per-session mutex held by ``turn_id``: the session goes
+    idle, or failed when its environment setup failed. Allocates ``events``
+    sequence numbers up to the returned row's ``event_seq``. Returns the
+    updated session (untracked) and whether another turn is queued; None when
+    the turn did not hold the mutex."""
+    values: dict[str, Any] = {
+        "active_turn_id": None,
+        "status": case((_SESSIONS.c.error != "", "failed"), else_="idle"),
+        "last_active_at": now,
+        "event_seq": _SESSIONS.c.event_seq + events,
+    }
+    if usage_json is not None:
+        values["usage_json"] = usage_json
+    queued = exists().where(_TURNS.c.session_id == session_id, _TURNS.c.status == "queued")
+    result = await s.execute(
+        update(_SESSIONS)
+        .where(_SESSIONS.c.id == session_id, _SESSIONS.c.active_turn_id == turn_id)
+        .values(**values)
+        .returning(*_SESSIONS.c, queued.label("queued"))
+    )
+    row = result.one_or_none()
+    if row is None:
+        return None
+    columns = dict(row._mapping)
+    more = bool(columns.pop("queued"))
+    return SessionRow(**columns), more
+
+
+async def has_queued_turn(s: AsyncSession, session_id: str) -> bool:
+    found = await s.execute(select(TurnRow.pk).where(TurnRow.session_id == session_id, TurnRow.status == "queued").limit(1))
+    return found.first() is not None
 
 
 async def delete_session_rows(s: AsyncSession, session_id: str) -> list[str]:
@@ -206,4 +254,12 @@ async def unreferenced_blobs(s: AsyncSession, shas: list[str]) -> list[str]:
     return [sha for sha in shas if sha not in referenced]
 
 
-__all__ += ["claim_active_turn", "set_turn_status", "next_output_index", "unreferenced_blobs", "EVENTS_BATCH"]
+__all__ += [
+    "claim_active_turn",
+    "set_turn_status",
+    "transition_turn",
+    "release_active_turn",
+    "has_queued_turn",
+    "unreferenced_blobs",
+    "EVENTS_BATCH",
+]

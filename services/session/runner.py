@@ -2,7 +2,12 @@
 time per session, inside this service process.
 
 - Claiming a turn is a compare-and-set on ``sessions.active_turn_id`` (the
-  per-session mutex), so replicas never run two turns of one session.
+  per-session mutex), so replicas never run two turns of one session. The
+  claim starts the turn in the same transaction (its user items and start
+  events) and reads what the harness needs (agent snapshot, transcript).
+  Input that reaches an idle session whose environment is known (none, or
+  ready: ``EnvironmentCache``) starts its turn in the submitting transaction
+  itself (``start_in``); otherwise a worker claims it.
 - The worker owning a turn renews a lease on it. A cancel from another
   replica sets ``turns.cancel_requested``, which the owner polls; a turn whose
   lease expired (its replica died) is failed by any replica's sweeper, which
@@ -10,7 +15,9 @@ time per session, inside this service process.
 - Finishing a turn is one transaction: the terminal status is written with a
   compare-and-set from ``in_progress``/``waiting``, so a completed or failed
   outcome is never replaced by a cancel (and vice versa). Artifacts of a
-  completed turn are recorded in that same transaction.
+  completed turn are recorded in that same transaction; its outputs are read
+  while the final answer is written. The same transaction tells the worker
+  whether another turn is queued.
 - Disconnecting clients do not affect any of this: turns live in this task.
 """
 
@@ -21,11 +28,12 @@ import contextlib
 import json
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import grpc
-from sqlalchemy import select, update
+import structlog
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
@@ -35,18 +43,22 @@ from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
+from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
 from services.session.harness.io import TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
+from services.session.harness.models.base import Entry
 from services.session.mcp_connections import McpConnections
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
 
-__all__ = ["TurnRunner", "Outcome"]
+__all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
 
 log = get_logger(__name__)
+
+_ITEMS = cast(Table, ItemRow.__table__)
 
 
 @dataclass(frozen=True)
@@ -57,12 +69,20 @@ class Outcome:
 
 
 @dataclass
-class _Claimed:
+class ClaimedTurn:
+    """A turn this worker has started (it holds the session's mutex)."""
+
     org_id: str
     session_id: str
     turn_id: str
     environment_id: str | None
     environment: environment_pb2.Environment | None
+    # Read with the claim for the harness: the session's agent snapshot and
+    # the model-facing entries of its items so far, by item.
+    agent_config_json: str = ""
+    transcript: list[tuple[str, list[Entry]]] = field(default_factory=list)
+    # The session's usage when the turn started.
+    usage_json: str = ""
 
 
 class TurnRunner:
@@ -83,6 +103,7 @@ class TurnRunner:
         self.providers = providers
         self.blobs = blobs
         self.mcp = mcp
+        self.environments = EnvironmentCache(env_client)
         self.worker_id = f"w_{secrets.token_hex(8)}"
         self.lease_s = lease_s
         self.poll_s = poll_s
@@ -90,6 +111,8 @@ class TurnRunner:
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._turns: dict[str, asyncio.Task[None]] = {}
+        # Turns started inside another transaction, waiting for their worker.
+        self._started: dict[str, ClaimedTurn] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -105,6 +128,7 @@ class TurnRunner:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.environments.close()
 
     # ----- scheduling -------------------------------------------------------------
     def kick(self, session_id: str, org_id: str) -> None:
@@ -125,6 +149,26 @@ class TurnRunner:
         task.cancel()
         return True
 
+    async def start_in(self, u: Unit, org_id: str, session_id: str) -> ClaimedTurn | None:
+        """Starts the session's oldest queued turn inside the caller's
+        transaction (e.g. the one that queued it), when that needs no call
+        to the Environment service: its environment is known to be none or
+        ready. After commit, ``run_started`` runs it; otherwise ``kick``."""
+        known = self.environments.get(session_id)
+        if known is None or self._closing:
+            return None
+        await u.session.flush()
+        return await self._start_next(u, org_id, session_id, known.environment_id, known.environment)
+
+    def run_started(self, claimed: ClaimedTurn) -> None:
+        """Runs a turn ``start_in`` started, once its transaction committed."""
+        self._started[claimed.session_id] = claimed
+        self.kick(claimed.session_id, claimed.org_id)
+
+    def forget(self, session_id: str) -> None:
+        """The session is gone: drop what is known about it."""
+        self.environments.forget(session_id)
+
     def is_running(self, turn_id: str) -> bool:
         task = self._turns.get(turn_id)
         return task is not None and not task.done()
@@ -135,8 +179,7 @@ class TurnRunner:
             while True:
                 self._dirty.discard(session_id)
                 claimed = await self._claim(session_id, org_id)
-                if claimed is not None:
-                    await self._run(claimed)
+                if claimed is not None and await self._run(claimed):
                     continue
                 # No await between this check and the exit below, so a kick
                 # can never be lost in between.
@@ -160,50 +203,70 @@ class TurnRunner:
             log.warning("environment_lookup_failed", environment_id=environment_id, code=exc.code().name)
             return None
 
-    async def _claim(self, session_id: str, org_id: str) -> _Claimed | None:
-        async def runnable(s: AsyncSession) -> SessionRow | None:
-            row = (await s.execute(select(SessionRow).where(SessionRow.id == session_id))).scalar_one_or_none()
-            if row is None or row.active_turn_id is not None or await repo.queued_turn(s, session_id) is None:
-                return None
-            return row
+    async def _claim(self, session_id: str, org_id: str) -> ClaimedTurn | None:
+        started = self._started.pop(session_id, None)
+        if started is not None:
+            return started
+        known = self.environments.get(session_id)
+        if known is not None:
+            environment_id, environment = known.environment_id, known.environment
+        else:
 
-        row = await self.store.query(runnable)
-        if row is None:
-            return None
-        environment_id = row.environment_id if row.environment_kind == "hosted" else None
-        environment = await self._environment(environment_id)
-        claimed = await self.store.transact(lambda u: self._start_next(u, org_id, session_id, environment))
-        if claimed is None:
-            return None
-        return _Claimed(org_id, session_id, claimed, environment_id, environment)
+            async def runnable(s: AsyncSession) -> SessionRow | None:
+                row = (await s.execute(select(SessionRow).where(SessionRow.id == session_id))).scalar_one_or_none()
+                if row is None or row.active_turn_id is not None or not await repo.has_queued_turn(s, session_id):
+                    return None
+                return row
+
+            row = await self.store.query(runnable)
+            if row is None:
+                return None
+            environment_id = row.environment_id if row.environment_kind == "hosted" else None
+            environment = await self._environment(environment_id)
+            self.environments.remember(session_id, environment_id, environment)
+        return await self.store.transact(lambda u: self._start_next(u, org_id, session_id, environment_id, environment))
 
     async def _start_next(
-        self, u: Unit, org_id: str, session_id: str, environment: environment_pb2.Environment | None
-    ) -> str | None:
+        self,
+        u: Unit,
+        org_id: str,
+        session_id: str,
+        environment_id: str | None,
+        environment: environment_pb2.Environment | None,
+    ) -> ClaimedTurn | None:
         """Takes the session's mutex for its oldest queued turn and starts it:
         the turn's user messages become items now, in conversation order."""
         now = time.time()
         turn = await repo.queued_turn(u.session, session_id)
-        if turn is None or not await repo.claim_active_turn(u.session, session_id, turn.id, now):
+        if turn is None:
             return None
-        await repo.set_turn_status(
-            u.session,
-            turn.id,
-            ("queued",),
-            status="in_progress",
-            started_at=now,
-            worker_id=self.worker_id,
-            lease_expires_at=now + self.lease_s,
+        inputs: list[list[dict[str, Any]]] = json.loads(turn.input_json or "[]")
+        # The claim also allocates the sequence numbers of the events below.
+        row = await repo.claim_active_turn(u.session, session_id, turn.id, now, events=2 + len(inputs))
+        if row is None:
+            return None
+        started = {
+            "status": "in_progress",
+            "started_at": now,
+            "worker_id": self.worker_id,
+            "lease_expires_at": now + self.lease_s,
+        }
+        await repo.set_turn_status(u.session, turn.id, ("queued",), **started)
+        for key, value in started.items():
+            setattr(turn, key, value)
+        # Items are only added by the active turn, so this is the whole history.
+        history = await u.session.execute(
+            select(_ITEMS.c.id, _ITEMS.c.model_json).where(_ITEMS.c.session_id == session_id).order_by(_ITEMS.c.pk)
         )
-        await u.session.refresh(turn)
-        row = await repo.get_session(u.session, org_id, session_id)
-        await u.session.refresh(row)
-        view = await views.session_view(u.session, row, environment, status="in_progress")
+        transcript: list[tuple[str, list[Entry]]] = [(item_id, json.loads(model_json)) for item_id, model_json in history]
+        # No turn is waiting for function results: there are no required actions.
+        view = await views.session_view(u.session, row, environment, status="in_progress", actions=[])
         events = [
             wire.turn_event("agent.session.turn.in_progress", views.turn_json(turn)),
             wire.session_event("agent.session.in_progress", view.wire),
         ]
-        for parts in json.loads(turn.input_json or "[]"):
+        rows: list[dict[str, Any]] = []
+        for parts in inputs:
             item_id = new_id("item")
             item = {
                 "type": "message",
@@ -214,24 +277,47 @@ class TurnRunner:
                 "content": parts,
                 "turn_id": turn.id,
             }
-            u.session.add(
-                ItemRow(
-                    id=item_id,
-                    session_id=session_id,
-                    turn_id=turn.id,
-                    type="message",
-                    item_json=json.dumps(item),
-                    model_json=json.dumps([{"role": "user", "text": views.message_text(parts)}]),
-                    visible=True,
-                    created_at=now,
-                )
+            entries: list[Entry] = [{"role": "user", "text": views.message_text(parts)}]
+            rows.append(
+                {
+                    "id": item_id,
+                    "session_id": session_id,
+                    "turn_id": turn.id,
+                    "type": "message",
+                    "item_json": json.dumps(item),
+                    "model_json": json.dumps(entries),
+                    "visible": True,
+                    "created_at": now,
+                }
             )
+            transcript.append((item_id, entries))
             events.append({"type": "agent.session.turn.item.added", "session_id": session_id, "turn_id": turn.id, "item": item})
-        await u.emit(session_id, *events)
-        return turn.id
+        if rows:
+            await u.session.execute(insert(_ITEMS), rows)
+        u.append(session_id, row.event_seq, *events)
+        return ClaimedTurn(
+            org_id, session_id, turn.id, environment_id, environment, row.agent_config_json, transcript, row.usage_json
+        )
 
     # ----- running ----------------------------------------------------------------
-    async def _run(self, claimed: _Claimed) -> None:
+    async def _run(self, claimed: ClaimedTurn) -> bool:
+        """Runs the claimed turn to its end; returns whether the session may
+        have another queued turn."""
+        # Every log line of the turn (its task inherits this context) names it.
+        structlog.contextvars.bind_contextvars(
+            org_id=claimed.org_id,
+            session_id=claimed.session_id,
+            turn_id=claimed.turn_id,
+            environment_id=claimed.environment_id,
+        )
+        # Reading the outputs starts once the model has answered, while the
+        # answer is written.
+        collecting: list[asyncio.Task[list[OutputFile]]] = []
+
+        def start_collecting() -> None:
+            if not collecting:
+                collecting.append(asyncio.create_task(self._collect(claimed, io)))
+
         io = DbTurnIO(
             self.store,
             self.env_client,
@@ -240,7 +326,10 @@ class TurnRunner:
             turn_id=claimed.turn_id,
             environment_id=claimed.environment_id,
             environment=claimed.environment,
+            agent_config_json=claimed.agent_config_json,
+            transcript=claimed.transcript,
             mcp=self.mcp,
+            on_ending=start_collecting,
         )
         task = asyncio.create_task(run_turn(io, self.providers.for_model), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
@@ -253,7 +342,11 @@ class TurnRunner:
                 task.cancel()
                 await asyncio.wait({task})
                 await io.settle()
-                await asyncio.shield(self._finalize(claimed, io, Outcome("failed", "internal_error", "the session service stopped")))
+                await asyncio.shield(
+                    self._finalize(
+                        claimed, io, Outcome("failed", "internal_error", "the session service stopped"), collecting
+                    )
+                )
                 raise
         finally:
             watcher.cancel()
@@ -270,7 +363,7 @@ class TurnRunner:
             outcome = Outcome("failed", "internal_error", "an internal error ended the turn")
         else:
             outcome = Outcome("completed")
-        await asyncio.shield(self._finalize(claimed, io, outcome))
+        return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
         """Polls for cancels sent to other replicas (and for the turn having
@@ -301,34 +394,56 @@ class TurnRunner:
             .values(lease_expires_at=time.time() + self.lease_s)
         )
 
-    async def _collect(self, claimed: _Claimed, io: DbTurnIO | None) -> list[OutputFile]:
+    async def _collect(self, claimed: ClaimedTurn, io: DbTurnIO | None) -> list[OutputFile]:
         if not claimed.environment_id or self.env_client is None:
             return []
         if io is None or not io.environment_ready:
             env = await self.env_client.get_environment(claimed.environment_id)
             if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
                 return []
-        previous = await self.store.query(lambda s: published_state(s, claimed.session_id))
         return await collect_outputs(
-            self.env_client, self.blobs, previous, session_id=claimed.session_id, environment_id=claimed.environment_id
+            self.env_client,
+            self.blobs,
+            lambda: self.store.query(lambda s: published_state(s, claimed.session_id)),
+            session_id=claimed.session_id,
+            environment_id=claimed.environment_id,
         )
 
-    async def _finalize(self, claimed: _Claimed, io: DbTurnIO | None, outcome: Outcome) -> None:
+    async def _finalize(
+        self,
+        claimed: ClaimedTurn,
+        io: DbTurnIO | None,
+        outcome: Outcome,
+        collecting: list[asyncio.Task[list[OutputFile]]] | None = None,
+    ) -> bool:
+        """Ends the turn in one transaction; returns whether the session may
+        have another queued turn. ``collecting`` holds the task that reads
+        the turn's outputs when it was started early."""
         files: list[OutputFile] = []
         if outcome.status == "completed":
             try:
-                files = await self._collect(claimed, io)
+                files = await (collecting[0] if collecting else self._collect(claimed, io))
             except grpc.aio.AioRpcError as exc:
                 failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
                 outcome = Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}")
+        elif collecting:
+            # The turn ended otherwise after its outputs were read: nothing is
+            # published, and the blobs read are removed below.
+            try:
+                files = await collecting[0]
+            except Exception:
+                log.warning("turn_outputs_dropped", session_id=claimed.session_id, turn_id=claimed.turn_id, exc_info=True)
         environment = io.environment if io is not None else claimed.environment
         usage = io.usage if io is not None else None
         recorded = False
 
-        async def finish(u: Unit) -> None:
+        async def finish(u: Unit) -> bool:
             nonlocal recorded
             now = time.time()
-            done = await repo.set_turn_status(
+            values: dict[str, Any] = {}
+            if io is not None:
+                values["next_output_index"] = io.next_output_index
+            turn = await repo.transition_turn(
                 u.session,
                 claimed.turn_id,
                 ("in_progress", "waiting"),
@@ -337,16 +452,19 @@ class TurnRunner:
                 error_code=outcome.code,
                 error_message=outcome.message,
                 usage_json=json.dumps(usage) if usage is not None else "",
+                **values,
             )
-            if not done:
-                return
+            if turn is None:
+                # Ended elsewhere (a sweeper); whoever did that restarts the queue too.
+                return True
             if io is not None and outcome.status != "completed":
                 await io.close_open_items(u)
-            await u.session.execute(
-                update(FunctionCallRow)
-                .where(FunctionCallRow.turn_id == claimed.turn_id, FunctionCallRow.state.in_(("pending", "answered")))
-                .values(state="cancelled")
-            )
+            if io is None or io.made_function_calls:
+                await u.session.execute(
+                    update(FunctionCallRow)
+                    .where(FunctionCallRow.turn_id == claimed.turn_id, FunctionCallRow.state.in_(("pending", "answered")))
+                    .values(state="cancelled")
+                )
             if outcome.status == "completed" and files:
                 await record_publication(
                     u.session,
@@ -357,39 +475,53 @@ class TurnRunner:
                     environment_id=str(claimed.environment_id),
                 )
                 recorded = True
-            row = await repo.get_session(u.session, claimed.org_id, claimed.session_id)
-            await u.session.refresh(row)
-            status = "failed" if row.error else "idle"
-            session_usage = wire.add_usage(wire.parse_usage(row.usage_json), usage)
-            await u.session.execute(
-                update(SessionRow)
-                .where(SessionRow.id == claimed.session_id, SessionRow.active_turn_id == claimed.turn_id)
-                .values(
-                    active_turn_id=None,
-                    status=status,
-                    last_active_at=now,
-                    usage_json=json.dumps(session_usage) if session_usage is not None else "",
-                )
+            session_usage = None
+            if usage is not None:
+                # Only the turn holding the mutex changes the session's usage,
+                # so what the claim read is still current.
+                session_usage = wire.add_usage(wire.parse_usage(claimed.usage_json), usage)
+            events_count = 3 if outcome.status == "failed" else 2
+            released = await repo.release_active_turn(
+                u.session,
+                claimed.session_id,
+                claimed.turn_id,
+                now,
+                events=events_count,
+                usage_json=json.dumps(session_usage) if session_usage is not None else None,
             )
-            await u.session.refresh(row)
-            turn = await repo.get_turn(u.session, claimed.session_id, claimed.turn_id)
-            await u.session.refresh(turn)
-            view = await views.session_view(u.session, row, environment, status=status)
+            if released is None:
+                row, more = await repo.get_session(u.session, claimed.org_id, claimed.session_id), True
+                status = "failed" if row.error else "idle"
+            else:
+                row, more = released
+                status = row.status
+            # The turn's function calls were cancelled above, so none is required.
+            view = await views.session_view(u.session, row, environment, status=status, actions=[])
             events = []
             if outcome.status == "failed":
                 events.append(wire.error_event(claimed.session_id, outcome.code, outcome.code, outcome.message))
             events.append(wire.turn_event(f"agent.session.turn.{outcome.status}", views.turn_json(turn), with_usage=True))
             events.append(wire.session_event(f"agent.session.{status}", view.wire))
-            await u.emit(claimed.session_id, *events)
+            if released is not None:
+                u.append(claimed.session_id, row.event_seq, *events)
+            else:
+                await u.emit(claimed.session_id, *events)
             u.wake_key(f"calls:{claimed.turn_id}")
+            return more
 
         try:
-            await self.store.transact(finish)
+            more = await self.store.transact(finish)
         finally:
             if files and not recorded:
                 shas = sorted({f.sha256 for f in files})
                 self.blobs.delete(await self.store.query(lambda s: repo.unreferenced_blobs(s, shas)))
+        if outcome.code == "sandbox_error":
+            self.environments.forget(claimed.session_id)
+        elif io is not None and io.environment is not claimed.environment:
+            # The turn read the environment itself (e.g. it waited for setup).
+            self.environments.remember(claimed.session_id, claimed.environment_id, io.environment)
         log.info("turn_finished", session_id=claimed.session_id, turn_id=claimed.turn_id, status=outcome.status, code=outcome.code)
+        return more
 
     # ----- recovery ---------------------------------------------------------------
     async def _sweep_loop(self) -> None:
@@ -439,7 +571,7 @@ class TurnRunner:
             kind, environment_id = kinds.get(turn.session_id, ("none", ""))
             env_id = environment_id if kind == "hosted" else None
             org_id_var.set(turn.org_id)
-            claimed = _Claimed(turn.org_id, turn.session_id, turn.id, env_id, await self._environment(env_id))
+            claimed = ClaimedTurn(turn.org_id, turn.session_id, turn.id, env_id, await self._environment(env_id))
             log.warning("turn_lease_expired", session_id=turn.session_id, turn_id=turn.id, worker_id=turn.worker_id)
             await self._finalize(claimed, None, Outcome("failed", "internal_error", "the worker running this turn stopped"))
             self.kick(turn.session_id, turn.org_id)

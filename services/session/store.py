@@ -1,11 +1,14 @@
 """The unit of work and the per-session event log.
 
-``Store.unit()`` is one transaction. Events appended inside it get their
-sequence numbers from the session's counter row (``UPDATE sessions SET
-event_seq = event_seq + n ... RETURNING``), in the same transaction as the
-rows they describe: a row lock on PostgreSQL and the write lock on SQLite
-serialize writers, so numbers are gapless and commit in order on every
-replica. After commit, the appended events are handed to local stream
+``Store.transact()`` runs one transaction (a ``Unit``). Events appended
+inside it get their sequence numbers from the session's counter row
+(``UPDATE sessions SET event_seq = event_seq + n ... RETURNING``), in the
+same transaction as the rows they describe: a row lock on PostgreSQL and the
+write lock on SQLite serialize writers, so numbers are gapless and commit in
+order on every replica. A caller that updates the session row anyway (to
+claim or release a turn) advances the counter in that same statement and
+hands the numbers to ``Unit.append``. The event rows are inserted together
+when the unit's work is done. After commit, the appended events are handed to local stream
 followers (``EventFeed``) so they need not read back what was just written;
 a follower reads the log when its feed has a gap (a commit on another
 replica, or two local commits handed over out of order) and followers on
@@ -20,9 +23,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import update
+from sqlalchemy import Table, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.db import Database
@@ -33,6 +36,9 @@ from services.session.models import EventRow, SessionRow
 __all__ = ["Store", "Unit", "Notifier", "AppendedEvent", "EventFeed", "FedEvent"]
 
 T = TypeVar("T")
+
+# Events are inserted with Core: the ORM's unit of work costs more than the statement.
+_EVENTS = cast(Table, EventRow.__table__)
 
 
 @dataclass(frozen=True)
@@ -136,43 +142,63 @@ class Unit:
 
     session: AsyncSession
     appended: list[tuple[str, AppendedEvent]] = field(default_factory=list)
+    # Rows of the appended events, inserted when the unit's work is done.
+    event_rows: list[dict[str, Any]] = field(default_factory=list)
     wake: set[str] = field(default_factory=set)
 
-    async def emit(self, session_id: str, *events: dict[str, Any], turn_id: str = "") -> list[AppendedEvent]:
-        """Appends events to the session's log; each gets a unique event_id."""
+    async def emit(
+        self, session_id: str, *events: dict[str, Any], turn_id: str = "", touch: dict[str, Any] | None = None
+    ) -> list[AppendedEvent]:
+        """Appends events to the session's log; each gets a unique event_id.
+        ``touch`` sets other columns of the session row in the same statement."""
         if not events:
             return []
         result = await self.session.execute(
             update(SessionRow)
             .where(SessionRow.id == session_id)
-            .values(event_seq=SessionRow.event_seq + len(events))
+            .values({SessionRow.event_seq: SessionRow.event_seq + len(events), **(touch or {})})
             .returning(SessionRow.event_seq)
         )
         last = result.scalar_one_or_none()
         if last is None:
             raise NotFound(f"session {session_id} not found")
-        first = int(last) - len(events) + 1
+        return self.append(session_id, int(last), *events, turn_id=turn_id)
+
+    def append(self, session_id: str, last: int, *events: dict[str, Any], turn_id: str = "") -> list[AppendedEvent]:
+        """Appends events numbered up to ``last``: the caller has advanced the
+        session's counter (``event_seq``) by ``len(events)`` in this
+        transaction, with its own UPDATE of the session row, and read ``last``
+        back. ``emit`` is that UPDATE alone."""
+        if not events:
+            return []
+        first = last - len(events) + 1
         now = time.time()
         out: list[AppendedEvent] = []
         for offset, body in enumerate(events):
             event = {"event_id": new_id("evt"), **body}
             seq = first + offset
             event_json = json.dumps(event, separators=(",", ":"))
-            self.session.add(
-                EventRow(
-                    session_id=session_id,
-                    seq=seq,
-                    type=str(event["type"]),
-                    turn_id=str(event.get("turn_id") or turn_id or ""),
-                    event_json=event_json,
-                    created_at=now,
-                )
+            self.event_rows.append(
+                {
+                    "session_id": session_id,
+                    "seq": seq,
+                    "type": str(event["type"]),
+                    "turn_id": str(event.get("turn_id") or turn_id or ""),
+                    "event_json": event_json,
+                    "created_at": now,
+                }
             )
             appended = AppendedEvent(seq, str(event["type"]), event, event_json)
             out.append(appended)
             self.appended.append((session_id, appended))
         self.wake.add(f"events:{session_id}")
         return out
+
+    async def write_events(self) -> None:
+        """Inserts the appended events (one statement, whatever their number)."""
+        if self.event_rows:
+            rows, self.event_rows = self.event_rows, []
+            await self.session.execute(insert(_EVENTS), rows)
 
     def wake_key(self, key: str) -> None:
         self.wake.add(key)
@@ -207,6 +233,7 @@ class Store:
                 unit = Unit(session)
                 result = await fn(unit)
                 await session.flush()
+                await unit.write_events()
             committed: dict[str, list[FedEvent]] = {}
             for session_id, appended in unit.appended:
                 committed.setdefault(session_id, []).append(

@@ -1,21 +1,30 @@
-"""The database-backed ``TurnIO`` the harness runs against: every item and
-event is persisted in its own short transaction (no transaction is held
-across model or environment calls)."""
+"""The database-backed ``TurnIO`` the harness runs against.
+
+Writes are staged in memory and persisted in short transactions, none held
+across model or environment calls: each write call is one transaction, or a
+whole ``batch()`` block is. The agent configuration, the transcript and the
+output-index counter live in memory for the turn (one turn runs at a time
+per session, on one worker, and only it adds items), loaded with the claim.
+Each event append reads the agent configuration back from the session
+counter row it updates anyway, so a session update still applies to the
+turn's next model call without a read of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import grpc
-from sqlalchemy import select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
-from services.core.errors import from_rpc_error
+from services.core.errors import NotFound, from_rpc_error
 from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
@@ -68,6 +77,28 @@ def function_output_text(result: FunctionResult) -> str:
     return "\n".join(parts)
 
 
+# Hot-path writes are Core statements: the ORM's unit of work costs more
+# CPU than the statements themselves.
+_ITEMS = cast(Table, ItemRow.__table__)
+_SESSIONS = cast(Table, SessionRow.__table__)
+
+
+@dataclass
+class _Staged:
+    """Writes not yet persisted, in the order they were made."""
+
+    # New item rows by ID (in order): finishing one only changes its row.
+    items: dict[str, dict[str, Any]] = field(default_factory=dict)
+    item_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calls: list[FunctionCallRow] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # Items that stop being open once this stage is persisted.
+    finished: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.item_updates or self.calls or self.events or self.finished)
+
+
 class DbTurnIO:
     def __init__(
         self,
@@ -79,7 +110,11 @@ class DbTurnIO:
         turn_id: str,
         environment_id: str | None,
         environment: environment_pb2.Environment | None,
+        agent_config_json: str,
+        transcript: list[tuple[str, list[Entry]]],
+        next_output_index: int = 0,
         mcp: McpConnections | None = None,
+        on_ending: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.mcp = mcp
@@ -92,6 +127,15 @@ class DbTurnIO:
         self.environment = environment
         self.usage: dict[str, Any] | None = None
         self.open_items: dict[str, tuple[ItemHandle, dict[str, Any]]] = {}
+        self.next_output_index = next_output_index
+        self.made_function_calls = False
+        self._on_ending = on_ending
+        self._config_json = agent_config_json
+        self._config = views.agent_config_from_json(agent_config_json)
+        # Model-facing entries per item, in item order.
+        self._transcript: dict[str, list[Entry]] = dict(transcript)
+        self._staged = _Staged()
+        self._batching = False
         self._env_ready = False
         self._calls: dict[str, tuple[str, ItemHandle, dict[str, Any]]] = {}
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -107,44 +151,104 @@ class DbTurnIO:
 
     # ----- reads ---------------------------------------------------------------
     async def agent_config(self) -> AgentConfig:
-        row = await self.store.query(lambda s: repo.get_session(s, self.org_id, self.session_id))
-        return views.agent_config(row)
+        return self._config
 
     async def transcript(self) -> list[Entry]:
-        # One turn is active at a time and user messages become items when
-        # their turn starts, so row order is conversation order.
-        async def read(s: AsyncSession) -> list[str]:
-            stmt = select(ItemRow.model_json).where(ItemRow.session_id == self.session_id).order_by(ItemRow.pk)
-            return list((await s.execute(stmt)).scalars())
+        return [entry for entries in self._transcript.values() for entry in entries]
 
-        entries: list[Entry] = []
-        for model_json in await self.store.query(read):
-            entries.extend(json.loads(model_json))
-        return entries
+    def _remember_config(self, config_json: str) -> None:
+        if config_json != self._config_json:
+            self._config_json = config_json
+            self._config = views.agent_config_from_json(config_json)
+
+    # ----- writes --------------------------------------------------------------
+    async def _append(self, u: Unit, events: list[dict[str, Any]]) -> None:
+        """Appends scoped events to the log; reads the agent configuration
+        back from the counter row on the way."""
+        if not events:
+            return
+        result = await u.session.execute(
+            update(_SESSIONS)
+            .where(_SESSIONS.c.id == self.session_id)
+            .values(event_seq=_SESSIONS.c.event_seq + len(events))
+            .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
+        )
+        row = result.one_or_none()
+        if row is None:
+            raise NotFound(f"session {self.session_id} not found")
+        self._remember_config(row.agent_config_json)
+        u.append(self.session_id, int(row.event_seq), *events)
+
+    async def _flush(self) -> None:
+        """Persists the staged writes in one transaction (at the end of a batch)."""
+        if self._batching or not self._staged:
+            return
+        staged, self._staged = self._staged, _Staged()
+
+        async def write(u: Unit) -> None:
+            if staged.items:
+                await u.session.execute(insert(_ITEMS), list(staged.items.values()))
+            u.session.add_all(staged.calls)
+            for item_id, values in staged.item_updates.items():
+                await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == item_id).values(**values))
+            await self._append(u, staged.events)
+            for item_id in staged.finished:
+                self.open_items.pop(item_id, None)
+
+        await self._transact(write)
+
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        if self._batching:
+            yield
+            return
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            await self._flush()
 
     # ----- items and events ----------------------------------------------------
     def _scoped(self, event: dict[str, Any]) -> dict[str, Any]:
         return {**event, "session_id": self.session_id, "turn_id": self.turn_id}
 
-    async def _insert_item(
-        self, u: Unit, item: dict[str, Any], *, entries: list[Entry], output: bool, visible: bool
-    ) -> tuple[ItemHandle, dict[str, Any]]:
-        item_id = new_id("item")
-        index = await repo.next_output_index(u.session, self.turn_id) if output else None
-        full = {"id": item_id, **item, "turn_id": self.turn_id}
-        u.session.add(
-            ItemRow(
-                id=item_id,
-                session_id=self.session_id,
-                turn_id=self.turn_id,
-                type=str(item["type"]),
-                item_json=_dumps(full),
-                model_json=_dumps(entries),
-                visible=visible,
-                created_at=time.time(),
-            )
-        )
-        return ItemHandle(item_id, index), full
+    def _handle(self, output: bool) -> ItemHandle:
+        index = None
+        if output:
+            index = self.next_output_index
+            self.next_output_index += 1
+        return ItemHandle(new_id("item"), index)
+
+    def _item_row(
+        self, handle: ItemHandle, item: dict[str, Any], entries: list[Entry], *, visible: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The item's row (column values) and its wire form."""
+        full = {"id": handle.id, **item, "turn_id": self.turn_id}
+        row = {
+            "id": handle.id,
+            "session_id": self.session_id,
+            "turn_id": self.turn_id,
+            "type": str(item["type"]),
+            "item_json": _dumps(full),
+            "model_json": _dumps(entries),
+            "visible": visible,
+            "created_at": time.time(),
+        }
+        return row, full
+
+    def _stage_item(self, handle: ItemHandle, item: dict[str, Any], entries: list[Entry], *, visible: bool) -> dict[str, Any]:
+        row, full = self._item_row(handle, item, entries, visible=visible)
+        self._staged.items[handle.id] = row
+        self._transcript[handle.id] = list(entries)
+        return full
+
+    def _stage_item_update(self, item_id: str, **values: Any) -> None:
+        row = self._staged.items.get(item_id)
+        if row is not None:
+            row.update(values)
+        else:
+            self._staged.item_updates.setdefault(item_id, {}).update(values)
 
     def _added(self, handle: ItemHandle, full: dict[str, Any]) -> dict[str, Any]:
         event: dict[str, Any] = {"type": "agent.session.turn.item.added", "item": full}
@@ -158,61 +262,60 @@ class DbTurnIO:
     async def add_item(
         self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
     ) -> ItemHandle:
-
-        async def insert(u: Unit) -> ItemHandle:
-            handle, full = await self._insert_item(u, item, entries=entries, output=output, visible=visible)
-            if visible:
-                events = [self._added(handle, full)]
-                if done and output and full["type"] in OUTPUT_ITEM_TYPES:
-                    events.append(self._done(handle, full))
-                elif not done and output:
-                    # Tracked as part of the transaction: a cancel arriving
-                    # meanwhile still finds the item to close.
-                    self.track_item(handle, item)
-                await u.emit(self.session_id, *events)
-            return handle
-
-        return await self._transact(insert)
+        handle = self._handle(output)
+        full = self._stage_item(handle, item, entries, visible=visible)
+        if visible:
+            self._staged.events.append(self._added(handle, full))
+            if done and output and full["type"] in OUTPUT_ITEM_TYPES:
+                self._staged.events.append(self._done(handle, full))
+            elif not done and output:
+                # Tracked before it is written: a cancel arriving meanwhile
+                # still finds the item to close.
+                self.track_item(handle, item)
+        await self._flush()
+        return handle
 
     def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
         self.open_items[handle.id] = (handle, dict(item))
 
-    async def _store_item(self, u: Unit, handle: ItemHandle, item: dict[str, Any], entries: list[Entry] | None) -> dict[str, Any]:
-        full = {"id": handle.id, **{k: v for k, v in item.items() if k != "id"}, "turn_id": self.turn_id}
-        values: dict[str, Any] = {"item_json": _dumps(full)}
-        if entries is not None:
-            values["model_json"] = _dumps(entries)
-        await u.session.execute(update(ItemRow).where(ItemRow.id == handle.id).values(**values))
-        return full
+    def _full(self, handle: ItemHandle, item: dict[str, Any]) -> dict[str, Any]:
+        return {"id": handle.id, **{k: v for k, v in item.items() if k != "id"}, "turn_id": self.turn_id}
+
+    async def _store_item(self, u: Unit, handle: ItemHandle, item: dict[str, Any]) -> dict[str, Any] | None:
+        """Rewrites a persisted item; None when it never was persisted."""
+        full = self._full(handle, item)
+        result = await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == handle.id).values(item_json=_dumps(full)))
+        return full if result.rowcount else None  # type: ignore[attr-defined]
 
     async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry]) -> None:
-
-        async def store(u: Unit) -> None:
-            full = await self._store_item(u, handle, item, entries)
-            if handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
-                await u.emit(self.session_id, self._done(handle, full))
-            self.open_items.pop(handle.id, None)
-
-        await self._transact(store)
+        full = self._full(handle, item)
+        self._stage_item_update(handle.id, item_json=_dumps(full), model_json=_dumps(entries))
+        self._transcript[handle.id] = list(entries)
+        if handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
+            self._staged.events.append(self._done(handle, full))
+        self._staged.finished.append(handle.id)
+        await self._flush()
 
     async def close_open_items(self, u: Unit) -> None:
         """On a failed or cancelled turn: items still open end as incomplete
         (or failed, when the tool already reported failure)."""
+        events: list[dict[str, Any]] = []
         for handle, item in list(self.open_items.values()):
             status = item.get("status")
             item["status"] = "failed" if status == "failed" and item["type"] != "message" else "incomplete"
-            full = await self._store_item(u, handle, item, None)
-            if handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
-                await u.emit(self.session_id, self._done(handle, full))
+            full = await self._store_item(u, handle, item)
+            if full is not None and handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
+                events.append(self._done(handle, full))
         self.open_items.clear()
+        await self._append(u, events)
 
     async def emit(self, *events: dict[str, Any]) -> None:
-        scoped = [self._scoped(e) for e in events]
+        self._staged.events.extend(self._scoped(e) for e in events)
+        await self._flush()
 
-        async def append(u: Unit) -> None:
-            await u.emit(self.session_id, *scoped)
-
-        await self._transact(append)
+    def ending(self) -> None:
+        if self._on_ending is not None:
+            self._on_ending()
 
     def record_usage(self, usage: Usage) -> None:
         self.usage = wire.add_usage(
@@ -224,31 +327,30 @@ class DbTurnIO:
         call_id = new_id("call")
         item = {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments, "status": "in_progress"}
         entries = [{"role": "assistant", "tool_calls": [{"id": model_call_id, "name": name, "arguments": arguments}]}]
-
-        async def register(u: Unit) -> None:
-            handle, full = await self._insert_item(u, item, entries=entries, output=True, visible=True)
-            # Registered before item.added is visible, so a fast tool_result
-            # never races the registration.
-            u.session.add(
-                FunctionCallRow(
-                    call_id=call_id,
-                    session_id=self.session_id,
-                    turn_id=self.turn_id,
-                    item_id=handle.id,
-                    name=name,
-                    arguments=arguments,
-                    state="pending",
-                    success=False,
-                    output_json="null",
-                    error=None,
-                    created_at=time.time(),
-                )
+        handle = self._handle(True)
+        full = self._stage_item(handle, item, entries, visible=True)
+        # Registered in the transaction that makes item.added visible, so a
+        # fast tool_result never races the registration.
+        self._staged.calls.append(
+            FunctionCallRow(
+                call_id=call_id,
+                session_id=self.session_id,
+                turn_id=self.turn_id,
+                item_id=handle.id,
+                name=name,
+                arguments=arguments,
+                state="pending",
+                success=False,
+                output_json="null",
+                error=None,
+                created_at=time.time(),
             )
-            await u.emit(self.session_id, self._added(handle, full))
-            self._calls[call_id] = (model_call_id, handle, item)
-            self.track_item(handle, item)
-
-        await self._transact(register)
+        )
+        self._staged.events.append(self._added(handle, full))
+        self._calls[call_id] = (model_call_id, handle, item)
+        self.track_item(handle, item)
+        self.made_function_calls = True
+        await self._flush()
         return call_id
 
     async def _answered(self, call_ids: list[str]) -> list[FunctionCallRow] | None:
@@ -260,10 +362,10 @@ class DbTurnIO:
             return rows
         return None
 
-    async def _session_event(self, u: Unit, event_type: str, status: str) -> None:
+    async def _session_event(self, u: Unit, event_type: str, status: str) -> dict[str, Any]:
         row = await repo.get_session(u.session, self.org_id, self.session_id)
         view = await views.session_view(u.session, row, self.environment, status=status)
-        await u.emit(self.session_id, wire.session_event(event_type, view.wire))
+        return wire.session_event(event_type, view.wire)
 
     async def wait_function_results(self, call_ids: list[str]) -> list[FunctionResult]:
         wake = self.store.notifier.subscribe(f"calls:{self.turn_id}")
@@ -290,6 +392,7 @@ class DbTurnIO:
         ]
 
         async def record(u: Unit) -> None:
+            events: list[dict[str, Any]] = []
             for result in results:
                 model_call_id, handle, item = self._calls.pop(result.call_id)
                 await u.session.execute(
@@ -297,9 +400,10 @@ class DbTurnIO:
                     .where(FunctionCallRow.call_id == result.call_id, FunctionCallRow.state == "answered")
                     .values(state="consumed")
                 )
-                done = await self._store_item(u, handle, {**item, "status": "completed"}, None)
+                done = self._full(handle, {**item, "status": "completed"})
+                await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == handle.id).values(item_json=_dumps(done)))
                 self.open_items.pop(handle.id, None)
-                await u.emit(self.session_id, self._done(handle, done))
+                events.append(self._done(handle, done))
                 output_item = {
                     "type": "function_call_output",
                     "call_id": result.call_id,
@@ -307,9 +411,12 @@ class DbTurnIO:
                     "error": None if result.success else (result.error or "the function call failed"),
                     "status": "completed" if result.success else "failed",
                 }
-                entries = [{"role": "tool", "call_id": model_call_id, "output": function_output_text(result)}]
-                out_handle, out_full = await self._insert_item(u, output_item, entries=entries, output=False, visible=True)
-                await u.emit(self.session_id, self._added(out_handle, out_full))
+                entries: list[Entry] = [{"role": "tool", "call_id": model_call_id, "output": function_output_text(result)}]
+                out_handle = self._handle(False)
+                row, out_full = self._item_row(out_handle, output_item, entries, visible=True)
+                await u.session.execute(insert(_ITEMS), [row])
+                self._transcript[out_handle.id] = entries
+                events.append(self._added(out_handle, out_full))
             if waited:
                 await repo.set_turn_status(u.session, self.turn_id, ("waiting",), status="in_progress")
                 await u.session.execute(
@@ -317,7 +424,8 @@ class DbTurnIO:
                     .where(SessionRow.id == self.session_id, SessionRow.active_turn_id == self.turn_id)
                     .values(status="in_progress", last_active_at=time.time())
                 )
-                await self._session_event(u, "agent.session.in_progress", "in_progress")
+                events.append(await self._session_event(u, "agent.session.in_progress", "in_progress"))
+            await self._append(u, events)
 
         await self._transact(record)
         return results
@@ -329,7 +437,7 @@ class DbTurnIO:
             .where(SessionRow.id == self.session_id, SessionRow.active_turn_id == self.turn_id)
             .values(status="requires_action", last_active_at=time.time())
         )
-        await self._session_event(u, "agent.session.requires_action", "requires_action")
+        await self._append(u, [await self._session_event(u, "agent.session.requires_action", "requires_action")])
 
     # ----- the environment ------------------------------------------------------
     def sandbox_failure(self, exc: BaseException) -> TurnFailure:
@@ -345,10 +453,8 @@ class DbTurnIO:
 
         async def record(u: Unit) -> None:
             await u.session.execute(update(SessionRow).where(SessionRow.id == self.session_id).values(error=message))
-            await u.emit(
-                self.session_id,
-                wire.environment_event("agent.session.environment.failed", self.session_id, self.turn_id, state),
-            )
+            failed = wire.environment_event("agent.session.environment.failed", self.session_id, self.turn_id, state)
+            await self._append(u, [failed])
 
         await self._transact(record)
         return TurnFailure("sandbox_error", message)

@@ -14,7 +14,16 @@ from services.session import wire
 from services.session.agents import AgentConfig, render_session_agent
 from services.session.models import ArtifactRow, SessionRow, TurnRow
 
-__all__ = ["SessionView", "session_view", "snapshot", "agent_config", "turn_json", "artifact_json", "effective_status", "message_text"]
+__all__ = [
+    "SessionView",
+    "session_view",
+    "snapshot",
+    "agent_config_from_json",
+    "turn_json",
+    "artifact_json",
+    "effective_status",
+    "message_text",
+]
 
 
 @dataclass
@@ -34,8 +43,9 @@ def snapshot(row: SessionRow) -> dict[str, Any]:
     return data
 
 
-def agent_config(row: SessionRow) -> AgentConfig:
-    config: AgentConfig = snapshot(row)["config"]
+def agent_config_from_json(agent_config_json: str) -> AgentConfig:
+    """The agent config of a stored snapshot (``sessions.agent_config_json``)."""
+    config: AgentConfig = json.loads(agent_config_json)["config"]
     return config
 
 
@@ -53,12 +63,16 @@ async def session_view(
     env: environment_pb2.Environment | None,
     *,
     status: str | None = None,
+    actions: list[dict[str, Any]] | None = None,
 ) -> SessionView:
     """``status`` forces the status (events carry the status they announce);
-    otherwise a failed environment makes the session failed."""
+    otherwise a failed environment makes the session failed. ``actions`` are
+    the session's required actions when the caller knows them (no turn is
+    waiting: none); otherwise they are read."""
     snap = snapshot(row)
     agent = render_session_agent(snap["id"], snap.get("name"), snap["config"])
-    actions = await repo.required_actions(s, row.id)
+    if actions is None:
+        actions = await repo.required_actions(s, row.id)
     if status is None:
         shown_status, error = effective_status(row, env)
     else:

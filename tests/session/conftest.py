@@ -58,6 +58,7 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
         self.envs: dict[str, FakeEnv] = {}
         self.setup: Callable[[FakeEnv], Awaitable[None]] = self._default_setup
         self.setup_calls = 0
+        self.get_calls = 0
         self.detached: list[tuple[str, str]] = []
         self.pids: list[int] = []
         self.exec_cancelled = asyncio.Event()
@@ -100,6 +101,7 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
         return environment_service_pb2.CreateEnvironmentResponse(environment=fake.env)
 
     async def GetEnvironment(self, request: Any, context: Any) -> Any:
+        self.get_calls += 1
         return environment_service_pb2.GetEnvironmentResponse(environment=self._get(request.environment_id).env)
 
     async def AttachSession(self, request: Any, context: Any) -> Any:

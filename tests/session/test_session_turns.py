@@ -231,6 +231,69 @@ async def test_a_message_sent_during_a_turn_queues_and_runs_next(client: Any) ->
     assert texts == ["first", "second"]
 
 
+async def test_input_to_an_idle_session_with_a_known_environment_starts_its_turn_in_the_same_commit(client: Any) -> None:
+    created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": "first"})
+    session_id = created.session.id
+    await client.wait_for(session_id, lambda e: e["type"] == "agent.session.idle")
+    second = await client.say(session_id, "second")
+    # The backlog read right after the submit returns already holds the start.
+    backlog = [e for _, e in await client.events(session_id)]
+    created_at = next(i for i, e in enumerate(backlog) if e.get("turn_id") == second)
+    assert [e["type"] for e in backlog[created_at : created_at + 4]] == [
+        "agent.session.turn.created",
+        "agent.session.turn.in_progress",
+        "agent.session.in_progress",
+        "agent.session.turn.item.added",
+    ]
+    end = await client.wait_turn_end(session_id, second)
+    assert end["type"] == "agent.session.turn.completed"
+    events = await client.events(session_id)
+    assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
+    texts = [i["content"][0]["text"] for i in await client.items(session_id) if i["type"] == "message" and i["role"] == "assistant"]
+    assert texts == ["first", "second"]
+
+
+async def test_turns_on_a_ready_environment_start_without_asking_the_environment_service(client: Any, fake: Any) -> None:
+    created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo one"})
+    session_id = created.session.id
+    first = await client.wait_turn_end(session_id, created.turn_id)
+    assert first["type"] == "agent.session.turn.completed"
+    lookups = fake.get_calls
+    for text in ("$ echo two", "$ echo three"):
+        turn_id = await client.say(session_id, text)
+        end = await client.wait_turn_end(session_id, turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+    assert fake.get_calls == lookups
+    outputs = [i["output"] for i in await client.items(session_id) if i["type"] == "command_execution"]
+    assert outputs == ["one\n", "two\n", "three\n"]
+
+
+async def test_an_agent_update_during_a_turn_applies_to_its_next_model_call(client: Any) -> None:
+    hold = {"type": "function", "name": "hold", "description": "", "parameters": {}}
+    later = {"type": "function", "name": "later", "description": "", "parameters": {}}
+    created = await client.create_session(
+        {"agent": {"model": "scripted", "tools": [hold]}, "environment": NONE_ENV, "input": "call hold\ncall later\ndone"}
+    )
+    session_id = created.session.id
+    seen = await client.wait_for(session_id, lambda e: e["type"] == "agent.session.requires_action")
+    await client.stub.UpdateSession(
+        session_service_pb2.UpdateSessionRequest(session_id=session_id, body_json=json.dumps({"agent": {"tools": [hold, later]}})),
+        metadata=client.md,
+    )
+    call_id = seen[-1][1]["session"]["required_actions"][0]["call_id"]
+    await client.submit(
+        session_id,
+        {"type": "agent.session.input.tool_result", "turn_id": created.turn_id, "call_id": call_id, "success": True, "output": "ok"},
+    )
+    # Without the update, ``later`` would be an unknown tool and the turn would just finish.
+    waiting = await client.wait_for(
+        session_id,
+        lambda e: e["type"] == "agent.session.requires_action" and e["session"]["required_actions"][0]["name"] == "later",
+        after=seen[-1][0],
+    )
+    assert waiting[-1][1]["session"]["required_actions"][0]["turn_id"] == created.turn_id
+
+
 async def test_cancelling_a_waiting_turn_leaves_queued_turns_to_run(client: Any) -> None:
     agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
     created = await client.create_session({"agent": agent, "environment": NONE_ENV, "input": "call hold"})

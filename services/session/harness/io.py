@@ -4,6 +4,7 @@ implements it over the database; harness tests can implement it in memory."""
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,6 +94,12 @@ class TurnIO(Protocol):
         """Appends scoped events (session_id and turn_id are filled in)."""
         ...
 
+    def batch(self) -> AbstractAsyncContextManager[None]:
+        """Within the block, ``add_item``, ``finish_item`` and ``emit`` only
+        stage their writes; they are persisted together, in order, when the
+        block ends, so nothing inside it may wait for anything else."""
+        ...
+
     async def add_function_call(self, name: str, arguments: str, model_call_id: str) -> str:
         """Registers a pending application function call, then emits its item;
         returns the public call_id."""
@@ -113,6 +120,12 @@ class TurnIO(Protocol):
         connection) and lists its tools. An environment-origin server is
         started or joined first, which enters the environment's init guard.
         Raises McpUnavailable."""
+        ...
+
+    def ending(self) -> None:
+        """The model gave its final answer: no tool runs in this turn any
+        more, so work that waits for the turn's end (reading its outputs) may
+        start while the answer is written."""
         ...
 
     def sandbox_failure(self, exc: BaseException) -> TurnFailure:

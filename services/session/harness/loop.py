@@ -26,18 +26,20 @@ MAX_ITERATIONS = 50
 
 
 async def _emit_message(io: TurnIO, text: str, phase: str) -> None:
+    # The text is complete before anything is shown, so the whole item is one write.
     item: dict[str, Any] = {"type": "message", "role": "assistant", "status": "in_progress", "phase": phase, "content": []}
-    handle = await io.add_item(item, entries=[], output=True, done=False)
-    io.track_item(handle, item)
-    scope = {"item_id": handle.id, "output_index": handle.output_index, "content_index": 0}
-    await io.emit(
-        {"type": "agent.session.turn.content_part.added", **scope, "part": {"type": "output_text", "text": ""}},
-        {"type": "agent.session.turn.output_text.delta", **scope, "delta": text},
-        {"type": "agent.session.turn.output_text.done", **scope, "text": text},
-        {"type": "agent.session.turn.content_part.done", **scope, "part": {"type": "output_text", "text": text}},
-    )
-    done = {**item, "status": "completed", "content": [{"type": "output_text", "text": text}]}
-    await io.finish_item(handle, done, entries=[{"role": "assistant", "text": text}])
+    async with io.batch():
+        handle = await io.add_item(item, entries=[], output=True, done=False)
+        io.track_item(handle, item)
+        scope = {"item_id": handle.id, "output_index": handle.output_index, "content_index": 0}
+        await io.emit(
+            {"type": "agent.session.turn.content_part.added", **scope, "part": {"type": "output_text", "text": ""}},
+            {"type": "agent.session.turn.output_text.delta", **scope, "delta": text},
+            {"type": "agent.session.turn.output_text.done", **scope, "text": text},
+            {"type": "agent.session.turn.content_part.done", **scope, "part": {"type": "output_text", "text": text}},
+        )
+        done = {**item, "status": "completed", "content": [{"type": "output_text", "text": text}]}
+        await io.finish_item(handle, done, entries=[{"role": "assistant", "text": text}])
 
 
 async def run_turn(io: TurnIO, provider_for: Callable[[str], ModelProvider]) -> None:
@@ -62,6 +64,7 @@ async def run_turn(io: TurnIO, provider_for: Callable[[str], ModelProvider]) -> 
         if response.usage is not None:
             io.record_usage(response.usage)
         if not response.tool_calls:
+            io.ending()
             await _emit_message(io, response.text or "", "final_answer")
             return
         if response.text:
