@@ -4,10 +4,16 @@ never skipped silently there."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+POSTGRES_SERVER_URL = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def require_or_skip(what: str, env_flag: str, reason: str) -> None:
@@ -48,3 +54,34 @@ def _reap_sandboxes(tmp_path: object) -> object:
                     pass
 
     asyncio.run(reap())
+
+
+@pytest.fixture(scope="session")
+def postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test run, dropped at the end.
+    Skips locally when the server is unreachable; fails in CI
+    (BERTH_REQUIRE_POSTGRES=1)."""
+    import asyncpg
+
+    name = f"berth_test_{secrets.token_hex(4)}"
+
+    async def _admin(sql: str) -> None:
+        conn = await asyncpg.connect(POSTGRES_SERVER_URL, timeout=3)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    def admin(sql: str) -> None:
+        # First requested from inside a running event loop: use a thread of its own.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, _admin(sql)).result()
+
+    try:
+        admin(f'CREATE DATABASE "{name}"')
+    except Exception as exc:  # unreachable server, authentication, ...
+        require_or_skip("PostgreSQL", "BERTH_REQUIRE_POSTGRES", f"{POSTGRES_SERVER_URL}: {exc!r}")
+    try:
+        yield POSTGRES_SERVER_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

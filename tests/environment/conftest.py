@@ -4,12 +4,9 @@ Sandbox service."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import secrets
 import shutil
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -20,42 +17,10 @@ from environment_helpers import ORGS, Cluster, EnvService, SandboxService, md
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
-PG_SERVER = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
 def _require_or_skip(what: str, flag: str, reason: str) -> None:
     if os.environ.get(flag) == "1":
         pytest.fail(f"{what} is required ({flag}=1) but unavailable: {reason}")
     pytest.skip(f"{what} unavailable: {reason}")
-
-
-@pytest.fixture(scope="session")
-def postgres_database() -> Iterator[str]:
-    """A fresh PostgreSQL database for this test session, dropped at the end."""
-    import asyncpg
-
-    name = f"berth_test_{secrets.token_hex(4)}"
-
-    async def _admin(sql: str) -> None:
-        conn = await asyncpg.connect(PG_SERVER, timeout=3)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    def admin(sql: str) -> None:
-        # First requested from inside a running event loop: use a thread of its own.
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(asyncio.run, _admin(sql)).result()
-
-    try:
-        admin(f'CREATE DATABASE "{name}"')
-    except Exception as exc:  # unreachable server, authentication, ...
-        _require_or_skip("PostgreSQL", "BERTH_REQUIRE_POSTGRES", f"{PG_SERVER}: {exc!r}")
-    try:
-        yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

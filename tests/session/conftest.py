@@ -9,11 +9,9 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,44 +347,6 @@ def message(text: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- fixtures
-PG_SERVER = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def _require_or_skip(what: str, flag: str, reason: str) -> None:
-    if os.environ.get(flag) == "1":
-        pytest.fail(f"{what} is required ({flag}=1) but unavailable: {reason}")
-    pytest.skip(f"{what} unavailable: {reason}")
-
-
-@pytest.fixture(scope="session")
-def session_postgres_database() -> Iterator[str]:
-    """A fresh PostgreSQL database for this test session, dropped at the end."""
-    import asyncpg
-
-    name = f"berth_session_test_{secrets.token_hex(4)}"
-
-    async def _admin(sql: str) -> None:
-        conn = await asyncpg.connect(PG_SERVER, timeout=3)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    def admin(sql: str) -> None:
-        # Requested from inside a running event loop: use a thread of its own.
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(asyncio.run, _admin(sql)).result()
-
-    try:
-        admin(f'CREATE DATABASE "{name}"')
-    except Exception as exc:  # unreachable server, authentication, ...
-        _require_or_skip("PostgreSQL", "BERTH_REQUIRE_POSTGRES", f"{PG_SERVER}: {exc!r}")
-    try:
-        yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def session_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The Session service database, once on SQLite and once on PostgreSQL
@@ -395,7 +355,7 @@ async def session_database_url(request: pytest.FixtureRequest, tmp_path: Path) -
         return f"sqlite+aiosqlite:///{tmp_path / 'session.db'}"
     import asyncpg
 
-    dsn: str = request.getfixturevalue("session_postgres_database")
+    dsn: str = request.getfixturevalue("postgres_database")
     conn = await asyncpg.connect(dsn, timeout=3)
     try:
         await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
