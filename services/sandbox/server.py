@@ -12,7 +12,7 @@ from services.core.grpc_server import start_grpc_server
 from services.core.logging import get_logger
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.sandbox.backends.base import SandboxBackend
+from services.sandbox.backends.base import SandboxBackend, proxy_env
 from services.sandbox.manager import SandboxManager
 from services.sandbox.servicer import SandboxServicer
 
@@ -44,16 +44,7 @@ def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
 
 
 def _proxy_env(settings: Settings) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for key, value in (
-        ("HTTP_PROXY", settings.sandbox_http_proxy),
-        ("HTTPS_PROXY", settings.sandbox_https_proxy),
-        ("NO_PROXY", settings.sandbox_no_proxy),
-    ):
-        if value:
-            env[key] = value
-            env[key.lower()] = value
-    return env
+    return proxy_env(settings.sandbox_http_proxy, settings.sandbox_https_proxy, settings.sandbox_no_proxy)
 
 
 async def start_sandbox_service(settings: Settings, *, address: str | None = None) -> ServiceHandle:

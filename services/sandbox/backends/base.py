@@ -21,6 +21,7 @@ __all__ = [
     "BackendUnavailable",
     "SandboxStartError",
     "SandboxGone",
+    "proxy_env",
 ]
 
 NetworkPolicy = Literal["enabled", "disabled", "restricted"]
@@ -115,3 +116,13 @@ class SandboxBackend(ABC):
         behind (container, directories), for ``destroy``; None when the
         backend cannot name it."""
         return None
+
+
+def proxy_env(http_proxy: str, https_proxy: str, no_proxy: str) -> dict[str, str]:
+    """Proxy variables for sandbox commands, in both spellings tools read."""
+    env: dict[str, str] = {}
+    for key, value in (("HTTP_PROXY", http_proxy), ("HTTPS_PROXY", https_proxy), ("NO_PROXY", no_proxy)):
+        if value:
+            env[key] = value
+            env[key.lower()] = value
+    return env

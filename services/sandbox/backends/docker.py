@@ -92,6 +92,7 @@ from services.sandbox.backends.base import (
     SandboxGone,
     SandboxSpec,
     SandboxStartError,
+    proxy_env,
 )
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
 
@@ -138,16 +139,7 @@ class _Paths:
 
 
 def _proxy_env(settings: Settings) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for key, value in (
-        ("HTTP_PROXY", settings.sandbox_http_proxy),
-        ("HTTPS_PROXY", settings.sandbox_https_proxy),
-        ("NO_PROXY", settings.sandbox_no_proxy),
-    ):
-        if value:
-            env[key] = value
-            env[key.lower()] = value
-    return env
+    return proxy_env(settings.sandbox_http_proxy, settings.sandbox_https_proxy, settings.sandbox_no_proxy)
 
 
 _CopyKey = tuple[str, int, int, str]
