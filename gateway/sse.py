@@ -1,7 +1,9 @@
 """Server-sent events of a session's persisted event log.
 
 Framing. Each event is ``id: <sequence>\\nevent: <type>\\ndata: <event JSON>\\n\\n``;
-``Last-Event-ID: <sequence>`` resumes after that event. Keep-alives are one
+``Last-Event-ID: <sequence>`` resumes after that event (``0`` replays the
+whole log); without the header the stream is live from the session's newest
+event, which is what ``sessions.stream()`` needs. Keep-alives are one
 comment line, ``: ping\\n``, sent once ``sse_keepalive_s`` passed without
 anything sent (the service's own keep-alive messages count as a reason to
 send one, at most one per half interval). The comment deliberately has
