@@ -5,17 +5,18 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from berth.session.v1 import session_service_pb2
 from gateway.auth import authorize
 from gateway.errors import ApiError
 from gateway.validation import canonical_json, parse_json_body
 
-__all__ = ["v1_router", "JsonBody", "read_json", "require_id", "Page", "PageDep", "json_response", "body_hash"]
+__all__ = ["v1_router", "JsonBody", "read_json", "require_id", "Page", "PageDep", "json_response", "body_hash", "stream_content"]
 
 _ID_BODY = r"[0-9A-Za-z][0-9A-Za-z_-]{0,127}"
 
@@ -74,3 +75,17 @@ PageDep = Annotated[Page, Depends(_page)]
 
 def json_response(content: Any, status_code: int = 200) -> JSONResponse:
     return JSONResponse(content, status_code=status_code)
+
+
+def stream_content(call: Any, media_type: str) -> StreamingResponse:
+    """Streams a gRPC response stream of ``data`` chunks as the HTTP body;
+    a client that disconnects cancels the call."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in call:
+                yield chunk.data
+        finally:
+            call.cancel()
+
+    return StreamingResponse(chunks(), media_type=media_type)

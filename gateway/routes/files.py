@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import mimetypes
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,7 +21,7 @@ from berth.environment.v1 import environment_service_pb2 as pb
 from gateway import render
 from gateway.errors import ApiError
 from gateway.idempotency import IdempotencyDep
-from gateway.routes._common import v1_router, json_response, require_id
+from gateway.routes._common import json_response, require_id, stream_content, v1_router
 from gateway.state import EnvironmentStubDep
 
 __all__ = ["router", "FILE_PURPOSES"]
@@ -106,14 +105,7 @@ async def file_content(file_id: str, stub: EnvironmentStubDep) -> Response:
     media_type = mimetypes.guess_type(meta.file.filename)[0] or "application/octet-stream"
     call = stub.GetStoredFileContent(pb.GetStoredFileContentRequest(file_id=file_id))
 
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in call:
-                yield chunk.data
-        finally:
-            call.cancel()
-
-    return StreamingResponse(chunks(), media_type=media_type)
+    return stream_content(call, media_type)
 
 
 @router.delete("/files/{file_id}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import mimetypes
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Header, Query, Request
@@ -15,7 +14,7 @@ from berth.session.v1 import session_service_pb2 as pb
 from gateway import render
 from gateway.errors import ApiError
 from gateway.idempotency import IdempotencyDep
-from gateway.routes._common import v1_router, PageDep, read_json, require_id
+from gateway.routes._common import PageDep, read_json, require_id, stream_content, v1_router
 from gateway.sse import SSE_HEADERS, relay_session_events
 from gateway.state import SessionStubDep, StateDep
 from gateway.validation import EventsCreateBody, validate_body
@@ -157,14 +156,7 @@ async def artifact_content(session_id: str, artifact_id: str, stub: SessionStubD
     media_type = mimetypes.guess_type(meta.artifact.path)[0] or "application/octet-stream"
     call = stub.GetArtifactContent(pb.GetArtifactContentRequest(session_id=session_id, artifact_id=artifact_id))
 
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in call:
-                yield chunk.data
-        finally:
-            call.cancel()
-
-    return StreamingResponse(chunks(), media_type=media_type)
+    return stream_content(call, media_type)
 
 
 @router.delete("/agents/sessions/{session_id}/artifacts/{artifact_id}")

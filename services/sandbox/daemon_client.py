@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 __all__ = [
+    "probe",
     "PROTOCOL_VERSION",
     "MAX_FRAME_BYTES",
     "MAX_WRITE_BYTES",
@@ -708,3 +709,18 @@ class DaemonClient:
         fresh one. Returns whether a session was open."""
         frame = await self._request("mcp.close_upstream", {"label": label})
         return bool(frame.get("closed", False))
+
+
+async def probe(socket_path: str) -> Exception | None:
+    """Whether a daemon answers on ``socket_path``: None when it does, else
+    the reason it did not (for a start-up error message)."""
+    if not os.path.exists(socket_path):
+        return DaemonUnavailable(f"no socket at {socket_path}")
+    client = DaemonClient(socket_path, connect_timeout_s=1.0, request_timeout_s=2.0)
+    try:
+        await client.ping()
+        return None
+    except (DaemonUnavailable, DaemonError) as exc:
+        return exc
+    finally:
+        await client.close()

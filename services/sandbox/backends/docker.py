@@ -94,7 +94,7 @@ from services.sandbox.backends.base import (
     SandboxStartError,
     proxy_env,
 )
-from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
+from services.sandbox.daemon_client import probe
 
 __all__ = ["DockerBackend", "AUTO_NETWORK", "installation_id"]
 
@@ -553,15 +553,9 @@ class DockerBackend(SandboxBackend):
         next_inspect = loop.time() + _INSPECT_S
         last_error: Exception | None = None
         while loop.time() < deadline:
-            if os.path.exists(handle.socket_path):
-                client = DaemonClient(handle.socket_path, connect_timeout_s=1.0, request_timeout_s=2.0)
-                try:
-                    await client.ping()
-                    return
-                except (DaemonUnavailable, DaemonError) as exc:
-                    last_error = exc
-                finally:
-                    await client.close()
+            last_error = await probe(handle.socket_path)
+            if last_error is None:
+                return
             if loop.time() >= next_inspect:
                 await self._call(container.reload)
                 if container.status not in ("created", "running"):

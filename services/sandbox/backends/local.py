@@ -49,7 +49,7 @@ from services.sandbox.backends.base import (
     SandboxSpec,
     SandboxStartError,
 )
-from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
+from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
 
 __all__ = ["LocalBackend", "Isolation", "FreezerKind", "detect_freezers"]
 
@@ -444,15 +444,9 @@ class LocalBackend(SandboxBackend):
                 raise SandboxStartError(
                     f"sandbox {handle.sandbox_id} exited with status {code} while starting: {self._log_tail(handle)}"
                 )
-            if os.path.exists(handle.socket_path):
-                client = DaemonClient(handle.socket_path, connect_timeout_s=1.0, request_timeout_s=2.0)
-                try:
-                    await client.ping()
-                    return
-                except (DaemonUnavailable, DaemonError) as exc:
-                    last_error = exc
-                finally:
-                    await client.close()
+            last_error = await probe(handle.socket_path)
+            if last_error is None:
+                return
             await asyncio.sleep(_POLL_S)
         _signal_all(_process_tree(popen.pid), signal.SIGKILL)
         raise SandboxStartError(
