@@ -24,7 +24,8 @@ DOCKERD_FLAGS="${BERTH_DOCKERD_FLAGS:---iptables=false --bridge=none --storage-d
 DOCKERD_LOG="${BERTH_DOCKERD_LOG:-/var/log/berth-dockerd.log}"
 
 need=()
-command -v docker >/dev/null 2>&1 || need+=(docker.io)
+# A docker CLI alone (some machines ship one) is not an engine: dockerd is needed.
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 if ((${#need[@]})); then
   apt-get update -qq
