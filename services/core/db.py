@@ -1,8 +1,9 @@
 """Database engines and migrations shared by every service.
 
 Each service owns its own database (its own URL) and its own Alembic version
-history; the migration environment is shared. SQLite runs in WAL mode with a
-busy timeout; PostgreSQL runs through asyncpg.
+history; the migration environment is shared. SQLite runs in WAL mode on
+Berth's inline driver (services/core/sqlite_inline.py: statements run on the
+event loop, waits for locks are asynchronous); PostgreSQL runs through asyncpg.
 """
 
 from __future__ import annotations
@@ -19,17 +20,22 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
+from services.core import sqlite_inline
+
 __all__ = ["Database", "create_engine", "migrate"]
 
 _ALEMBIC_DIR = Path(__file__).parent / "alembic"
 
 
-def create_engine(url: str) -> AsyncEngine:
+def create_engine(url: str, *, sqlite_lock_timeout_s: float = 30.0) -> AsyncEngine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": sqlite_lock_timeout_s})
+        # Berth's driver waits for locks on the event loop; SQLite must not
+        # sleep inside a call. aiosqlite sleeps on its own thread.
+        busy_ms = 0 if engine.dialect.driver == sqlite_inline.DRIVER else int(sqlite_lock_timeout_s * 1000)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -37,7 +43,7 @@ def create_engine(url: str) -> AsyncEngine:
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={busy_ms}")
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
@@ -86,6 +92,9 @@ class Database:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        # SQLite has one writer at a time: this process's writers queue here
+        # rather than polling the database lock.
+        self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
         self._read_sessions = async_sessionmaker(engine.execution_options(berth_read_only=True), expire_on_commit=False)
 
@@ -97,8 +106,12 @@ class Database:
     async def transaction(self, *, read_only: bool = False) -> AsyncIterator[AsyncSession]:
         """One unit of work. ``read_only`` transactions must not write; on
         SQLite they do not take the write lock."""
-        factory = self._read_sessions if read_only else self._sessions
-        async with factory() as session, session.begin():
+        if read_only or self._write_lock is None:
+            factory = self._read_sessions if read_only else self._sessions
+            async with factory() as session, session.begin():
+                yield session
+            return
+        async with self._write_lock, self._sessions() as session, session.begin():
             yield session
 
     async def dispose(self) -> None:

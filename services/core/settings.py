@@ -87,18 +87,20 @@ class Settings(BaseSettings):
         if configured:
             return normalize_database_url(configured)
         path = (self.data_dir / f"{service}.db").resolve()
-        return f"sqlite+aiosqlite:///{path}"
+        return f"sqlite+berth:///{path}"
 
 
 def normalize_database_url(url: str) -> str:
     """Accepts plain ``postgresql://`` and ``sqlite:///`` URLs and picks the
-    async drivers Berth uses."""
+    async drivers Berth uses: asyncpg, and for SQLite Berth's own driver that
+    runs statements on the event loop (services/core/sqlite_inline.py). An
+    explicit ``sqlite+aiosqlite://`` URL keeps aiosqlite."""
     if url.startswith("postgres://"):
         url = "postgresql://" + url[len("postgres://"):]
     if url.startswith("postgresql://"):
         return "postgresql+asyncpg://" + url[len("postgresql://"):]
-    if url.startswith("sqlite://") and not url.startswith("sqlite+aiosqlite://"):
-        return "sqlite+aiosqlite://" + url[len("sqlite://"):]
+    if url.startswith("sqlite://"):
+        return "sqlite+berth://" + url[len("sqlite://"):]
     return url
 
 

@@ -208,7 +208,7 @@ class Store:
     """Runs units of work. Each transaction runs to its end in a task of its
     own, shielded from the caller's cancellation: a turn cancel or a client
     disconnect must never interrupt a transaction half-way (an interrupted
-    aiosqlite connection would keep SQLite's write lock)."""
+    transaction would keep SQLite's write lock)."""
 
     def __init__(self, db: Database) -> None:
         self.db = db

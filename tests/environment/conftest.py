@@ -28,7 +28,7 @@ async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The Environment service database, once on SQLite and once on PostgreSQL
     (an empty schema per test)."""
     if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'environment.db'}"
+        return f"sqlite+berth:///{tmp_path / 'environment.db'}"
     import asyncpg
 
     dsn: str = request.getfixturevalue("postgres_database")
@@ -42,7 +42,7 @@ async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite+aiosqlite:///{tmp_path / 'environment.db'}"
+    return f"sqlite+berth:///{tmp_path / 'environment.db'}"
 
 
 @pytest.fixture

@@ -352,7 +352,7 @@ async def session_database_url(request: pytest.FixtureRequest, tmp_path: Path) -
     """The Session service database, once on SQLite and once on PostgreSQL
     (an empty schema per test)."""
     if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'session.db'}"
+        return f"sqlite+berth:///{tmp_path / 'session.db'}"
     import asyncpg
 
     dsn: str = request.getfixturevalue("postgres_database")

@@ -1,0 +1,133 @@
+"""Berth's inline SQLite driver: statements run on the event loop, and
+waiting for a lock never blocks it."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+import sqlalchemy.exc
+from sqlalchemy import text
+
+from services.core.db import Database, create_engine
+from services.core.settings import normalize_database_url
+
+
+async def _database(path: Path, *, timeout_s: float = 30.0) -> Database:
+    db = Database(create_engine(normalize_database_url(f"sqlite:///{path}"), sqlite_lock_timeout_s=timeout_s))
+    async with db.transaction() as s:
+        await s.execute(text("CREATE TABLE IF NOT EXISTS counter (id INTEGER PRIMARY KEY, n INTEGER NOT NULL)"))
+        await s.execute(text("INSERT OR IGNORE INTO counter (id, n) VALUES (1, 0)"))
+    return db
+
+
+async def _count(db: Database) -> int:
+    async with db.transaction(read_only=True) as s:
+        return int((await s.execute(text("SELECT n FROM counter WHERE id = 1"))).scalar_one())
+
+
+def test_sqlite_urls_use_the_inline_driver(tmp_path: Path) -> None:
+    engine = create_engine(normalize_database_url(f"sqlite:///{tmp_path / 'a.db'}"))
+    assert engine.dialect.driver == "berth"
+    assert create_engine(f"sqlite+aiosqlite:///{tmp_path / 'b.db'}").dialect.driver == "aiosqlite"
+
+
+async def test_a_writer_waits_for_another_processes_lock_while_the_event_loop_keeps_running(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    db = await _database(path)
+    try:
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        holder.execute("UPDATE counter SET n = 100 WHERE id = 1")
+
+        async def write() -> None:
+            async with db.transaction() as s:
+                await s.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+
+        writer = asyncio.create_task(write())
+        ticks = 0
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            ticks += 1
+        # The loop ran all along and the writer is still waiting for the lock.
+        assert ticks == 20
+        assert not writer.done()
+        holder.execute("COMMIT")
+        holder.close()
+        await asyncio.wait_for(writer, timeout=5)
+        assert await _count(db) == 101
+    finally:
+        await db.dispose()
+
+
+async def test_a_writer_fails_with_operational_error_once_the_lock_timeout_passes(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    await (await _database(path)).dispose()
+    db = await _database(path, timeout_s=0.2)
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(sqlalchemy.exc.OperationalError):
+            async with asyncio.timeout(5), db.transaction() as s:
+                await s.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+        holder.execute("ROLLBACK")
+        # Nothing was written, and the database is usable afterwards.
+        assert await _count(db) == 0
+    finally:
+        holder.close()
+        await db.dispose()
+
+
+async def test_concurrent_writers_of_one_process_all_commit(tmp_path: Path) -> None:
+    db = await _database(tmp_path / "db.sqlite")
+    try:
+
+        async def increment() -> None:
+            async with db.transaction() as s:
+                n = (await s.execute(text("SELECT n FROM counter WHERE id = 1"))).scalar_one()
+                await asyncio.sleep(0)  # another task runs while this transaction is open
+                await s.execute(text("UPDATE counter SET n = :n WHERE id = 1"), {"n": n + 1})
+
+        await asyncio.wait_for(asyncio.gather(*(increment() for _ in range(50))), timeout=30)
+        assert await _count(db) == 50
+    finally:
+        await db.dispose()
+
+
+async def test_readers_are_not_blocked_by_an_open_write_transaction(tmp_path: Path) -> None:
+    db = await _database(tmp_path / "db.sqlite")
+    try:
+        release = asyncio.Event()
+
+        async def slow_write() -> None:
+            async with db.transaction() as s:
+                await s.execute(text("UPDATE counter SET n = 7 WHERE id = 1"))
+                await release.wait()
+
+        writer = asyncio.create_task(slow_write())
+        await asyncio.sleep(0.01)
+        # The committed value, read while the writer holds the lock.
+        assert await asyncio.wait_for(_count(db), timeout=2) == 0
+        release.set()
+        await asyncio.wait_for(writer, timeout=5)
+        assert await _count(db) == 7
+    finally:
+        await db.dispose()
+
+
+async def test_a_failed_statement_rolls_back_the_transaction(tmp_path: Path) -> None:
+    db = await _database(tmp_path / "db.sqlite")
+    try:
+        with pytest.raises(sqlalchemy.exc.IntegrityError):
+            async with db.transaction() as s:
+                await s.execute(text("UPDATE counter SET n = 5 WHERE id = 1"))
+                await s.execute(text("INSERT INTO counter (id, n) VALUES (1, 0)"))
+        assert await _count(db) == 0
+        # The write lock was released: the next writer proceeds.
+        async with asyncio.timeout(2), db.transaction() as s:
+            await s.execute(text("UPDATE counter SET n = 3 WHERE id = 1"))
+        assert await _count(db) == 3
+    finally:
+        await db.dispose()
