@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -169,17 +169,30 @@ async def relay_session_events(
             if message is grpc.aio.EOF:
                 return
             assert isinstance(message, session_service_pb2.StreamSessionEventsResponse)
-            if message.WhichOneof("message") != "event":
+            kind = message.WhichOneof("message")
+            if kind == "batch":
+                events: Sequence[session_pb2.SessionEvent] = message.batch.events
+            elif kind == "event":
+                events = (message.event,)
+            else:
                 # The service's keep-alive (it keeps proxies between us and it
                 # from idling the stream out); relayed unless we just sent one.
                 if loop.time() - last_sent >= keepalive_s / 2:
                     yield KEEPALIVE
                     last_sent = loop.time()
                 continue
-            event = message.event
-            yield format_event(event.sequence, event.type, event.event_json)
-            last_sent = loop.time()
-            if boundary is not None and boundary.reached(event):
+            # One write per batch: the events of a commit leave together.
+            frames: list[bytes] = []
+            ended = False
+            for event in events:
+                frames.append(format_event(event.sequence, event.type, event.event_json))
+                if boundary is not None and boundary.reached(event):
+                    ended = True
+                    break
+            if frames:
+                yield b"".join(frames)
+                last_sent = loop.time()
+            if ended:
                 return
     finally:
         closing_wait.cancel()

@@ -715,10 +715,13 @@ class SessionDomain:
     # ===== events =====================================================================
     async def stream_events(
         self, session_id: str, after_sequence: int, *, follow: bool, keepalive_ms: int
-    ) -> AsyncIterator[tuple[int, str, str] | int]:
-        """Yields (sequence, type, event_json) for persisted events after the
-        sequence, then live ones when following, and the current Unix time in
-        milliseconds as a keep-alive when idle. Ends when the session is deleted."""
+    ) -> AsyncIterator[list[tuple[int, str, str]] | int]:
+        """Yields batches of (sequence, type, event_json) for persisted events
+        after the sequence, then live ones when following, and the current
+        Unix time in milliseconds as a keep-alive when idle. A batch is what
+        was available at once (one read of the log, or one commit's events),
+        so a consumer pays per batch rather than per event. Ends when the
+        session is deleted."""
         if after_sequence < 0:
             raise InvalidArgument("after_sequence must not be negative", param="after_sequence")
         if keepalive_ms < 0:
@@ -729,7 +732,7 @@ class SessionDomain:
 
     async def _follow(
         self, session_id: str, org: str, last: int, follow: bool, keepalive_ms: int
-    ) -> AsyncIterator[tuple[int, str, str] | int]:
+    ) -> AsyncIterator[list[tuple[int, str, str]] | int]:
         feed = self.store.notifier.subscribe_feed(session_id)
         wake = feed.wake
         keepalive_s = keepalive_ms / 1000.0
@@ -758,18 +761,16 @@ class SessionDomain:
                 fed = [] if fresh else feed.take_after(last)
                 fresh = False
                 if fed:
-                    for e in fed:
-                        last = e.sequence
-                        yield (e.sequence, e.type, e.event_json)
+                    last = fed[-1].sequence
+                    yield [(e.sequence, e.type, e.event_json) for e in fed]
                     idle_since = time.monotonic()
                     if not follow:
                         continue
                 else:
                     rows, alive = await self.store.query(fetch)
-                    for r in rows:
-                        last = r.seq
-                        yield (r.seq, r.type, r.event_json)
                     if rows:
+                        last = rows[-1].seq
+                        yield [(r.seq, r.type, r.event_json) for r in rows]
                         idle_since = time.monotonic()
                         if not follow or len(rows) >= repo.EVENTS_BATCH:
                             continue

@@ -175,9 +175,10 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             if isinstance(message, int):
                 yield session_service_pb2.StreamSessionEventsResponse(keepalive_ms=message)
             else:
-                sequence, event_type, event_json = message
                 yield session_service_pb2.StreamSessionEventsResponse(
-                    event=session_pb2.SessionEvent(sequence=sequence, type=event_type, event_json=event_json)
+                    batch=session_service_pb2.SessionEventBatch(
+                        events=[session_pb2.SessionEvent(sequence=q, type=t, event_json=j) for q, t, j in message]
+                    )
                 )
 
     # turns and items

@@ -236,6 +236,8 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         self.artifacts: dict[str, tuple[str, s_pb.Artifact, bytes]] = {}
         # Messages StreamSessionEvents sends before the backlog (e.g. a keep-alive).
         self.stream_prefix: list[s_svc.StreamSessionEventsResponse] = []
+        # When set, StreamSessionEvents sends the backlog as one batch message.
+        self.batch_events = False
         # When set, StreamSessionEvents waits on it after the backlog (a live follow).
         self.hold_stream: asyncio.Event | None = None
         # Set when a stream starts waiting on hold_stream, and when such a
@@ -362,7 +364,11 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         fake = self._session(org, request.session_id)
         for message in self.stream_prefix:
             yield message
-        for event in fake.events:
+        if self.batch_events:
+            yield s_svc.StreamSessionEventsResponse(
+                batch=s_svc.SessionEventBatch(events=[e for e in fake.events if e.sequence > request.after_sequence])
+            )
+        for event in [] if self.batch_events else fake.events:
             if event.sequence > request.after_sequence:
                 yield s_svc.StreamSessionEventsResponse(event=event)
                 if self.keepalive_between_events:

@@ -61,6 +61,17 @@ async def test_event_stream_frames_each_event_with_sequence_type_and_json(stack:
     assert [json.loads(f["data"])["event_id"] for f in got] == ["evt_1", "evt_2", "evt_3"]
 
 
+async def test_a_batch_from_the_service_becomes_one_frame_per_event_in_order(stack: Stack) -> None:
+    stack.session.batch_events = True
+    fake = with_events(stack, 4)
+    async with stack.client() as client:
+        response = await client.get(f"/v1/agents/sessions/{fake.session.id}/events", headers={"Last-Event-ID": "1"})
+    assert response.status_code == 200
+    got = frames(response.text)
+    assert [f["id"] for f in got] == ["2", "3", "4"]
+    assert [json.loads(f["data"])["event_id"] for f in got] == ["evt_2", "evt_3", "evt_4"]
+
+
 async def test_last_event_id_resumes_after_that_sequence(stack: Stack) -> None:
     fake = with_events(stack, 4)
     async with stack.client() as client:
@@ -145,6 +156,19 @@ async def test_streaming_creation_ends_after_the_idle_that_follows_the_initial_t
     ]
     forwarded = json.loads(stack.session.last("CreateSession").body_json)
     assert "stream" not in forwarded
+
+
+async def test_streaming_creation_ends_at_the_boundary_inside_a_batch(stack: Stack) -> None:
+    stack.session.creation_script = _initial_turn_script("turn_first")
+    stack.session.batch_events = True
+    stack.session.hold_stream = asyncio.Event()
+    body = {"environment": {"type": "none"}, "agent": {"model": "m"}, "input": "hi", "stream": True}
+    async with stack.client() as client:
+        response = await client.post("/v1/agents/sessions", json=body)
+    types = [f["event"] for f in frames(response.text)]
+    # The later turn's event shares the batch but lies past the boundary.
+    assert types[-2:] == ["agent.session.turn.completed", "agent.session.idle"]
+    assert "agent.session.in_progress" not in types[types.index("agent.session.turn.created") :]
 
 
 async def test_sdk_streaming_creation_yields_parsed_events_and_stops_when_the_server_closes(stack: Stack) -> None:

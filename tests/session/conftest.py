@@ -290,7 +290,7 @@ class Client:
             metadata=self.md,
         )
         async for m in call:
-            out.append((m.event.sequence, json.loads(m.event.event_json)))
+            out.extend((e.sequence, json.loads(e.event_json)) for e in m.batch.events)
         return out
 
     async def wait_for(
@@ -311,12 +311,11 @@ class Client:
             )
             try:
                 async for m in call:
-                    if m.WhichOneof("message") != "event":
-                        continue
-                    event = json.loads(m.event.event_json)
-                    seen.append((m.event.sequence, event))
-                    if predicate(event):
-                        return
+                    for e in m.batch.events:
+                        event = json.loads(e.event_json)
+                        seen.append((e.sequence, event))
+                        if predicate(event):
+                            return
             finally:
                 call.cancel()
 

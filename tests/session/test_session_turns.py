@@ -366,7 +366,7 @@ async def test_a_following_stream_sends_keepalives_when_idle(client: Any) -> Non
         if kinds.count("keepalive_ms") == 2:
             break
     call.cancel()
-    assert kinds[0] == "event" and kinds.count("keepalive_ms") == 2
+    assert kinds[0] == "batch" and kinds.count("keepalive_ms") == 2
 
 
 async def test_turns_are_listed_and_render_as_sdk_turns(client: Any) -> None:

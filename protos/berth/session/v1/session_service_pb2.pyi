@@ -642,27 +642,59 @@ class StreamSessionEventsResponse(_message.Message):
 
     EVENT_FIELD_NUMBER: _builtins.int
     KEEPALIVE_MS_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     keepalive_ms: _builtins.int
     """A keep-alive with the current time, Unix milliseconds."""
     @_builtins.property
     def event(self) -> _session_pb2.SessionEvent:
-        """A persisted event."""
+        """One persisted event (older services; the gateway accepts both)."""
+
+    @_builtins.property
+    def batch(self) -> Global___SessionEventBatch:
+        """Persisted events available together (e.g. committed in one
+        transaction), in sequence order; what the service sends.
+        """
 
     def __init__(
         self,
         *,
         event: _session_pb2.SessionEvent | None = ...,
         keepalive_ms: _builtins.int = ...,
+        batch: Global___SessionEventBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive_ms", b"keepalive_ms", "message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "event", b"event", "keepalive_ms", b"keepalive_ms", "message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "keepalive_ms", b"keepalive_ms", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "event", b"event", "keepalive_ms", b"keepalive_ms", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["event", "keepalive_ms"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["event", "keepalive_ms", "batch"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___StreamSessionEventsResponse: _TypeAlias = StreamSessionEventsResponse  # noqa: Y015
+
+@_typing.final
+class SessionEventBatch(_message.Message):
+    """Consecutive events of one session's log."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.SessionEvent]:
+        """The events, in sequence order."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[_session_pb2.SessionEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionEventBatch: _TypeAlias = SessionEventBatch  # noqa: Y015
 
 @_typing.final
 class ListTurnsRequest(_message.Message):
