@@ -1,6 +1,11 @@
 """Turn overhead, warm: a scripted one-command turn (``$ true``) from the
 POST of its input event to ``agent.session.turn.completed`` arriving on an
 SSE stream that is already open, on a session whose environment is ready.
+
+The HTTP client runs in a process of its own (``python -m bench.bench_turn
+--client``), as a user's client does: in the servers' process its parsing
+would be billed to the turn. The servers (sandbox, environment, session,
+gateway) share this process and its event loop, as in ``berth serve``.
 Baseline in the same run: a warm exec of ``true`` straight through the
 Environment service's ExecCommand RPC, i.e. the compute part of the turn
 without the turn machinery (session DB, harness loop, event log, SSE).
@@ -8,7 +13,10 @@ Target: p50 under 30 ms."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,56 +59,69 @@ class _EventReader:
                 return sequence
 
 
+async def _client(base_url: str, key: str, runs: int, warmup: int) -> dict[str, object]:
+    """The client side: creates the session, opens its event stream, runs
+    the turns; returns the samples (ms) and the IDs the baseline needs."""
+    headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as http:
+        created = await http.post(
+            "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}}
+        )
+        created.raise_for_status()
+        session_id = created.json()["id"]
+        environment_id = created.json()["environment"]["id"]
+        message = {
+            "events": [
+                {
+                    "type": "agent.session.input.message",
+                    "input": [{"role": "user", "content": [{"type": "input_text", "text": SCRIPT}]}],
+                }
+            ]
+        }
+        async with http.stream(
+            "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
+        ) as response:
+            response.raise_for_status()
+            events = _EventReader(response.aiter_lines())
+
+            async def turn() -> None:
+                sent = await http.post(f"/agents/sessions/{session_id}/events", json=message)
+                if sent.status_code != 202:
+                    raise RuntimeError(f"input refused: {sent.status_code} {sent.text}")
+                await events.until("agent.session.turn.completed")
+
+            # The first turn provisions the sandbox; the rest are warm. The
+            # idle after each turn is not timed: the next turn starts on an
+            # idle session.
+            for _ in range(warmup):
+                await turn()
+                await events.until("agent.session.idle")
+            samples: list[float] = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                await turn()
+                samples.append((time.perf_counter() - t0) * 1000)
+                await events.until("agent.session.idle")
+        statuses = (await http.get(f"/agents/sessions/{session_id}/turns", params={"limit": 100})).json()["data"]
+        if any(t["status"] != "completed" for t in statuses):
+            raise RuntimeError(f"a benchmark turn did not complete: {json.dumps(statuses[:3])}")
+    return {"samples": samples, "session_id": session_id, "environment_id": environment_id}
+
+
 async def run(tmp: Path) -> list[Result]:
     async with running_stack(tmp / "berth") as stack:
         record, _ = await create_key(stack.gateway.database, "bench", ["tasks:read"])
         org = (("x-berth-org", record.org_id),)
-        async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers, timeout=60) as http:
-            created = await http.post(
-                "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}}
-            )
-            created.raise_for_status()
-            session_id = created.json()["id"]
-            environment_id = created.json()["environment"]["id"]
-            message = {
-                "events": [
-                    {
-                        "type": "agent.session.input.message",
-                        "input": [{"role": "user", "content": [{"type": "input_text", "text": SCRIPT}]}],
-                    }
-                ]
-            }
-
-            async with http.stream(
-                "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
-            ) as response:
-                response.raise_for_status()
-                events = _EventReader(response.aiter_lines())
-
-                async def turn() -> None:
-                    sent = await http.post(f"/agents/sessions/{session_id}/events", json=message)
-                    if sent.status_code != 202:
-                        raise RuntimeError(f"input refused: {sent.status_code} {sent.text}")
-                    await events.until("agent.session.turn.completed")
-
-                async def settle() -> None:
-                    # Not timed: the idle that follows, so the next turn starts on an idle session.
-                    await events.until("agent.session.idle")
-
-                # The first turn provisions the sandbox; the rest are warm.
-                for _ in range(WARMUP):
-                    await turn()
-                    await settle()
-                samples: list[float] = []
-                for _ in range(RUNS):
-                    t0 = time.perf_counter()
-                    await turn()
-                    samples.append((time.perf_counter() - t0) * 1000)
-                    await settle()
-
-            statuses = (await http.get(f"/agents/sessions/{session_id}/turns", params={"limit": 100})).json()["data"]
-            if any(t["status"] != "completed" for t in statuses):
-                raise RuntimeError(f"a benchmark turn did not complete: {json.dumps(statuses[:3])}")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.bench_turn", "--client", stack.base_url, stack.key, str(RUNS), str(WARMUP),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"the benchmark client failed ({process.returncode})")
+        report = json.loads(out)
+        samples = [float(v) for v in report["samples"]]
+        session_id, environment_id = str(report["session_id"]), str(report["environment_id"])
 
         channel = grpc.aio.insecure_channel(stack.settings.environment_addr)
         stub = env_grpc.EnvironmentServiceStub(channel)
@@ -119,4 +140,20 @@ async def run(tmp: Path) -> list[Result]:
             base = await measure(direct_exec, runs=RUNS, warmup=WARMUP)
         finally:
             await channel.close()
-    return [summarize("turn `$ true`, POST -> turn.completed (warm)", samples, "Environment ExecCommand(true)", base, "p50 < 30 ms")]
+    return [
+        summarize(
+            "turn `$ true`, POST -> turn.completed (warm)", samples, "Environment ExecCommand(true)", base, "p50 < 30 ms"
+        )
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the benchmark's HTTP client (run by the benchmark itself)")
+    parser.add_argument("--client", nargs=4, metavar=("BASE_URL", "KEY", "RUNS", "WARMUP"), required=True)
+    args = parser.parse_args()
+    base_url, key, runs, warmup = args.client
+    print(json.dumps(asyncio.run(_client(base_url, key, int(runs), int(warmup)))))
+
+
+if __name__ == "__main__":
+    main()

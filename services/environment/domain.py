@@ -119,6 +119,12 @@ def _require_env_id(environment_id: str) -> None:
         raise NotFound(f"environment {environment_id} not found")
 
 
+def _require_binding(binding: BindingRow | None, org_id: str, environment_id: str, session_id: str) -> BindingRow:
+    if binding is None or binding.org_id != org_id:
+        raise NotFound(f"session {session_id} is not attached to environment {environment_id}")
+    return binding
+
+
 def _not_found(environment_id: str) -> NotFound:
     return NotFound(f"environment {environment_id} not found")
 
@@ -335,11 +341,20 @@ class EnvironmentDomain:
 
     async def get_binding(self, org_id: str, environment_id: str, session_id: str) -> BindingRow:
         _require_env_id(environment_id)
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             binding = await repo.get_binding(s, environment_id, session_id)
-        if binding is None or binding.org_id != org_id:
-            raise NotFound(f"session {session_id} is not attached to environment {environment_id}")
-        return binding
+        return _require_binding(binding, org_id, environment_id, session_id)
+
+    async def _binding_and_environment(
+        self, org_id: str, environment_id: str, session_id: str
+    ) -> tuple[BindingRow, EnvironmentRow | None]:
+        """The session's binding and the environment (without its
+        configuration), read together: the hot path of every command."""
+        _require_env_id(environment_id)
+        async with self._db.transaction(read_only=True) as s:
+            binding = await repo.get_binding(s, environment_id, session_id)
+            row = await repo.get_environment(s, environment_id, org_id) if binding is not None else None
+        return _require_binding(binding, org_id, environment_id, session_id), row
 
     async def detach_session(self, org_id: str, environment_id: str, session_id: str) -> bool:
         """Removes the binding; returns True when the private environment was
@@ -424,11 +439,14 @@ class EnvironmentDomain:
             raise InvalidArgument("timeout_ms must not be negative", param="timeout_ms")
         command_env = dict(env)
         binding = None
+        row: EnvironmentRow | None = None
         if session_id:
-            binding = await self.get_binding(org_id, environment_id, session_id)
+            binding, row = await self._binding_and_environment(org_id, environment_id, session_id)
             # Config variables were given to the sandbox at creation; these win over them.
             command_env.update(output_env(session_id, binding.output_dir))
-        row = await self._ready(org_id, environment_id, session_id)
+        if row is None or row.status != STATUS_READY:
+            # Not known to be ready: through the init guard (which may start setup).
+            row = await self._ready(org_id, environment_id, session_id)
         with _sandbox_errors(environment_id, session_id):
             if binding is not None:
                 await self._ensure_output_dir(row, binding)
@@ -485,8 +503,10 @@ class EnvironmentDomain:
     async def list_session_outputs(
         self, org_id: str, environment_id: str, session_id: str
     ) -> tuple[str, list[common_pb2.FileEntry]]:
-        binding = await self.get_binding(org_id, environment_id, session_id)
-        row = await self.get_environment(org_id, environment_id, with_config=False)
+        binding, found = await self._binding_and_environment(org_id, environment_id, session_id)
+        if found is None:
+            raise _not_found(environment_id)
+        row = found
         if row.status == STATUS_INITIALIZING:
             row = await self._guard.wait_settled(environment_id, org_id, timeout_s=self._settings.setup_timeout_s)
         if row.status != STATUS_READY:

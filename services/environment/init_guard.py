@@ -188,7 +188,7 @@ class InitGuard:
 
     async def _load(self, environment_id: str, org_id: str) -> EnvironmentRow:
         if has_prefix(environment_id, "env"):
-            async with self._db.transaction() as s:
+            async with self._db.transaction(read_only=True) as s:
                 row = await repo.get_environment(s, environment_id, org_id)
             if row is not None:
                 return row
