@@ -30,7 +30,7 @@ from berth.environment.v1 import environment_service_pb2 as env_pb
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from gateway.keys import create_key
 
-RUNS = 50
+RUNS = int(__import__("os").environ.get("BENCH_TURN_RUNS", "50"))
 WARMUP = 3
 SCRIPT = "$ true"
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -238,6 +238,10 @@ async def ensure_dev_key(db: Database, org_name: str) -> str | None:
         return plaintext
 
 
+# Built once: every request runs it, and building costs more than running.
+_KEY_BY_HASH = select(ApiKeyRow).where(ApiKeyRow.key_hash == bindparam("key_hash"))
+
+
 async def authenticate_key(db: Database, plaintext: str) -> AuthenticatedKey | None:
     """The key's org and scopes, or None for an unknown or revoked key. Looked
     up on every request, so a revocation takes effect immediately."""
@@ -246,7 +250,7 @@ async def authenticate_key(db: Database, plaintext: str) -> AuthenticatedKey | N
     digest = hash_key(plaintext)
     now = time.time()
     async with db.transaction(read_only=True) as s:
-        row = (await s.execute(select(ApiKeyRow).where(ApiKeyRow.key_hash == digest))).scalar_one_or_none()
+        row = (await s.execute(_KEY_BY_HASH, {"key_hash": digest})).scalar_one_or_none()
         if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
             return None
         key = AuthenticatedKey(key_id=row.id, org_id=row.org_id, scopes=frozenset(json.loads(row.scopes_json)))

@@ -8,10 +8,11 @@ SQLite and PostgreSQL.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Collection, Sequence
 from typing import Any, cast
 
-from sqlalchemy import delete, false, func, select, update
+from sqlalchemy import bindparam, delete, false, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -37,6 +38,7 @@ __all__ = [
     "get_environment_config",
     "list_environments",
     "count_environments_by_status",
+    "environment_orgs",
     "start_init",
     "renew_lease",
     "finish_init",
@@ -92,12 +94,19 @@ async def get_environment(
     session: AsyncSession, environment_id: str, org_id: str, *, with_config: bool = False
 ) -> EnvironmentRow | None:
     """The organization's environment, unless absent or being deleted."""
-    stmt = _select_environment(with_config).where(
-        EnvironmentRow.id == environment_id,
-        EnvironmentRow.org_id == org_id,
+    stmt = _get_environment(with_config)
+    found = await session.execute(stmt, {"environment_id": environment_id, "org_id": org_id})
+    return cast(EnvironmentRow | None, found.scalar_one_or_none())
+
+
+@functools.cache
+def _get_environment(with_config: bool) -> Any:
+    # Built once per shape: building a statement costs more than running it.
+    return _select_environment(with_config).where(
+        EnvironmentRow.id == bindparam("environment_id"),
+        EnvironmentRow.org_id == bindparam("org_id"),
         EnvironmentRow.deleting == false(),
     )
-    return cast(EnvironmentRow | None, (await session.execute(stmt)).scalar_one_or_none())
 
 
 async def get_environment_by_id(session: AsyncSession, environment_id: str) -> EnvironmentRow | None:
@@ -128,6 +137,15 @@ async def count_environments_by_status(session: AsyncSession) -> dict[str, int]:
         .group_by(EnvironmentRow.status)
     )
     return {str(status): int(count) for status, count in (await session.execute(stmt)).all()}
+
+
+async def environment_orgs(session: AsyncSession, environment_ids: Collection[str]) -> dict[str, str]:
+    """The organization of each of these environments that has a row, being
+    deleted or not (for the sandbox reconciler)."""
+    if not environment_ids:
+        return {}
+    stmt = select(EnvironmentRow.id, EnvironmentRow.org_id).where(EnvironmentRow.id.in_(list(environment_ids)))
+    return {str(env_id): str(org_id) for env_id, org_id in (await session.execute(stmt)).all()}
 
 
 async def start_init(
@@ -294,9 +312,14 @@ async def delete_environment_rows(session: AsyncSession, environment_id: str) ->
 # Bindings -------------------------------------------------------------------
 
 
+_GET_BINDING = select(BindingRow).where(
+    BindingRow.environment_id == bindparam("environment_id"), BindingRow.session_id == bindparam("session_id")
+)
+
+
 async def get_binding(session: AsyncSession, environment_id: str, session_id: str) -> BindingRow | None:
-    stmt = select(BindingRow).where(BindingRow.environment_id == environment_id, BindingRow.session_id == session_id)
-    return (await session.execute(stmt)).scalar_one_or_none()
+    found = await session.execute(_GET_BINDING, {"environment_id": environment_id, "session_id": session_id})
+    return found.scalar_one_or_none()
 
 
 async def list_bindings(session: AsyncSession, environment_id: str) -> Sequence[BindingRow]:

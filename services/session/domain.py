@@ -13,10 +13,10 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import Table, delete, exists, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
@@ -46,6 +46,9 @@ from services.session.store import Store, Unit
 __all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall", "parse_body"]
 
 log = get_logger(__name__)
+
+# Built once (see services/session/repository.py on prepared statements).
+_INSERT_TURN = insert(cast(Table, TurnRow.__table__))
 
 _NETWORK = {
     "enabled": common_pb2.NETWORK_ACCESS_ENABLED,
@@ -345,25 +348,27 @@ class SessionDomain:
         """Queues a turn; it runs after the active one (FIFO). Its user messages
         become items when it starts, so history stays in conversation order."""
         now = time.time()
-        turn = TurnRow(
-            id=new_id("turn"),
-            session_id=row.id,
-            org_id=row.org_id,
-            agent_id=row.agent_id,
-            status="queued",
-            created_at=now,
-            started_at=None,
-            completed_at=None,
-            error_code="",
-            error_message="",
-            usage_json="",
-            cancel_requested=False,
-            worker_id="",
-            lease_expires_at=0.0,
-            input_json=json.dumps(messages),
-            next_output_index=0,
-        )
-        u.session.add(turn)
+        values: dict[str, Any] = {
+            "id": new_id("turn"),
+            "session_id": row.id,
+            "org_id": row.org_id,
+            "agent_id": row.agent_id,
+            "status": "queued",
+            "created_at": now,
+            "started_at": None,
+            "completed_at": None,
+            "error_code": "",
+            "error_message": "",
+            "usage_json": "",
+            "cancel_requested": False,
+            "worker_id": "",
+            "lease_expires_at": 0.0,
+            "input_json": json.dumps(messages),
+            "next_output_index": 0,
+        }
+        # A Core insert: the ORM's unit of work costs more than the statement.
+        await u.session.execute(_INSERT_TURN, values)
+        turn = TurnRow(**values)
         await u.emit(row.id, wire.turn_event("agent.session.turn.created", views.turn_json(turn)), touch={"last_active_at": now})
         return turn.id
 

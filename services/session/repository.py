@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, case, delete, exists, select, update
+from sqlalchemy import Table, bindparam, case, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.errors import InvalidArgument, NotFound
@@ -42,6 +43,68 @@ Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
 # Core tables for the statements on a turn's path.
 _SESSIONS = cast(Table, SessionRow.__table__)
 _TURNS = cast(Table, TurnRow.__table__)
+
+# Statements on a turn's path are built once, with bound parameters:
+# building one (and computing its cache key) costs several times more CPU
+# than executing it on SQLite. Builders keyed by the shape of a statement
+# (which columns it sets, which statuses it expects) are memoized.
+_GET_SESSION = select(SessionRow).where(
+    SessionRow.id == bindparam("session_id"),
+    SessionRow.org_id == bindparam("org_id"),
+    SessionRow.status != "deleting",
+)
+_QUEUED_TURN = (
+    select(_TURNS)
+    .where(_TURNS.c.session_id == bindparam("session_id"), _TURNS.c.status == "queued")
+    .order_by(_TURNS.c.pk)
+    .limit(1)
+)
+_CLAIM_ACTIVE_TURN = (
+    update(_SESSIONS)
+    .where(
+        _SESSIONS.c.id == bindparam("session_id"), _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status != "deleting"
+    )
+    .values(
+        active_turn_id=bindparam("v_turn_id"),
+        status="in_progress",
+        last_active_at=bindparam("v_now"),
+        event_seq=_SESSIONS.c.event_seq + bindparam("v_events"),
+    )
+    .returning(*_SESSIONS.c)
+)
+
+
+def _set_params(values: dict[str, Any]) -> dict[str, Any]:
+    return {f"v_{k}": v for k, v in values.items()}
+
+
+@functools.cache
+def _update_turn(keys: tuple[str, ...], expected: tuple[str, ...], returning: bool) -> Any:
+    stmt = (
+        update(_TURNS)
+        .where(_TURNS.c.id == bindparam("turn_id"), _TURNS.c.status.in_(expected))
+        .values({k: bindparam(f"v_{k}") for k in keys})
+    )
+    return stmt.returning(*_TURNS.c) if returning else stmt
+
+
+@functools.cache
+def _release_active_turn(with_usage: bool) -> Any:
+    values: dict[str, Any] = {
+        "active_turn_id": None,
+        "status": case((_SESSIONS.c.error != "", "failed"), else_="idle"),
+        "last_active_at": bindparam("v_now"),
+        "event_seq": _SESSIONS.c.event_seq + bindparam("v_events"),
+    }
+    if with_usage:
+        values["usage_json"] = bindparam("v_usage_json")
+    queued = exists().where(_TURNS.c.session_id == bindparam("session_id"), _TURNS.c.status == "queued")
+    return (
+        update(_SESSIONS)
+        .where(_SESSIONS.c.id == bindparam("session_id"), _SESSIONS.c.active_turn_id == bindparam("turn_id"))
+        .values(**values)
+        .returning(*_SESSIONS.c, queued.label("queued"))
+    )
 
 
 @dataclass(frozen=True)
@@ -96,13 +159,7 @@ async def get_agent(s: AsyncSession, org_id: str, agent_id: str) -> AgentRow:
 
 
 async def get_session(s: AsyncSession, org_id: str, session_id: str) -> SessionRow:
-    row = (
-        await s.execute(
-            select(SessionRow).where(
-                SessionRow.id == session_id, SessionRow.org_id == org_id, SessionRow.status != "deleting"
-            )
-        )
-    ).scalar_one_or_none()
+    row = (await s.execute(_GET_SESSION, {"session_id": session_id, "org_id": org_id})).scalar_one_or_none()
     if row is None:
         raise NotFound(f"session {session_id} not found", param="session_id")
     return row
@@ -161,11 +218,7 @@ async def queued_turn(s: AsyncSession, session_id: str) -> TurnRow | None:
     functions below return, it is built from a Core statement's result and
     not tracked by the ORM session (the ORM's bookkeeping costs more CPU than
     these statements)."""
-    row = (
-        await s.execute(
-            select(_TURNS).where(_TURNS.c.session_id == session_id, _TURNS.c.status == "queued").order_by(_TURNS.c.pk).limit(1)
-        )
-    ).one_or_none()
+    row = (await s.execute(_QUEUED_TURN, {"session_id": session_id})).one_or_none()
     return TurnRow(**row._mapping) if row is not None else None
 
 
@@ -174,26 +227,22 @@ async def claim_active_turn(s: AsyncSession, session_id: str, turn_id: str, now:
     Returns the claimed session row (untracked), with ``events`` sequence
     numbers allocated up to its ``event_seq`` (for ``Unit.append``)."""
     result = await s.execute(
-        update(_SESSIONS)
-        .where(_SESSIONS.c.id == session_id, _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status != "deleting")
-        .values(active_turn_id=turn_id, status="in_progress", last_active_at=now, event_seq=_SESSIONS.c.event_seq + events)
-        .returning(*_SESSIONS.c)
+        _CLAIM_ACTIVE_TURN, {"session_id": session_id, "v_turn_id": turn_id, "v_now": now, "v_events": events}
     )
     row = result.one_or_none()
     return SessionRow(**row._mapping) if row is not None else None
 
 
 async def set_turn_status(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> bool:
-    result = await s.execute(update(_TURNS).where(_TURNS.c.id == turn_id, _TURNS.c.status.in_(expected)).values(**values))
+    stmt = _update_turn(tuple(values), tuple(expected), False)
+    result = await s.execute(stmt, {"turn_id": turn_id, **_set_params(values)})
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 async def transition_turn(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> TurnRow | None:
     """``set_turn_status`` that returns the updated turn (untracked)."""
-    result = await s.execute(
-        update(_TURNS).where(_TURNS.c.id == turn_id, _TURNS.c.status.in_(expected)).values(**values).returning(*_TURNS.c)
-    )
-    row = result.one_or_none()
+    stmt = _update_turn(tuple(values), tuple(expected), True)
+    row = (await s.execute(stmt, {"turn_id": turn_id, **_set_params(values)})).one_or_none()
     return TurnRow(**row._mapping) if row is not None else None
 
 
@@ -205,21 +254,10 @@ async def release_active_turn(
     sequence numbers up to the returned row's ``event_seq``. Returns the
     updated session (untracked) and whether another turn is queued; None when
     the turn did not hold the mutex."""
-    values: dict[str, Any] = {
-        "active_turn_id": None,
-        "status": case((_SESSIONS.c.error != "", "failed"), else_="idle"),
-        "last_active_at": now,
-        "event_seq": _SESSIONS.c.event_seq + events,
-    }
+    params: dict[str, Any] = {"session_id": session_id, "turn_id": turn_id, "v_now": now, "v_events": events}
     if usage_json is not None:
-        values["usage_json"] = usage_json
-    queued = exists().where(_TURNS.c.session_id == session_id, _TURNS.c.status == "queued")
-    result = await s.execute(
-        update(_SESSIONS)
-        .where(_SESSIONS.c.id == session_id, _SESSIONS.c.active_turn_id == turn_id)
-        .values(**values)
-        .returning(*_SESSIONS.c, queued.label("queued"))
-    )
+        params["v_usage_json"] = usage_json
+    result = await s.execute(_release_active_turn(usage_json is not None), params)
     row = result.one_or_none()
     if row is None:
         return None

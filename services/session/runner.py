@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import grpc
 import structlog
-from sqlalchemy import Table, insert, select, update
+from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
@@ -59,6 +59,9 @@ __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
 log = get_logger(__name__)
 
 _ITEMS = cast(Table, ItemRow.__table__)
+# Built once (see services/session/repository.py on prepared statements).
+_HISTORY = select(_ITEMS.c.id, _ITEMS.c.model_json).where(_ITEMS.c.session_id == bindparam("session_id")).order_by(_ITEMS.c.pk)
+_INSERT_ITEMS = insert(_ITEMS)
 
 
 @dataclass(frozen=True)
@@ -255,9 +258,7 @@ class TurnRunner:
         for key, value in started.items():
             setattr(turn, key, value)
         # Items are only added by the active turn, so this is the whole history.
-        history = await u.session.execute(
-            select(_ITEMS.c.id, _ITEMS.c.model_json).where(_ITEMS.c.session_id == session_id).order_by(_ITEMS.c.pk)
-        )
+        history = await u.session.execute(_HISTORY, {"session_id": session_id})
         transcript: list[tuple[str, list[Entry]]] = [(item_id, json.loads(model_json)) for item_id, model_json in history]
         # No turn is waiting for function results: there are no required actions.
         view = await views.session_view(u.session, row, environment, status="in_progress", actions=[])
@@ -293,7 +294,7 @@ class TurnRunner:
             transcript.append((item_id, entries))
             events.append({"type": "agent.session.turn.item.added", "session_id": session_id, "turn_id": turn.id, "item": item})
         if rows:
-            await u.session.execute(insert(_ITEMS), rows)
+            await u.session.execute(_INSERT_ITEMS, rows)
         u.append(session_id, row.event_seq, *events)
         return ClaimedTurn(
             org_id, session_id, turn.id, environment_id, environment, row.agent_config_json, transcript, row.usage_json

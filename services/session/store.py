@@ -18,6 +18,7 @@ other replicas find the rows by polling.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import deque
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, insert, update
+from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.db import Database
@@ -39,6 +40,26 @@ T = TypeVar("T")
 
 # Events are inserted with Core: the ORM's unit of work costs more than the statement.
 _EVENTS = cast(Table, EventRow.__table__)
+# Built once (see services/session/repository.py on prepared statements).
+_INSERT_EVENTS = insert(_EVENTS)
+
+
+@functools.cache
+def _emit_statement(touched: tuple[str, ...]) -> Any:
+    """``UPDATE sessions SET event_seq = event_seq + :n [, touched...]
+    RETURNING event_seq``. ORM-enabled, so a loaded session row in the
+    unit of work sees the new values."""
+    return (
+        update(SessionRow)
+        .where(SessionRow.id == bindparam("session_id"))
+        .values(
+            {
+                SessionRow.event_seq: SessionRow.event_seq + bindparam("v_count"),
+                **{getattr(SessionRow, k): bindparam(f"v_{k}") for k in touched},
+            }
+        )
+        .returning(SessionRow.event_seq)
+    )
 
 
 @dataclass(frozen=True)
@@ -153,11 +174,10 @@ class Unit:
         ``touch`` sets other columns of the session row in the same statement."""
         if not events:
             return []
+        touch = touch or {}
         result = await self.session.execute(
-            update(SessionRow)
-            .where(SessionRow.id == session_id)
-            .values({SessionRow.event_seq: SessionRow.event_seq + len(events), **(touch or {})})
-            .returning(SessionRow.event_seq)
+            _emit_statement(tuple(touch)),
+            {"session_id": session_id, "v_count": len(events), **{f"v_{k}": v for k, v in touch.items()}},
         )
         last = result.scalar_one_or_none()
         if last is None:
@@ -198,7 +218,7 @@ class Unit:
         """Inserts the appended events (one statement, whatever their number)."""
         if self.event_rows:
             rows, self.event_rows = self.event_rows, []
-            await self.session.execute(insert(_EVENTS), rows)
+            await self.session.execute(_INSERT_EVENTS, rows)
 
     def wake_key(self, key: str) -> None:
         self.wake.add(key)

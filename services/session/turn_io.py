@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import grpc
-from sqlalchemy import Table, insert, select, update
+from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
@@ -81,6 +82,19 @@ def function_output_text(result: FunctionResult) -> str:
 # CPU than the statements themselves.
 _ITEMS = cast(Table, ItemRow.__table__)
 _SESSIONS = cast(Table, SessionRow.__table__)
+# Built once (see services/session/repository.py on prepared statements).
+_INSERT_ITEMS = insert(_ITEMS)
+_APPEND = (
+    update(_SESSIONS)
+    .where(_SESSIONS.c.id == bindparam("session_id"))
+    .values(event_seq=_SESSIONS.c.event_seq + bindparam("v_count"))
+    .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
+)
+
+
+@functools.cache
+def _update_item(keys: tuple[str, ...]) -> Any:
+    return update(_ITEMS).where(_ITEMS.c.id == bindparam("item_id")).values({k: bindparam(f"v_{k}") for k in keys})
 
 
 @dataclass
@@ -167,12 +181,7 @@ class DbTurnIO:
         back from the counter row on the way."""
         if not events:
             return
-        result = await u.session.execute(
-            update(_SESSIONS)
-            .where(_SESSIONS.c.id == self.session_id)
-            .values(event_seq=_SESSIONS.c.event_seq + len(events))
-            .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
-        )
+        result = await u.session.execute(_APPEND, {"session_id": self.session_id, "v_count": len(events)})
         row = result.one_or_none()
         if row is None:
             raise NotFound(f"session {self.session_id} not found")
@@ -187,10 +196,12 @@ class DbTurnIO:
 
         async def write(u: Unit) -> None:
             if staged.items:
-                await u.session.execute(insert(_ITEMS), list(staged.items.values()))
+                await u.session.execute(_INSERT_ITEMS, list(staged.items.values()))
             u.session.add_all(staged.calls)
             for item_id, values in staged.item_updates.items():
-                await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == item_id).values(**values))
+                await u.session.execute(
+                    _update_item(tuple(values)), {"item_id": item_id, **{f"v_{k}": v for k, v in values.items()}}
+                )
             await self._append(u, staged.events)
             for item_id in staged.finished:
                 self.open_items.pop(item_id, None)
