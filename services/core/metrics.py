@@ -11,7 +11,9 @@ __all__ = [
     "HTTP_LATENCY",
     "ENVIRONMENTS",
     "SANDBOXES",
+    "SANDBOX_EGRESS",
     "INIT_DURATION",
+    "ORPHAN_SANDBOXES_REAPED",
     "start_metrics_server",
 ]
 
@@ -21,8 +23,16 @@ HTTP_REQUESTS = Counter("berth_http_requests_total", "HTTP requests served", ["m
 HTTP_LATENCY = Histogram("berth_http_latency_seconds", "HTTP request latency", ["method", "route"])
 ENVIRONMENTS = Gauge("berth_environments", "Environments by status", ["status"])
 SANDBOXES = Gauge("berth_sandboxes", "Sandboxes by state", ["state"])
+SANDBOX_EGRESS = Counter(
+    "berth_sandbox_egress_requests_total", "Egress proxy decisions for restricted sandboxes", ["decision", "reason"]
+)
 INIT_DURATION = Histogram(
     "berth_environment_init_seconds", "Environment setup duration", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+)
+ORPHAN_SANDBOXES_REAPED = Counter(
+    "berth_orphan_sandboxes_reaped_total",
+    "Sandboxes the Environment service destroyed because their environment no longer exists",
+    ["reason"],
 )
 
 

@@ -56,6 +56,14 @@ class Settings(BaseSettings):
         ),
     )
     docker_start_timeout_s: float = Field(default=30.0, gt=0, description="Bound on a sandbox container's daemon becoming ready.")
+    docker_pool_size: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "Started containers the docker backend keeps ready for sandboxes without network, so creating one "
+            "skips `docker create`; 0 disables the pool."
+        ),
+    )
     sandbox_extra_ro_mounts: dict[str, str] = Field(
         default_factory=dict,
         description="Host paths bind-mounted read-only into local sandboxes, as JSON {host_path: sandbox_path}.",
@@ -64,8 +72,28 @@ class Settings(BaseSettings):
     sandbox_http_proxy: str = ""
     sandbox_https_proxy: str = ""
     sandbox_no_proxy: str = ""
+    sandbox_egress_allow_private: bool = Field(
+        default=False,
+        description=(
+            "Let restricted sandboxes' egress proxy reach loopback, private and link-local addresses "
+            "(refused by default against SSRF, e.g. cloud metadata); for tests and trusted networks."
+        ),
+    )
 
     init_lease_s: float = Field(default=60.0, gt=0, description="Lease of an init-once operation; renewed while it runs.")
+    environment_reconcile_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        description=(
+            "Period of the Environment service's pass that destroys sandboxes whose environment no longer exists; "
+            "it also runs on start. 0 disables it (e.g. when several deployments share one Sandbox service)."
+        ),
+    )
+    environment_reconcile_grace_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Sandboxes younger than this (by the Sandbox service's clock) are never reaped.",
+    )
     setup_timeout_s: float = Field(default=900.0, gt=0)
     mcp_call_timeout_s: float = Field(
         default=600.0, gt=0, description="Bound on one MCP request (a tool call, a listing) from the harness to a server."

@@ -2,10 +2,11 @@
 over the Sandbox service.
 
 ``Compute`` is what the domain and the init guard depend on; ``SandboxClient``
-implements it with the generated stub. Failed calls surface as domain errors:
-an unreachable Sandbox service is ``SandboxUnavailable`` (the domain adds the
-environment and session IDs), anything else keeps the reason the Sandbox
-service gave it.
+implements it with the generated stub, and also ``SandboxInventory``, the
+cross-organization view the sandbox reconciler needs. Failed calls surface
+as domain errors: an unreachable Sandbox service is ``SandboxUnavailable``
+(the domain adds the environment and session IDs), anything else keeps the
+reason the Sandbox service gave it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2, sandbox_service_pb2_grpc
+from services.core.context import org_metadata
 from services.core.errors import BerthError, SandboxUnavailable, from_rpc_error
 
 __all__ = [
@@ -25,6 +27,9 @@ __all__ = [
     "SandboxSpec",
     "ExecEvent",
     "SandboxClient",
+    "SandboxInventory",
+    "EnvironmentSandbox",
+    "ENVIRONMENT_LABEL",
     "SANDBOX_IDEMPOTENT_METHODS",
 ]
 
@@ -35,8 +40,25 @@ _SERVICE = "berth.sandbox.v1.SandboxService"
 # Safe to retry on UNAVAILABLE: reads, and writes that are idempotent by ID
 # or replace a whole file.
 SANDBOX_IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = tuple(
-    (_SERVICE, m) for m in ("CreateSandbox", "GetSandbox", "ListFiles", "ReadFile", "WriteFile", "DestroySandbox", "ListMcpBrokers")
+    (_SERVICE, m)
+    for m in (
+        "CreateSandbox",
+        "GetSandbox",
+        "ListLabeledSandboxes",
+        "ListFiles",
+        "ReadFile",
+        "WriteFile",
+        "DestroySandbox",
+        "ListMcpBrokers",
+    )
 )
+
+# The label naming the environment a sandbox belongs to.
+ENVIRONMENT_LABEL = "berth.environment_id"
+# The cross-organization listing is not scoped by organization, yet every RPC
+# must name one; this one says in the Sandbox service's logs who is asking.
+_INVENTORY_ORG = "berth.environment-reconciler"
+_INVENTORY_PAGE_SIZE = 1000
 
 _SIZES: Mapping[str, int] = {
     "": sandbox_pb2.CONTAINER_SIZE_UNSPECIFIED,
@@ -103,6 +125,29 @@ class Compute(Protocol):
     async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool: ...
 
 
+@dataclass(frozen=True)
+class EnvironmentSandbox:
+    """A sandbox that carries an environment label, as the Sandbox service
+    lists it; ``created_at`` is by the Sandbox service's clock."""
+
+    sandbox_id: str
+    org_id: str
+    environment_id: str
+    created_at: float
+
+
+class SandboxInventory(Protocol):
+    """Every organization's environment sandboxes, for the reconciler."""
+
+    async def list_environment_sandboxes(self) -> list[EnvironmentSandbox]:
+        """Every sandbox that carries ``ENVIRONMENT_LABEL`` and is not destroyed."""
+        ...
+
+    async def destroy_org_sandbox(self, org_id: str, sandbox_id: str) -> None:
+        """Destroys one organization's sandbox; a sandbox that is gone already is fine."""
+        ...
+
+
 def _translate(exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
         return SandboxUnavailable(f"sandbox {sandbox_id} is unavailable: {exc.details() or 'unreachable'}")
@@ -110,7 +155,7 @@ def _translate(exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
 
 
 class SandboxClient:
-    """``Compute`` over the Sandbox service's gRPC API."""
+    """``Compute`` and ``SandboxInventory`` over the Sandbox service's gRPC API."""
 
     def __init__(self, channel: grpc.aio.Channel, *, create_timeout_s: float) -> None:
         self._stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
@@ -130,12 +175,44 @@ class SandboxClient:
             raise _translate(exc, spec.sandbox_id) from exc
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
+        await self._destroy(sandbox_id, metadata=None)
+
+    async def destroy_org_sandbox(self, org_id: str, sandbox_id: str) -> None:
+        await self._destroy(sandbox_id, metadata=org_metadata(org_id))
+
+    async def _destroy(self, sandbox_id: str, *, metadata: tuple[tuple[str, str], ...] | None) -> None:
         try:
-            await self._stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox_id))
+            await self._stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox_id), metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return
             raise _translate(exc, sandbox_id) from exc
+
+    async def list_environment_sandboxes(self) -> list[EnvironmentSandbox]:
+        found: list[EnvironmentSandbox] = []
+        token = ""
+        while True:
+            request = sandbox_service_pb2.ListLabeledSandboxesRequest(
+                label_key=ENVIRONMENT_LABEL, page_size=_INVENTORY_PAGE_SIZE, page_token=token
+            )
+            try:
+                response = await self._stub.ListLabeledSandboxes(request, metadata=org_metadata(_INVENTORY_ORG))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise SandboxUnavailable(f"the Sandbox service is unavailable: {exc.details() or 'unreachable'}") from exc
+                raise from_rpc_error(exc) from exc
+            found.extend(
+                EnvironmentSandbox(
+                    sandbox_id=s.sandbox_id,
+                    org_id=s.org_id,
+                    environment_id=s.label_value,
+                    created_at=s.create_time.ToNanoseconds() / 1e9,
+                )
+                for s in response.sandboxes
+            )
+            token = response.next_page_token
+            if not token:
+                return found
 
     async def exec(
         self,

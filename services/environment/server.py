@@ -15,10 +15,11 @@ from services.core.db import open_database
 from services.core.grpc_server import open_channel, start_grpc_server
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, Compute, SandboxClient
+from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, Compute, SandboxClient, SandboxInventory
 from services.environment.domain import EnvironmentDomain
 from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
+from services.environment.sandbox_reconciler import SandboxReconciler
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
@@ -35,18 +36,20 @@ def _instance_id() -> str:
 async def start_environment_service(
     settings: Settings, *, address: str | None = None, compute: Compute | None = None
 ) -> ServiceHandle:
-    """Opens the database, wires the guard and domain, and serves
-    ``berth.environment.v1.EnvironmentService``. ``compute`` replaces the
-    Sandbox service client (tests); by default it dials ``settings.sandbox_addr``."""
+    """Opens the database, wires the guard and domain, starts the sandbox
+    reconciler, and serves ``berth.environment.v1.EnvironmentService``.
+    ``compute`` replaces the Sandbox service client (tests), and then no
+    reconciler runs; by default it dials ``settings.sandbox_addr``."""
     db = await open_database(settings.database_url("environment"), "environment", _MIGRATIONS)
     closers: list[Callable[[], Awaitable[None]]] = [db.dispose]
     try:
+        inventory: SandboxInventory | None = None
         if compute is None:
             channel = open_channel(
                 settings.sandbox_addr, timeout_s=settings.rpc_timeout_s, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
             )
             closers.append(channel.close)
-            compute = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0))
+            compute = inventory = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0))
         file_store = FileStore(db, settings.data_dir / "blobs", max_bytes=settings.max_body_bytes)
         gauge = EnvironmentStatusGauge(db)
         gauge.start()
@@ -68,6 +71,15 @@ async def start_environment_service(
             return [environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name]
 
         running = await start_grpc_server(address or settings.environment_addr, register)
+        if inventory is not None and settings.environment_reconcile_interval_s > 0:
+            reconciler = SandboxReconciler(
+                db,
+                inventory,
+                interval_s=settings.environment_reconcile_interval_s,
+                grace_s=settings.environment_reconcile_grace_s,
+            )
+            reconciler.start()
+            closers.append(reconciler.close)
     except BaseException:
         for close in reversed(closers):
             await close()

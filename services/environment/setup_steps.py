@@ -29,7 +29,7 @@ from services.core.errors import BerthError, NotFound, SandboxUnavailable
 from services.core.ids import new_id
 from services.core.settings import Settings
 from services.environment import repository as repo
-from services.environment.compute import Compute, SandboxSpec
+from services.environment.compute import ENVIRONMENT_LABEL, Compute, SandboxSpec
 from services.environment.file_store import FileStore
 from services.environment.init_guard import SetupFailed, SetupFence, SetupUnavailable
 from services.environment.models import EnvironmentRow, RegisteredFileRow
@@ -148,7 +148,7 @@ class EnvironmentSetup:
         await fence.mark_sandbox_requested()
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
-            labels={"berth.environment_id": environment.id, "berth.org": environment.org_id},
+            labels={ENVIRONMENT_LABEL: environment.id, "berth.org": environment.org_id},
             network=config.network,
             env=sandbox_env(config, self._settings),
             container_size=config.container_size,

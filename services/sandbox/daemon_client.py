@@ -473,6 +473,20 @@ class DaemonClient:
         await self._request("shutdown")
         await self.close()
 
+    async def reload_env(self) -> int:
+        """Makes the daemon re-read its environment file for the commands it
+        starts from now on; returns how many extra variables it holds."""
+        frame = await self._request("env.reload")
+        return int(frame.get("variables", 0))
+
+    async def start_egress_relay(self, port: int, socket_path: str) -> int:
+        """Makes the daemon relay TCP connections to ``127.0.0.1:port`` in the
+        sandbox to the unix socket ``socket_path`` (the sandbox's egress
+        proxy); idempotent. Returns the port listened on (``port`` 0 picks
+        one)."""
+        frame = await self._request("egress.relay", {"port": port, "socket": socket_path})
+        return int(frame["port"])
+
     # ------------------------------------------------------------ exec
 
     async def exec(

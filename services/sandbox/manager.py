@@ -5,6 +5,10 @@ sandbox. Every operation marks the sandbox active and resumes it first if it
 is paused, so pausing is invisible to callers; an idle reaper pauses
 sandboxes with no operation in flight, no recent activity and no keepalive
 process.
+
+A ``restricted`` sandbox also gets its egress proxy (``egress.py``) from the
+manager: started with the sandbox and again on adoption after a restart
+(from the policy stored in its row), stopped when it is destroyed.
 """
 
 from __future__ import annotations
@@ -22,8 +26,16 @@ from services.core.db import Database
 from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
 from services.core.logging import get_logger
 from services.core.metrics import SANDBOXES
-from services.sandbox.backends.base import BackendHandle, SandboxBackend, SandboxSpec
+from services.sandbox.backends.base import (
+    EGRESS_PROXY_PORT,
+    EGRESS_SOCKET_IN_SANDBOX,
+    BackendHandle,
+    NetworkPolicy,
+    SandboxBackend,
+    SandboxSpec,
+)
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
+from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
 from services.sandbox.models import SandboxRow
 
 __all__ = ["SandboxManager", "SandboxRecord", "CreateParams", "SIZES"]
@@ -87,9 +99,19 @@ class _Live:
 
 
 class SandboxManager:
-    def __init__(self, db: Database, backend: SandboxBackend, *, backend_name: str, isolation: str, idle_pause_s: float) -> None:
+    def __init__(
+        self,
+        db: Database,
+        backend: SandboxBackend,
+        *,
+        backend_name: str,
+        isolation: str,
+        idle_pause_s: float,
+        egress: EgressProxies | None = None,
+    ) -> None:
         self._db = db
         self._backend = backend
+        self._egress = egress or EgressProxies(EgressOptions())
         self._backend_name = backend_name
         self._isolation = isolation
         self._idle_pause_s = idle_pause_s
@@ -102,6 +124,7 @@ class SandboxManager:
     async def start(self) -> None:
         """Reconnects to sandboxes that outlived a previous service process."""
         adopted = {h.sandbox_id: h for h in await self._backend.adopt()}
+        networks: list[tuple[str, BackendHandle, dict[str, object]]] = []
         async with self._db.transaction() as s:
             rows = (await s.execute(select(SandboxRow).where(SandboxRow.state.in_(("running", "paused", "creating"))))).scalars().all()
             for row in rows:
@@ -113,7 +136,14 @@ class SandboxManager:
                 live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
                 live.paused = row.state == "paused"
                 self._live[row.sandbox_id] = live
+                networks.append((row.sandbox_id, handle, json.loads(row.network_json)))
                 log.info("sandbox_adopted", sandbox_id=row.sandbox_id, state=row.state)
+        for sandbox_id, handle, network in networks:
+            # sandboxd kept its relay; only the proxy died with the old process.
+            try:
+                await self._start_egress(sandbox_id, handle, network, relay=None)
+            except Exception as exc:  # the sandbox stays usable, only offline
+                log.warning("sandbox_egress_failed", sandbox_id=sandbox_id, error=str(exc))
         if self._idle_pause_s > 0:
             self._reaper = asyncio.create_task(self._reap_idle(), name="sandbox-idle-reaper")
         await self._update_gauge()
@@ -127,6 +157,7 @@ class SandboxManager:
                 pass
         for live in self._live.values():
             await live.client.close()
+        await self._egress.close()
 
     # --- rows ---------------------------------------------------------------------------
 
@@ -163,9 +194,12 @@ class SandboxManager:
             raise InvalidArgument("sandbox_id must be 1-64 characters of [A-Za-z0-9_-]", param="sandbox_id")
         lock = self._create_locks.setdefault(params.sandbox_id, asyncio.Lock())
         async with lock:
+            network: dict[str, object] = dict(params.network)
             async with self._db.transaction() as s:
                 row = await s.get(SandboxRow, params.sandbox_id)
                 if row is not None:
+                    # A retried create enforces the policy the row reports.
+                    network = json.loads(row.network_json)
                     if row.org_id != org_id:
                         raise Conflict(f"sandbox {params.sandbox_id} already exists")
                     if row.state in ("running", "paused") and params.sandbox_id in self._live:
@@ -190,11 +224,13 @@ class SandboxManager:
                         last_active_at=now,
                     )
                     s.add(row)
-            access = str(params.network.get("access") or "enabled")
+            egress = _egress_policy(network)
             cpu_millis, memory_mib = SIZES.get(params.size, SIZES[0])
             spec = SandboxSpec(
                 sandbox_id=params.sandbox_id,
-                network="disabled" if access == "disabled" else ("restricted" if access == "restricted" else "enabled"),
+                network=_network_policy(network),
+                allowed_domains=egress.allowed_domains,
+                blocked_domains=egress.blocked_domains,
                 env=dict(params.env),
                 labels={**dict(params.labels), "berth.sandbox_id": params.sandbox_id, "berth.org": org_id},
                 cpu_millis=cpu_millis,
@@ -206,13 +242,41 @@ class SandboxManager:
                 log.warning("sandbox_create_failed", sandbox_id=params.sandbox_id, error=str(exc))
                 await self._set_state(params.sandbox_id, "error", error=str(exc))
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
-            self._live[params.sandbox_id] = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=org_id)
+            client = DaemonClient(self._backend.socket_path(handle))
+            try:
+                await self._start_egress(params.sandbox_id, handle, network, relay=client)
+            except Exception as exc:
+                # Still without network, but a restricted sandbox that cannot
+                # reach its allowed domains is not what was asked for.
+                await client.close()
+                await self._egress.stop(params.sandbox_id)
+                log.warning("sandbox_egress_failed", sandbox_id=params.sandbox_id, error=str(exc))
+                await self._set_state(params.sandbox_id, "error", error=f"egress proxy: {exc}", handle=handle)
+                raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not start its egress proxy: {exc}") from exc
+            self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id)
             await self._set_state(params.sandbox_id, "running", handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)
 
     async def get(self, org_id: str, sandbox_id: str) -> SandboxRecord:
         return await self._row(org_id, sandbox_id)
+
+    async def list_labeled(self, label_key: str, page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
+        """Sandboxes of every organization that carry ``label_key`` and are
+        not destroyed, by ID: the input of the reconciler of whoever owns the
+        identities behind that label."""
+        if not label_key:
+            raise InvalidArgument("label_key is required", param="label_key")
+        size = page_size if 0 < page_size <= 1000 else 100
+        async with self._db.transaction(read_only=True) as s:
+            q = select(SandboxRow).where(SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
+            if page_token:
+                q = q.where(SandboxRow.sandbox_id > page_token)
+            rows = (await s.execute(q)).scalars().all()
+        records = [r for r in (SandboxRecord.from_row(row) for row in rows) if label_key in r.labels]
+        page = records[:size]
+        token = page[-1].sandbox_id if len(records) > size else ""
+        return page, token
 
     async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
         size = page_size if 0 < page_size <= 1000 else 100
@@ -252,6 +316,7 @@ class SandboxManager:
             if row.state == "destroyed":
                 return
             handle_json = row.handle_json
+        await self._egress.stop(sandbox_id)
         live = self._live.pop(sandbox_id, None)
         if live is not None:
             await live.client.close()
@@ -269,6 +334,22 @@ class SandboxManager:
                     raise SandboxUnavailable(f"sandbox {sandbox_id} could not be destroyed: {exc}") from exc
         await self._set_state(sandbox_id, "destroyed")
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
+
+    async def _start_egress(
+        self, sandbox_id: str, handle: BackendHandle, network: Mapping[str, object], *, relay: DaemonClient | None
+    ) -> None:
+        """Serves the egress proxy of a restricted sandbox and, given the
+        daemon's client, starts the daemon's relay to it."""
+        if _network_policy(network) != "restricted":
+            return
+        socket_path = self._backend.egress_socket_path(handle)
+        if socket_path is None:
+            # Unconfined (isolation none), or started before restricted was enforced.
+            log.warning("sandbox_egress_not_enforced", sandbox_id=sandbox_id)
+            return
+        await self._egress.start(sandbox_id, socket_path, _egress_policy(network))
+        if relay is not None:
+            await relay.start_egress_relay(EGRESS_PROXY_PORT, EGRESS_SOCKET_IN_SANDBOX)
 
     # --- operations ---------------------------------------------------------------------
 
@@ -334,6 +415,18 @@ class SandboxManager:
                     log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
                 except Exception as exc:  # one broken sandbox must not stop the reaper
                     log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))
+
+
+def _network_policy(network: Mapping[str, object]) -> NetworkPolicy:
+    access = str(network.get("access") or "enabled")
+    return "disabled" if access == "disabled" else ("restricted" if access == "restricted" else "enabled")
+
+
+def _egress_policy(network: Mapping[str, object]) -> EgressPolicy:
+    def strings(value: object) -> list[str]:
+        return [str(v) for v in value] if isinstance(value, list | tuple) else []
+
+    return EgressPolicy(strings(network.get("allowed_domains")), strings(network.get("blocked_domains")))
 
 
 def _stored_handle(handle_json: str) -> BackendHandle | None:

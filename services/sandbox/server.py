@@ -13,6 +13,7 @@ from services.core.logging import get_logger
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.sandbox.backends.base import SandboxBackend, proxy_env
+from services.sandbox.egress import EgressOptions, EgressProxies
 from services.sandbox.manager import SandboxManager
 from services.sandbox.servicer import SandboxServicer
 
@@ -50,12 +51,21 @@ def _proxy_env(settings: Settings) -> dict[str, str]:
 async def start_sandbox_service(settings: Settings, *, address: str | None = None) -> ServiceHandle:
     backend, name, isolation = build_backend(settings)
     db = await open_database(settings.database_url("sandbox"), "sandbox", _MIGRATIONS)
-    manager = SandboxManager(db, backend, backend_name=name, isolation=isolation, idle_pause_s=settings.sandbox_idle_pause_s)
+    manager = SandboxManager(
+        db,
+        backend,
+        backend_name=name,
+        isolation=isolation,
+        idle_pause_s=settings.sandbox_idle_pause_s,
+        egress=EgressProxies(EgressOptions.from_settings(settings)),
+    )
     await manager.start()
+    # After adopt, which removes what an earlier process's pool left behind.
+    await backend.start()
 
     def register(server: grpc.aio.Server) -> list[str]:
         sandbox_service_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(manager), server)
         return [sandbox_service_pb2.DESCRIPTOR.services_by_name["SandboxService"].full_name]
 
     running = await start_grpc_server(address or settings.sandbox_addr, register)
-    return ServiceHandle(name="sandbox", grpc=running, closers=[db.dispose, manager.close])
+    return ServiceHandle(name="sandbox", grpc=running, closers=[db.dispose, backend.close, manager.close])

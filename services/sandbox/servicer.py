@@ -81,6 +81,16 @@ def _sandbox(rec: SandboxRecord) -> sandbox_pb2.Sandbox:
     )
 
 
+def _labeled(rec: SandboxRecord, label_key: str) -> sandbox_pb2.LabeledSandbox:
+    return sandbox_pb2.LabeledSandbox(
+        sandbox_id=rec.sandbox_id,
+        org_id=rec.org_id,
+        label_value=rec.labels.get(label_key, ""),
+        state=_STATES.get(rec.state, sandbox_pb2.SANDBOX_STATE_UNSPECIFIED),
+        create_time=_ts(rec.created_at),
+    )
+
+
 def _entry(e: FileEntry) -> common_pb2.FileEntry:
     return common_pb2.FileEntry(
         path=e.path, type=_FILE_TYPES.get(e.type, common_pb2.FILE_TYPE_UNSPECIFIED), size_bytes=e.size, mode=e.mode, mtime=e.mtime
@@ -182,6 +192,14 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
     async def ListSandboxes(self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext) -> pb.ListSandboxesResponse:
         records, token = await self._m.list(current_org(), dict(request.label_selector), request.page_size, request.page_token)
         return pb.ListSandboxesResponse(sandboxes=[_sandbox(r) for r in records], next_page_token=token)
+
+    async def ListLabeledSandboxes(
+        self, request: pb.ListLabeledSandboxesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLabeledSandboxesResponse:
+        records, token = await self._m.list_labeled(request.label_key, request.page_size, request.page_token)
+        return pb.ListLabeledSandboxesResponse(
+            sandboxes=[_labeled(r, request.label_key) for r in records], next_page_token=token
+        )
 
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecResponse]:
         argv, shell = _command(list(request.argv), request.shell)

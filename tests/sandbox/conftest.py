@@ -2,40 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from sandbox_support import Sandbox, SandboxFactory, WaitFor, wait_until
 
-from services.sandbox.backends.base import BackendHandle, NetworkPolicy, SandboxSpec
+from services.sandbox.backends.base import NetworkPolicy, SandboxSpec
 from services.sandbox.backends.local import Isolation, LocalBackend
 from services.sandbox.daemon_client import DaemonClient
-
-WaitFor = Callable[..., Awaitable[None]]
-
-
-async def _wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, message: str = "") -> None:
-    """Polls ``predicate`` until it holds, failing the test after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() >= deadline:
-            pytest.fail(f"condition not met within {timeout}s: {message or predicate}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
 def wait_for() -> WaitFor:
-    return _wait_for
+    return wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -44,24 +26,6 @@ def _require_bwrap() -> None:
         if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
             pytest.fail("bubblewrap is required (BERTH_REQUIRE_BWRAP=1) but bwrap is not installed")
         pytest.skip("bubblewrap (bwrap) is not installed")
-
-
-@dataclass
-class Sandbox:
-    backend: LocalBackend
-    handle: BackendHandle
-    client: DaemonClient
-
-    @property
-    def workspace(self) -> Path:
-        return Path(str(self.handle.private["workspace_dir"]))
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(str(self.handle.private["run_dir"]))
-
-
-SandboxFactory = Callable[..., Awaitable[Sandbox]]
 
 
 @pytest.fixture

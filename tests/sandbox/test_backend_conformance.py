@@ -71,9 +71,22 @@ class Harness:
     new_backend: Callable[[], SandboxBackend]
     host_address: Callable[[BackendHandle], str]
     created: list[tuple[SandboxBackend, BackendHandle]] = field(default_factory=list)
+    started: list[SandboxBackend] = field(default_factory=list)
+
+    async def backend(self) -> SandboxBackend:
+        """The module's started backend. The docker one keeps its default
+        warm pool, filled before the first sandbox, so sandboxes without
+        network are claimed pool containers whenever one is ready."""
+        if not self.started:
+            backend = self.new_backend()
+            await backend.start()
+            self.started.append(backend)
+            if isinstance(backend, DockerBackend):
+                await wait_for(lambda: backend.warm_count() == backend.pool_size, timeout=180, message="warm pool filled")
+        return self.started[0]
 
     async def make(self, sandbox_id: str, network: NetworkPolicy = "disabled", backend: SandboxBackend | None = None) -> Sandbox:
-        backend = backend or self.new_backend()
+        backend = backend or await self.backend()
         handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, network=network, cpu_millis=1000, memory_mib=512))
         self.created.append((backend, handle))
         client = DaemonClient(backend.socket_path(handle))
@@ -86,8 +99,8 @@ class Harness:
             await sandbox.backend.destroy(sandbox.handle)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Harness:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=BACKENDS)
+async def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Harness]:
     kind: str = request.param
     data_dir = tmp_path_factory.mktemp(f"{kind}-data")
     if kind == "local":
@@ -95,11 +108,15 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
                 pytest.fail("bubblewrap is required (BERTH_REQUIRE_BWRAP=1) but bwrap is not installed")
             pytest.skip("bubblewrap (bwrap) is not installed")
-        return Harness(kind, data_dir, lambda: LocalBackend(data_dir, "bwrap"), lambda handle: "127.0.0.1")
-    engine = request.getfixturevalue("docker_engine")
-    image = request.getfixturevalue("docker_test_image")
-    settings = Settings(data_dir=data_dir, docker_image=image)
-    return Harness(kind, data_dir, lambda: DockerBackend(settings), lambda handle: sandbox_host_address(engine, handle))
+        harness = Harness(kind, data_dir, lambda: LocalBackend(data_dir, "bwrap"), lambda handle: "127.0.0.1")
+    else:
+        engine = request.getfixturevalue("docker_engine")
+        image = request.getfixturevalue("docker_test_image")
+        settings = Settings(data_dir=data_dir, docker_image=image)
+        harness = Harness(kind, data_dir, lambda: DockerBackend(settings), lambda handle: sandbox_host_address(engine, handle))
+    yield harness
+    for backend in harness.started:
+        await backend.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -5,9 +5,11 @@ Layout of one sandbox on the host (``<data_dir>`` resolved to an absolute path):
     <data_dir>/sandboxes/<sandbox_id>/
         workspace/        bind-mounted read-write at /workspace
         run/              bind-mounted at /run/berth: sandboxd.sock, env.json, state/
+        pool-claim.json   only for a sandbox made of a warm pool container (see below)
     <data_dir>/docker/
         sandboxd-<hash>.py          bind-mounted read-only at /opt/berth/sandboxd.py
         ca-bundle-<hash>.crt        bind-mounted read-only at /opt/berth/ca-certificates.crt
+        pool/<slot>/                a warm pool container's workspace/ and run/
 
 The workspace is a host directory rather than a named volume: the service
 reads it while a sandbox is frozen, it survives the container (and the
@@ -26,14 +28,17 @@ Each container carries the labels ``berth.managed=1``,
 ``berth.network`` and the spec's labels (``berth.org``,
 ``berth.environment_id``). Its name is ``berth-<installation>-<sandbox_id>``,
 so several installations (and test runs) share one engine without clashing.
+A claimed warm pool container differs (see "Warm pool").
 
 Reconciliation (``adopt``): containers of this installation that are running
 or paused are adopted. A container whose sandbox directory is gone is an
-orphan and is removed. An exited container with its directory in place is
+orphan and is removed. Pool containers no sandbox claimed, and their slot
+directories, are removed too. An exited container with its directory in place is
 left for inspection (``docker logs``); ``create`` of the same ID replaces it
 and reuses the workspace, ``destroy`` removes it. Reaping sandboxes whose
-environment no longer exists is the Environment service's decision and is
-not done here.
+environment no longer exists is the Environment service's decision: its
+reconciler (``services/environment/sandbox_reconciler.py``) lists them with
+ListLabeledSandboxes and destroys them through DestroySandbox.
 
 Network policy:
 
@@ -47,9 +52,14 @@ Network policy:
   runs with ``--iptables=false`` (then ``BERTH_SANDBOX_NAT=1
   deploy/ci/setup-docker.sh`` adds the masquerade rule). ``host`` shares the host's network stack,
   including services bound to its loopback, and so is opt-in only.
-* ``restricted``: no egress allowlist is enforced yet (that needs a filtering
-  proxy), so it fails closed to ``disabled`` with a warning, as the ``local``
-  backend does; the handle and the ``berth.network`` label record it.
+* ``restricted``: ``network_mode=none`` as well, so no connection leaves
+  the container directly. The Sandbox service serves the sandbox's egress
+  proxy (``services/sandbox/egress.py``) on ``run/egress.sock``, which the
+  ``run/`` mount already puts at ``/run/berth/egress.sock``; sandboxd relays
+  ``127.0.0.1:3128`` to it and the commands' ``HTTP(S)_PROXY`` variables
+  point there (``base.egress_env``, replacing the host proxy's, which the
+  egress proxy chains through instead). The ``berth.network`` label and the
+  handle record ``restricted``.
 
 Containers run the image's user (root in the Berth images) with Docker's
 default capabilities minus NET_RAW, MKNOD, AUDIT_WRITE and SETFCAP, and
@@ -60,6 +70,46 @@ Pause and resume are ``docker pause``/``unpause`` (the cgroup freezer).
 CPU and memory limits come from the spec (CPU clamped to the engine's CPU
 count, which the engine requires); swap is not granted beyond the memory
 limit and a PID limit stops fork bombs.
+
+Warm pool
+---------
+On the vfs storage driver ``docker create`` alone copies the image (1-2 s),
+so the backend keeps ``settings.docker_pool_size`` containers started ahead
+for sandboxes whose network is ``disabled``: a container's network mode is
+fixed when it is created, and everything else can be applied later. Other
+policies, and a sandbox ID whose directory exists (its workspace is
+reused), get a fresh container. ``start()`` begins filling the pool and
+every ``create`` of a new sandbox without network tops it up, one
+container at a time in a background task. The pool stays off when ``docker/pool/`` and
+``sandboxes/`` are on different filesystems, because a claim's rename
+cannot cross them. A pool container is started by the same code as a sandbox's,
+without env, labels or limits, in ``<data_dir>/docker/pool/<slot>/``, named
+``berth-<installation>.pool-<slot>`` (``.`` never occurs in a sandbox ID)
+and labelled ``berth.pool=<slot>`` instead of ``berth.sandbox_id``.
+
+``create`` claims the oldest ready one (taken without an await, so two
+creates never share one): the slot directory is renamed to the sandbox's
+(a bind mount holds the directory, not its path, so the running container
+keeps its workspace and socket; ``docker inspect`` keeps showing the slot
+path, which matters only to a ``docker start`` of an exited container,
+which Berth never does), ``pool-claim.json`` records the sandbox ID, its
+labels and network, then at once the container is renamed to
+``berth-<installation>-<sandbox_id>``, gets the spec's limits with
+``docker update`` (a CFS quota over a 100 ms period, which is what NanoCpus
+becomes) and sandboxd re-reads ``env.json``, rewritten with the spec's
+variables (``env.reload``). Its answer also proves the container alive; a
+pool container that fails any step, or mounts an outdated sandboxd or CA
+bundle, is removed and the next one (or a fresh container) is used. The
+user sees no difference from a fresh container: the same env, limits,
+empty ``/workspace``, hostname, mounts and network.
+
+Labels cannot change, so a claimed container keeps ``berth.pool`` and lacks
+the sandbox's labels: its handle takes them from ``pool-claim.json`` (kept
+in the sandbox directory, outside the container's mounts, so the sandbox
+cannot rewrite it), and ``adopt`` takes a pool container as a sandbox only
+when its name and that record agree. ``close()`` removes the unclaimed pool
+containers (after a fill in progress ends); whatever a crash leaves, the
+next ``adopt`` removes, so exactly one service process should use a data dir.
 """
 
 from __future__ import annotations
@@ -70,8 +120,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,9 +143,11 @@ from services.sandbox.backends.base import (
     SandboxGone,
     SandboxSpec,
     SandboxStartError,
+    egress_env,
     proxy_env,
 )
-from services.sandbox.daemon_client import probe
+from services.sandbox.backends._warm_pool import WarmPool
+from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
 
 __all__ = ["DockerBackend", "AUTO_NETWORK", "installation_id"]
 
@@ -112,12 +165,21 @@ _RUN_IN_SANDBOX = "/run/berth"
 _CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "GIT_SSL_CAINFO")
 _LIVE_STATES = ("running", "paused")
 _PIDS_LIMIT = 4096
+_CFS_PERIOD_US = 100_000
 _POLL_S = 0.01
 _INSPECT_S = 0.25
 _MANAGED = "berth.managed"
 _INSTALLATION = "berth.installation"
 _SANDBOX_LABEL = "berth.sandbox_id"
 _NETWORK_LABEL = "berth.network"
+_POOL_LABEL = "berth.pool"
+# Labels every container of the installation carries, not the sandbox's own.
+_INTERNAL_LABELS = (_MANAGED, _INSTALLATION, _NETWORK_LABEL, _POOL_LABEL, "berth.data_dir")
+_CLAIM_FILE = "pool-claim.json"
+# Only what can be decided before the sandbox is known is pooled.
+_POOLED_NETWORKS: tuple[NetworkPolicy, ...] = ("disabled",)
+# A claim that fails here discards the pool container and tries the next one.
+_CLAIM_ERRORS = (BackendError, DaemonError, DaemonUnavailable, OSError, ValueError, docker.errors.DockerException)
 
 _T = TypeVar("_T")
 
@@ -136,6 +198,58 @@ class _Paths:
     @property
     def socket(self) -> Path:
         return self.run / "sandboxd.sock"
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """What made a pool container a sandbox. Docker labels cannot change, so
+    this is kept in the sandbox's directory, outside the container's mounts
+    (its processes cannot rewrite it)."""
+
+    sandbox_id: str
+    container_id: str
+    labels: dict[str, str]
+    network: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"sandbox_id": self.sandbox_id, "container_id": self.container_id, "labels": self.labels, "network": self.network}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> _Claim:
+        raw = json.loads(text)
+        labels = raw["labels"]
+        if not isinstance(labels, dict):
+            raise ValueError("labels is not an object")
+        return cls(
+            sandbox_id=str(raw["sandbox_id"]),
+            container_id=str(raw["container_id"]),
+            labels={str(k): str(v) for k, v in labels.items()},
+            network=str(raw["network"]),
+        )
+
+
+@dataclass(frozen=True)
+class _PoolEntry:
+    """A started pool container whose sandboxd answers, in its slot directory."""
+
+    slot: str
+    container: Container
+
+
+def _mount_sources(container: Container) -> dict[str, str]:
+    """Bind mount target -> host source, as the container was created."""
+    mounts = container.attrs.get("HostConfig", {}).get("Mounts") or []
+    return {str(m.get("Target")): str(m.get("Source")) for m in mounts}
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replaces ``path`` at once (a reader never sees half a file), mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o600)
+    tmp.replace(path)
 
 
 def _proxy_env(settings: Settings) -> dict[str, str]:
@@ -159,7 +273,8 @@ def _copy_by_content(source: Path, target_dir: Path, stem: str, suffix: str, cop
     target = target_dir / f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
     if not target.exists():
         target_dir.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        # Unique per call: threads of one process may copy the same file at once.
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         tmp.write_bytes(data)
         tmp.chmod(0o444)
         tmp.replace(target)
@@ -187,6 +302,11 @@ class DockerBackend(SandboxBackend):
         self._engine_cpus: int | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._copies: dict[_CopyKey, Path] = {}
+        self._pool: WarmPool[NetworkPolicy, _PoolEntry] = WarmPool(
+            settings.docker_pool_size, self._make_pool_container, self._discard_pool_container, name="docker-pool"
+        )
+        # Slots this instance's pool made and has not handed out; adopt keeps them.
+        self._pool_slots: set[str] = set()
 
     # ------------------------------------------------------------ public interface
 
@@ -199,12 +319,18 @@ class DockerBackend(SandboxBackend):
         async with self._lock(spec.sandbox_id):
             existing = await self._find(spec.sandbox_id)
             if existing is not None:
-                if existing.status in _LIVE_STATES:
-                    return self._handle_for(existing)
-                # An exited container cannot be restarted into a known state;
-                # a fresh one takes over its workspace.
+                pooled = _POOL_LABEL in existing.labels
+                claim = self._claim_of(existing) if pooled else None
+                if existing.status in _LIVE_STATES and (claim is not None or not pooled):
+                    return self._handle_for(existing, claim)
+                # An exited container (or a pool container whose claim never
+                # finished) cannot be brought into a known state; a fresh one
+                # takes over its workspace.
                 await self._remove_container(existing)
-            return await self._start(spec)
+                if pooled:
+                    (self._paths(spec.sandbox_id).home / _CLAIM_FILE).unlink(missing_ok=True)
+            handle = await self._create_from_pool(spec)
+            return handle if handle is not None else await self._start(spec)
 
     async def pause(self, handle: BackendHandle) -> None:
         async with self._lock(handle.sandbox_id):
@@ -237,7 +363,21 @@ class DockerBackend(SandboxBackend):
         containers: list[Container] = await self._call(lambda: client.containers.list(all=True, filters=filters))
         handles: list[BackendHandle] = []
         for container in containers:
-            sandbox_id = container.labels.get(_SANDBOX_LABEL, "")
+            claim: _Claim | None = None
+            slot = container.labels.get(_POOL_LABEL)
+            if slot is not None:
+                if slot in self._pool_slots:
+                    continue  # this instance's own warm pool
+                claim = self._claim_of(container)
+                if claim is None:
+                    # Warm but never (or not completely) claimed: nothing of a
+                    # sandbox is lost with it. Its slot directory goes below.
+                    log.info("pool_container_removed", container=container.name)
+                    await self._remove_container(container)
+                    continue
+                sandbox_id = claim.sandbox_id
+            else:
+                sandbox_id = container.labels.get(_SANDBOX_LABEL, "")
             if not _SANDBOX_ID.match(sandbox_id):
                 continue
             if not self._paths(sandbox_id).home.is_dir():
@@ -245,7 +385,8 @@ class DockerBackend(SandboxBackend):
                 await self._remove_container(container)
                 continue
             if container.status in _LIVE_STATES:
-                handles.append(self._handle_for(container))
+                handles.append(self._handle_for(container, claim))
+        await self._remove_stale_slots()
         return sorted(handles, key=lambda h: h.sandbox_id)
 
     async def is_alive(self, handle: BackendHandle) -> bool:
@@ -262,6 +403,38 @@ class DockerBackend(SandboxBackend):
             socket_path=str(paths.socket),
             private={"container_name": self._container_name(sandbox_id), "home": str(paths.home)},
         )
+
+    async def start(self) -> None:
+        """Starts filling the warm pool (``docker_pool_size`` per pooled network policy)."""
+        if self._pool.size == 0:
+            return
+        sandboxes, pool = self._data_dir / "sandboxes", self._data_dir / "docker" / "pool"
+
+        def same_filesystem() -> bool:
+            sandboxes.mkdir(parents=True, exist_ok=True)
+            pool.mkdir(parents=True, exist_ok=True)
+            return sandboxes.stat().st_dev == pool.stat().st_dev
+
+        # A claim renames a slot directory into sandboxes/, which cannot
+        # cross filesystems: every claim would fail and cost a refill.
+        if not await asyncio.to_thread(same_filesystem):
+            log.warning("docker_pool_disabled", reason=f"{sandboxes} and {pool} are on different filesystems")
+            return
+        self._pool.start(list(_POOLED_NETWORKS))
+
+    async def close(self) -> None:
+        """Removes the warm pool's unclaimed containers and slot directories
+        (after letting a fill in progress finish); sandboxes keep running."""
+        await self._pool.close()
+
+    @property
+    def pool_size(self) -> int:
+        """Pool containers kept ready per pooled network policy."""
+        return self._pool.size
+
+    def warm_count(self, network: NetworkPolicy = "disabled") -> int:
+        """Pool containers ready to be claimed by a sandbox with ``network``."""
+        return self._pool.ready(network)
 
     # ------------------------------------------------------------ engine access
 
@@ -349,28 +522,62 @@ class DockerBackend(SandboxBackend):
     def _container_name(self, sandbox_id: str) -> str:
         return f"berth-{self._installation}-{sandbox_id}"
 
-    def _handle_for(self, container: Container) -> BackendHandle:
-        labels = container.labels
-        sandbox_id = labels[_SANDBOX_LABEL]
-        paths = self._paths(sandbox_id)
+    def _slot_paths(self, slot: str) -> _Paths:
+        home = self._data_dir / "docker" / "pool" / slot
+        return _Paths(home=home, workspace=home / "workspace", run=home / "run")
+
+    def _pool_container_name(self, slot: str) -> str:
+        # "." never occurs in a sandbox ID, so no sandbox's name can clash.
+        return f"berth-{self._installation}.pool-{slot}"
+
+    def _handle_for(self, container: Container, claim: _Claim | None = None) -> BackendHandle:
+        """The handle of a sandbox's container; with ``claim``, of a claimed
+        pool container (whose name and labels are the claim's). An unclaimed
+        pool container's handle names its slot instead of a sandbox."""
+        labels = dict(container.labels)
+        slot = labels.get(_POOL_LABEL)
+        if claim is not None:
+            sandbox_id, name, paths = claim.sandbox_id, self._container_name(claim.sandbox_id), self._paths(claim.sandbox_id)
+            labels.update(claim.labels)
+            labels[_NETWORK_LABEL] = claim.network
+        elif slot is not None:
+            sandbox_id, name, paths = slot, str(container.name), self._slot_paths(slot)
+        else:
+            sandbox_id, name, paths = labels[_SANDBOX_LABEL], str(container.name), self._paths(labels[_SANDBOX_LABEL])
         return BackendHandle(
             sandbox_id=sandbox_id,
             socket_path=str(paths.socket),
             private={
                 "container_id": container.id,
-                "container_name": container.name,
+                "container_name": name,
                 "image": str(container.attrs.get("Config", {}).get("Image", self._image)),
                 "installation": self._installation,
                 "network": labels.get(_NETWORK_LABEL, "disabled"),
                 "home": str(paths.home),
                 "workspace_dir": str(paths.workspace),
                 "run_dir": str(paths.run),
-                "labels": {k: v for k, v in labels.items() if k not in (_MANAGED, _INSTALLATION, _NETWORK_LABEL, "berth.data_dir")},
+                "labels": {k: v for k, v in labels.items() if k not in _INTERNAL_LABELS},
             },
         )
 
+    def _claim_of(self, container: Container) -> _Claim | None:
+        """The claim of a pool container named as a sandbox, from the record
+        in that sandbox's directory; None when it is not (completely) claimed."""
+        prefix = f"berth-{self._installation}-"
+        name = str(container.name or "")
+        sandbox_id = name[len(prefix) :]
+        if not name.startswith(prefix) or not _SANDBOX_ID.match(sandbox_id):
+            return None
+        try:
+            claim = _Claim.from_json((self._paths(sandbox_id).home / _CLAIM_FILE).read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if claim.sandbox_id != sandbox_id or claim.container_id != container.id:
+            return None
+        return claim
+
     def _sandbox_env(self, spec: SandboxSpec, ca_mounted: bool) -> dict[str, str]:
-        env = _proxy_env(self._settings)
+        env = egress_env() if spec.network == "restricted" else _proxy_env(self._settings)
         if ca_mounted:
             env.update({name: _CA_IN_SANDBOX for name in _CA_ENV})
         env.update(spec.env)
@@ -386,11 +593,10 @@ class DockerBackend(SandboxBackend):
         return _HOST_CA_BUNDLE if _HOST_CA_BUNDLE.is_file() else None
 
     async def _network_mode(self, policy: NetworkPolicy, sandbox_id: str) -> tuple[NetworkPolicy, dict[str, Any]]:
-        """The effective policy and the run() arguments that implement it."""
-        if policy == "restricted":
-            log.warning("sandbox_network_restricted_is_disabled", sandbox_id=sandbox_id, backend="docker")
-            policy = "disabled"
-        if policy == "disabled":
+        """The effective policy and the run() arguments that implement it. A
+        restricted sandbox has no network either: its egress proxy is reached
+        through the ``run/`` mount."""
+        if policy in ("disabled", "restricted"):
             return policy, {"network_mode": "none"}
         network = await self._enabled_network_name()
         if network in ("host", "bridge"):
@@ -444,7 +650,10 @@ class DockerBackend(SandboxBackend):
         # The engine refuses a limit above its CPU count.
         return min(cpu_millis, self._engine_cpus * 1000) * 1_000_000
 
-    async def _start(self, spec: SandboxSpec) -> BackendHandle:
+    async def _start(self, spec: SandboxSpec, *, pool_slot: str | None = None) -> BackendHandle:
+        """Starts a fresh container for ``spec``. With ``pool_slot`` it is a
+        warm pool container instead: in the slot's directory, under the
+        slot's name, labelled as a pool container rather than a sandbox."""
         client = await self._docker()
         try:
             await self._call(lambda: client.images.get(self._image))
@@ -454,9 +663,7 @@ class DockerBackend(SandboxBackend):
                 "or pull it on every sandbox node, or set BERTH_DOCKER_IMAGE"
             ) from None
 
-        paths = self._paths(spec.sandbox_id)
-        shared = self._data_dir / "docker"
-        ca_source = self._ca_bundle()
+        paths = self._paths(spec.sandbox_id) if pool_slot is None else self._slot_paths(pool_slot)
 
         def prepare() -> tuple[Path, Path | None]:
             paths.workspace.mkdir(parents=True, exist_ok=True)
@@ -464,9 +671,7 @@ class DockerBackend(SandboxBackend):
             (paths.run / "state").mkdir(mode=0o700, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 paths.socket.unlink()
-            daemon = _copy_by_content(_DAEMON_SOURCE, shared, "sandboxd", ".py", self._copies)
-            ca = None if ca_source is None else _copy_by_content(ca_source, shared, "ca-bundle", ".crt", self._copies)
-            return daemon, ca
+            return self._shared_files()
 
         daemon_file, ca_file = await asyncio.to_thread(prepare)
         env_file = paths.run / "env.json"
@@ -489,6 +694,11 @@ class DockerBackend(SandboxBackend):
             _NETWORK_LABEL: network,
             "berth.data_dir": str(self._data_dir),
         }
+        if pool_slot is not None:
+            # Labels cannot change later: a claim is recorded in the
+            # sandbox's directory instead (see _Claim).
+            del labels[_SANDBOX_LABEL]
+            labels[_POOL_LABEL] = pool_slot
         limits: dict[str, Any] = {"pids_limit": _PIDS_LIMIT}
         nano_cpus = await self._cpu_limit(client, spec.cpu_millis)
         if nano_cpus:
@@ -497,7 +707,7 @@ class DockerBackend(SandboxBackend):
             limits["mem_limit"] = f"{spec.memory_mib}m"
             limits["memswap_limit"] = f"{spec.memory_mib}m"
 
-        name = self._container_name(spec.sandbox_id)
+        name = self._container_name(spec.sandbox_id) if pool_slot is None else self._pool_container_name(pool_slot)
         container: Container = await self._call(
             lambda: client.containers.run(
                 self._image,
@@ -535,7 +745,7 @@ class DockerBackend(SandboxBackend):
                 await self._remove_container(container)
             raise
         log.info(
-            "sandbox_started",
+            "sandbox_started" if pool_slot is None else "pool_container_started",
             sandbox_id=spec.sandbox_id,
             backend="docker",
             container=name,
@@ -576,6 +786,170 @@ class DockerBackend(SandboxBackend):
         except (BackendError, docker.errors.DockerException):
             return "(no log)"
         return data[-2000:].decode(errors="replace").strip()
+
+    # ------------------------------------------------------------ warm pool
+
+    def _shared_files(self) -> tuple[Path, Path | None]:
+        """sandboxd and the CA bundle as a container started now mounts them
+        (blocking: may read and copy the files)."""
+        shared = self._data_dir / "docker"
+        ca_source = self._ca_bundle()
+        daemon = _copy_by_content(_DAEMON_SOURCE, shared, "sandboxd", ".py", self._copies)
+        ca = None if ca_source is None else _copy_by_content(ca_source, shared, "ca-bundle", ".crt", self._copies)
+        return daemon, ca
+
+    async def _make_pool_container(self, network: NetworkPolicy) -> _PoolEntry:
+        # Asks the engine its CPU count now rather than during a claim.
+        await self._cpu_limit(await self._docker(), 1)
+        slot = secrets.token_hex(6)
+        self._pool_slots.add(slot)
+        try:
+            handle = await self._start(SandboxSpec(sandbox_id=slot, network=network), pool_slot=slot)
+            container = await self._get(str(handle.private["container_id"]))
+            if container is None or container.status != "running":
+                raise SandboxStartError(f"pool container {handle.private['container_name']} stopped after starting")
+        except BaseException:
+            with contextlib.suppress(*_CLAIM_ERRORS):
+                await self._discard_slot(slot, None)
+            raise
+        return _PoolEntry(slot=slot, container=container)
+
+    async def _discard_pool_container(self, entry: _PoolEntry) -> None:
+        await self._discard_slot(entry.slot, entry.container)
+
+    async def _discard_slot(self, slot: str, container: Container | None) -> None:
+        try:
+            if container is None:
+                # run() leaves a container it created but could not start.
+                container = await self._get(self._pool_container_name(slot))
+            if container is not None:
+                await self._remove_container(container)
+            await self._remove_tree(self._slot_paths(slot).home)
+        finally:
+            self._pool_slots.discard(slot)
+
+    async def _remove_stale_slots(self) -> None:
+        """Removes the slot directories this instance's pool does not use
+        (adopt has removed every other unclaimed pool container)."""
+        root = self._data_dir / "docker" / "pool"
+        keep = set(self._pool_slots)
+
+        def stale() -> list[Path]:
+            return [path for path in root.iterdir() if path.name not in keep] if root.is_dir() else []
+
+        for home in await asyncio.to_thread(stale):
+            await self._remove_tree(home)
+
+    async def _create_from_pool(self, spec: SandboxSpec) -> BackendHandle | None:
+        """``spec``'s sandbox made of a warm pool container, or None when the
+        pool holds none for it. Only new sandboxes are: an existing workspace
+        is reused, and only a fresh container can mount it. A pool container
+        that fails its claim (it died, say) is discarded for the next one."""
+        if spec.network not in _POOLED_NETWORKS:
+            return None
+        paths = self._paths(spec.sandbox_id)
+        if paths.home.exists():
+            return None
+        try:
+            # take() awaits nothing, so concurrent creates never share an entry.
+            while (entry := self._pool.take(spec.network)) is not None:
+                self._pool_slots.discard(entry.slot)
+                try:
+                    return await self._claim(entry, spec, paths)
+                except _CLAIM_ERRORS as exc:
+                    log.warning("pool_container_discarded", sandbox_id=spec.sandbox_id, slot=entry.slot, error=str(exc))
+        finally:
+            self._pool.refill(spec.network)
+        return None
+
+    async def _claim(self, entry: _PoolEntry, spec: SandboxSpec, paths: _Paths) -> BackendHandle:
+        """Makes a pool container ``spec``'s sandbox. Its slot directory is
+        renamed to the sandbox's: bind mounts hold the directories, not their
+        paths, so the container keeps them (``docker inspect`` keeps showing
+        the slot path). Then, at once: the container gets the sandbox's name
+        and limits, and sandboxd re-reads env.json, now the sandbox's; its
+        answer also proves the container alive. On any failure the container
+        and the directory are removed."""
+        client = await self._docker()
+        container = entry.container
+        container_id = str(container.id)
+        slot_home = self._slot_paths(entry.slot).home
+        moved = False
+        try:
+            mounts = _mount_sources(container)
+            daemon_file, ca_file = await asyncio.to_thread(self._shared_files)
+            if mounts.get(_DAEMON_IN_SANDBOX) != str(daemon_file) or mounts.get(_CA_IN_SANDBOX) != (
+                None if ca_file is None else str(ca_file)
+            ):
+                raise BackendError("pool container mounts an outdated sandboxd or CA bundle")
+            claim = _Claim(
+                sandbox_id=spec.sandbox_id,
+                container_id=container_id,
+                labels={**{str(k): str(v) for k, v in spec.labels.items()}, _SANDBOX_LABEL: spec.sandbox_id},
+                network=spec.network,
+            )
+            env = json.dumps(self._sandbox_env(spec, ca_file is not None))
+            update = await self._limits_update(client, spec)
+
+            def move_in() -> None:
+                nonlocal moved
+                paths.home.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(slot_home, paths.home)
+                moved = True
+                # Before the rename of the container: adopt takes a container
+                # named as a sandbox only with its claim record.
+                _write_private(paths.home / _CLAIM_FILE, claim.to_json())
+                _write_private(paths.run / "env.json", env)
+
+            await asyncio.to_thread(move_in)
+            name = self._container_name(spec.sandbox_id)
+            steps: list[Awaitable[object]] = [
+                self._call(lambda: client.api.rename(container_id, name)),
+                self._reload_env(paths.socket),
+            ]
+            if update:
+                steps.append(self._call(lambda: client.api.update_container(container_id, **update)))
+            for result in await asyncio.gather(*steps, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    raise result
+        except BaseException:
+            with contextlib.suppress(*_CLAIM_ERRORS):
+                await self._discard_slot(entry.slot, container)
+            if moved:
+                with contextlib.suppress(*_CLAIM_ERRORS):
+                    await self._remove_tree(paths.home)
+            raise
+        log.info(
+            "sandbox_started",
+            sandbox_id=spec.sandbox_id,
+            backend="docker",
+            container=name,
+            network=spec.network,
+            image=self._image,
+            pool_slot=entry.slot,
+        )
+        return self._handle_for(container, claim)
+
+    async def _limits_update(self, client: docker.DockerClient, spec: SandboxSpec) -> dict[str, Any]:
+        """``update_container`` arguments for the spec's limits. The update
+        API takes a CFS quota, not NanoCpus; with the period the engine uses
+        for NanoCpus (100 ms) the container's cgroup ends up the same."""
+        update: dict[str, Any] = {}
+        nano_cpus = await self._cpu_limit(client, spec.cpu_millis)
+        if nano_cpus:
+            update["cpu_period"] = _CFS_PERIOD_US
+            update["cpu_quota"] = nano_cpus * _CFS_PERIOD_US // 1_000_000_000
+        if spec.memory_mib:
+            update["mem_limit"] = f"{spec.memory_mib}m"
+            update["memswap_limit"] = f"{spec.memory_mib}m"
+        return update
+
+    async def _reload_env(self, socket: Path) -> None:
+        daemon = DaemonClient(str(socket), connect_timeout_s=2.0, request_timeout_s=5.0)
+        try:
+            await daemon.reload_env()
+        finally:
+            await daemon.close()
 
     # ------------------------------------------------------------ deleting
 

@@ -5,7 +5,8 @@ Layout of one sandbox::
     <data_dir>/sandboxes/<sandbox_id>/
         workspace/        bind-mounted read-write at /workspace
         run/              host only: handle.json, bwrap.pid, sandbox.log
-        run/berth/        bind-mounted at /run/berth: sandboxd.sock, env.json, state/
+        run/berth/        bind-mounted at /run/berth: sandboxd.sock, env.json, state/,
+                          egress.sock (restricted only; served by the Sandbox service)
 
 Host-side bookkeeping stays out of the mounted directory so nothing inside the
 sandbox can make the service signal an arbitrary host pid.
@@ -14,6 +15,14 @@ bwrap is started in its own session and without ``--die-with-parent``, so a
 sandbox outlives a restart of the Sandbox service; ``adopt`` finds it again
 through ``handle.json``. The daemon is the sandbox's PID 1 (``--as-pid-1``):
 when it exits the kernel kills everything left in the sandbox.
+
+Network: ``enabled`` shares the host's network namespace; ``disabled`` and
+``restricted`` get their own (``--unshare-net``) with only loopback. A
+``restricted`` sandbox's commands get ``HTTP(S)_PROXY`` pointing at
+sandboxd's loopback relay of its egress proxy (``base.egress_env``), which
+the Sandbox service serves on ``run/berth/egress.sock``; they reach the
+outside through that proxy only. Unconfined sandboxes (isolation ``none``)
+share the host's network whatever their policy.
 
 Pause freezes the sandbox's cgroup (cgroup v2 ``cgroup.freeze`` or the cgroup
 v1 freezer); with no writable freezer it falls back to SIGSTOP/SIGCONT of
@@ -48,6 +57,7 @@ from services.sandbox.backends.base import (
     SandboxGone,
     SandboxSpec,
     SandboxStartError,
+    egress_env,
 )
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
 
@@ -238,9 +248,8 @@ class LocalBackend(SandboxBackend):
                     "bubblewrap (bwrap) is not installed: install it (apt-get install bubblewrap) "
                     "or set BERTH_SANDBOX_ISOLATION=none for development"
                 )
-            if spec.network == "restricted":
-                # No egress allowlist exists here, so fail closed.
-                log.warning("sandbox_network_restricted_is_disabled_locally", sandbox_id=spec.sandbox_id)
+            if spec.network == "restricted" and self._isolation == "none":
+                log.warning("sandbox_network_restricted_not_enforced", sandbox_id=spec.sandbox_id, isolation="none")
             return await self._start(spec)
 
     async def pause(self, handle: BackendHandle) -> None:
@@ -300,6 +309,11 @@ class LocalBackend(SandboxBackend):
         # The handle file is written as soon as the sandbox process exists.
         return self._load_handle(sandbox_id)
 
+    def egress_socket_path(self, handle: BackendHandle) -> str | None:
+        if handle.private.get("isolation") != "bwrap":
+            return None
+        return super().egress_socket_path(handle)
+
     # ------------------------------------------------------------ starting
 
     def _paths(self, sandbox_id: str) -> _Paths:
@@ -321,7 +335,8 @@ class LocalBackend(SandboxBackend):
         paths.run.mkdir(mode=0o700, parents=True, exist_ok=True)
         (paths.mounted / "state").mkdir(mode=0o700, parents=True, exist_ok=True)
         env_file = paths.mounted / "env.json"
-        env_file.write_text(json.dumps({**self._extra_env, **dict(spec.env)}))
+        egress = egress_env() if spec.network == "restricted" and self._isolation == "bwrap" else {}
+        env_file.write_text(json.dumps({**self._extra_env, **egress, **dict(spec.env)}))
         env_file.chmod(0o600)
         with contextlib.suppress(FileNotFoundError):
             paths.socket.unlink()

@@ -49,8 +49,22 @@ Operations: ``exec``, ``process.start``, ``process.attach``, ``process.list``,
 ``process.wait``, ``process.kill``, ``file.write``, ``file.read``,
 ``file.list``, ``file.stat``, ``file.mkdir``, ``file.remove``, ``mcp.start``,
 ``mcp.request``, ``mcp.notify``, ``mcp.subscribe``, ``mcp.list``,
-``mcp.stop``, ``mcp.close_upstream``, ``ping``, ``shutdown``. See the
-``_op_*`` methods for their fields.
+``mcp.stop``, ``mcp.close_upstream``, ``env.reload``, ``egress.relay``,
+``ping``, ``shutdown``. See the ``_op_*`` methods for their fields.
+
+``env.reload`` re-reads the sandbox's environment (``--env-file``, then
+``--env``) for commands started from then on; running commands and MCP
+servers keep theirs. A container started before its sandbox was known (the
+docker backend's warm pool) learns the sandbox's variables this way. A
+malformed file fails the request and keeps the old environment.
+
+``egress.relay {port, socket}`` listens on ``127.0.0.1:port`` (0 picks a
+port) and relays every connection, byte for byte, to the unix socket
+``socket``: a ``restricted`` sandbox has no network of its own, and that
+socket is its egress proxy, served by the Sandbox service from outside.
+Answers ``{"port"}``; asking again for the same socket returns the running
+relay. When the socket is missing (the service restarts) a connection is
+closed at once.
 
 MCP brokers
 -----------
@@ -1508,6 +1522,7 @@ class Daemon:
         isolation: str,
         extra_env: Dict[str, str],
         ring_bytes: int,
+        env_loader: Optional[Callable[[], Dict[str, str]]] = None,
     ) -> None:
         self.socket_path = socket_path
         self.root = os.path.realpath(workspace)
@@ -1515,6 +1530,7 @@ class Daemon:
         self.procs_dir = os.path.join(state_dir, "procs")
         self.isolation = isolation
         self.extra_env = extra_env
+        self.env_loader = env_loader
         self.ring_bytes = ring_bytes
         self.processes: Dict[str, ManagedProcess] = {}
         self.brokers: Dict[str, McpBroker] = {}
@@ -1544,7 +1560,10 @@ class Daemon:
             "mcp.list": self._op_mcp_list,
             "mcp.stop": self._op_mcp_stop,
             "mcp.close_upstream": self._op_mcp_close_upstream,
+            "env.reload": self._op_env_reload,
+            "egress.relay": self._op_egress_relay,
         }
+        self.egress_relay: Optional[EgressRelay] = None
 
     @property
     def reaper(self) -> Reaper:
@@ -1571,6 +1590,8 @@ class Daemon:
             await self._stop.wait()
         finally:
             server.close()
+            if self.egress_relay is not None:
+                self.egress_relay.close()
             self._kill_all()
             for conn in list(self.connections):
                 conn.writer.close()
@@ -1670,6 +1691,36 @@ class Daemon:
     async def _op_ping(self, conn: Connection, rid: int, req: Json) -> Json:
         running = sum(1 for p in self.processes.values() if p.running)
         return {"ok": True, "pid": os.getpid(), "processes": running}
+
+    async def _op_env_reload(self, conn: Connection, rid: int, req: Json) -> Json:
+        if self.env_loader is None:
+            raise OpError("failed_precondition", "this daemon was started without an environment to reload")
+        try:
+            env = self.env_loader()
+        except (OSError, ValueError) as exc:
+            raise OpError("failed_precondition", "cannot reload the environment: %s" % exc) from None
+        self.extra_env = env
+        return {"ok": True, "variables": len(env)}
+
+    async def _op_egress_relay(self, conn: Connection, rid: int, req: Json) -> Json:
+        port = _opt_int(req, "port", 0) or 0
+        target = _req_str(req, "socket")
+        if not 0 <= port <= 65535:
+            raise OpError("invalid_argument", "port must be between 0 and 65535", param="port")
+        relay = self.egress_relay
+        if relay is not None:
+            if relay.socket_path == target and port in (0, relay.port):
+                await relay.ready
+                return {"ok": True, "port": relay.port}
+            raise OpError("failed_precondition", "an egress relay already listens on port %d" % relay.port)
+        relay = self.egress_relay = EgressRelay(port, target)
+        try:
+            await relay.start()
+        except OSError as exc:
+            self.egress_relay = None
+            raise OpError("failed_precondition", "cannot listen on 127.0.0.1:%d: %s" % (port, exc)) from None
+        _log("egress relay on 127.0.0.1:%d to %s" % (relay.port, target))
+        return {"ok": True, "port": relay.port}
 
     async def _op_shutdown(self, conn: Connection, rid: int, req: Json) -> Json:
         self._kill_all()
@@ -2195,6 +2246,61 @@ def _remove(real: str, recursive: bool, shown: str) -> None:
         raise _os_error(exc, shown) from None
 
 
+# ---------------------------------------------------------------- egress relay
+
+
+async def _copy_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copies until EOF, then half-closes; an error closes ``writer`` so the
+    opposite direction ends too."""
+    try:
+        while True:
+            data = await reader.read(PIPE_READ_SIZE)
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()
+
+
+class EgressRelay:
+    """A loopback TCP listener whose connections go to a unix socket."""
+
+    def __init__(self, port: int, socket_path: str) -> None:
+        self.port = port
+        self.socket_path = socket_path
+        self.server: Optional[Any] = None
+        self.ready: "asyncio.Future[None]" = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        try:
+            self.server = await asyncio.start_server(self._on_client, "127.0.0.1", self.port, reuse_address=True)
+        except BaseException as exc:
+            self.ready.set_exception(exc)
+            self.ready.exception()  # retrieved: a failed start is reported by its own request
+            raise
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.ready.set_result(None)
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_unix_connection(self.socket_path)
+        except OSError:
+            writer.close()
+            return
+        try:
+            await asyncio.gather(_copy_stream(reader, upstream_writer), _copy_stream(upstream_reader, writer))
+        finally:
+            upstream_writer.close()
+            writer.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
 def _bind_unix_socket(path: str) -> socket.socket:
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -2235,16 +2341,25 @@ def _parse_args(argv: List[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _load_env(env_file: Optional[str], items: List[str]) -> Dict[str, str]:
+    """The extra environment: the JSON object in ``env_file`` (if it
+    exists), then the ``NAME=VALUE`` items."""
+    env: Dict[str, str] = {}
+    if env_file and os.path.exists(env_file):
+        with open(env_file) as handle:
+            loaded = json.load(handle)
+        if not isinstance(loaded, dict):
+            raise ValueError("%s does not hold a JSON object" % env_file)
+        env.update({str(k): str(v) for k, v in loaded.items()})
+    for item in items:
+        key, _, value = item.partition("=")
+        env[key] = value
+    return env
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
-    extra_env: Dict[str, str] = {}
-    if args.env_file and os.path.exists(args.env_file):
-        with open(args.env_file) as handle:
-            loaded = json.load(handle)
-        extra_env.update({str(k): str(v) for k, v in loaded.items()})
-    for item in args.env:
-        key, _, value = item.partition("=")
-        extra_env[key] = value
+    extra_env = _load_env(args.env_file, args.env)
     daemon = Daemon(
         socket_path=args.socket,
         workspace=args.workspace,
@@ -2252,6 +2367,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         isolation=args.isolation,
         extra_env=extra_env,
         ring_bytes=max(PIPE_READ_SIZE, args.ring_bytes),
+        env_loader=functools.partial(_load_env, args.env_file, args.env),
     )
     asyncio.run(daemon.serve())
     return 0

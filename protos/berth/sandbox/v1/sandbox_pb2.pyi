@@ -224,6 +224,49 @@ class Sandbox(_message.Message):
 Global___Sandbox: _TypeAlias = Sandbox  # noqa: Y015
 
 @_typing.final
+class LabeledSandbox(_message.Message):
+    """LabeledSandbox is the reconciliation view of a sandbox that is not
+    destroyed: its identity, its organization and the value of one label,
+    without its configuration or other labels.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    ORG_ID_FIELD_NUMBER: _builtins.int
+    LABEL_VALUE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    org_id: _builtins.str
+    """The organization that created it."""
+    label_value: _builtins.str
+    """The value of the requested label key."""
+    state: Global___SandboxState.ValueType
+    """Lifecycle state; never DESTROYED."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When the sandbox was created, by the Sandbox service's clock."""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        org_id: _builtins.str = ...,
+        label_value: _builtins.str = ...,
+        state: Global___SandboxState.ValueType = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "label_value", b"label_value", "org_id", b"org_id", "sandbox_id", b"sandbox_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LabeledSandbox: _TypeAlias = LabeledSandbox  # noqa: Y015
+
+@_typing.final
 class Process(_message.Message):
     """Process is a background process running inside a sandbox."""
 

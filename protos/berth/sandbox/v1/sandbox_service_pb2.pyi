@@ -258,6 +258,66 @@ class ListSandboxesResponse(_message.Message):
 Global___ListSandboxesResponse: _TypeAlias = ListSandboxesResponse  # noqa: Y015
 
 @_typing.final
+class ListLabeledSandboxesRequest(_message.Message):
+    """Request for ListLabeledSandboxes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LABEL_KEY_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    label_key: _builtins.str
+    """The label key every listed sandbox carries, e.g. berth.environment_id;
+    required.
+    """
+    page_size: _builtins.int
+    """Maximum results; 0 means the service default."""
+    page_token: _builtins.str
+    """Token from a previous response."""
+    def __init__(
+        self,
+        *,
+        label_key: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label_key", b"label_key", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLabeledSandboxesRequest: _TypeAlias = ListLabeledSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class ListLabeledSandboxesResponse(_message.Message):
+    """Response for ListLabeledSandboxes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOXES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty at the end."""
+    @_builtins.property
+    def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[_sandbox_pb2.LabeledSandbox]:
+        """The sandboxes, by sandbox_id."""
+
+    def __init__(
+        self,
+        *,
+        sandboxes: _abc.Iterable[_sandbox_pb2.LabeledSandbox] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "sandboxes", b"sandboxes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLabeledSandboxesResponse: _TypeAlias = ListLabeledSandboxesResponse  # noqa: Y015
+
+@_typing.final
 class ExecRequest(_message.Message):
     """Request for Exec."""
 

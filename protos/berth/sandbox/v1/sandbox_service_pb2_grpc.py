@@ -50,6 +50,11 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesResponse.FromString,
                 _registered_method=True)
+        self.ListLabeledSandboxes = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/ListLabeledSandboxes',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesResponse.FromString,
+                _registered_method=True)
         self.Exec = channel.unary_stream(
                 '/berth.sandbox.v1.SandboxService/Exec',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ExecRequest.SerializeToString,
@@ -162,6 +167,18 @@ class SandboxServiceServicer:
 
     def ListSandboxes(self, request, context):
         """Lists sandboxes, optionally filtered by labels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLabeledSandboxes(self, request, context):
+        """Lists, across every organization, the sandboxes that carry one label
+        key, in the reduced LabeledSandbox view. Internal: for the reconciler of
+        the service that owns the identities behind the label (the Environment
+        service for berth.environment_id); the gateway never exposes it. The
+        organization metadata is required as on every RPC but does not scope
+        the result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -319,6 +336,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.ListSandboxes,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesResponse.SerializeToString,
+            ),
+            'ListLabeledSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLabeledSandboxes,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesResponse.SerializeToString,
             ),
             'Exec': grpc.unary_stream_rpc_method_handler(
                     servicer.Exec,
@@ -493,6 +515,33 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/ListSandboxes',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLabeledSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/ListLabeledSandboxes',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,14 @@ class SandboxServiceStub:
     """Returns one sandbox."""
     ListSandboxes: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListSandboxesRequest, _sandbox_service_pb2.ListSandboxesResponse]
     """Lists sandboxes, optionally filtered by labels."""
+    ListLabeledSandboxes: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListLabeledSandboxesRequest, _sandbox_service_pb2.ListLabeledSandboxesResponse]
+    """Lists, across every organization, the sandboxes that carry one label
+    key, in the reduced LabeledSandbox view. Internal: for the reconciler of
+    the service that owns the identities behind the label (the Environment
+    service for berth.environment_id); the gateway never exposes it. The
+    organization metadata is required as on every RPC but does not scope
+    the result.
+    """
     Exec: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]
     """Runs a command and streams its output, then its exit status.
     Cancelling the call kills the command's process tree.
@@ -105,6 +113,14 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Returns one sandbox."""
     ListSandboxes: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListSandboxesRequest, _sandbox_service_pb2.ListSandboxesResponse]  # type: ignore[assignment]
     """Lists sandboxes, optionally filtered by labels."""
+    ListLabeledSandboxes: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListLabeledSandboxesRequest, _sandbox_service_pb2.ListLabeledSandboxesResponse]  # type: ignore[assignment]
+    """Lists, across every organization, the sandboxes that carry one label
+    key, in the reduced LabeledSandbox view. Internal: for the reconciler of
+    the service that owns the identities behind the label (the Environment
+    service for berth.environment_id); the gateway never exposes it. The
+    organization metadata is required as on every RPC but does not scope
+    the result.
+    """
     Exec: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]  # type: ignore[assignment]
     """Runs a command and streams its output, then its exit status.
     Cancelling the call kills the command's process tree.
@@ -183,6 +199,20 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_service_pb2.ListSandboxesResponse, _abc.Awaitable[_sandbox_service_pb2.ListSandboxesResponse]]:
         """Lists sandboxes, optionally filtered by labels."""
+
+    @_abc_1.abstractmethod
+    def ListLabeledSandboxes(
+        self,
+        request: _sandbox_service_pb2.ListLabeledSandboxesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.ListLabeledSandboxesResponse, _abc.Awaitable[_sandbox_service_pb2.ListLabeledSandboxesResponse]]:
+        """Lists, across every organization, the sandboxes that carry one label
+        key, in the reduced LabeledSandbox view. Internal: for the reconciler of
+        the service that owns the identities behind the label (the Environment
+        service for berth.environment_id); the gateway never exposes it. The
+        organization metadata is required as on every RPC but does not scope
+        the result.
+        """
 
     @_abc_1.abstractmethod
     def Exec(

@@ -1,0 +1,156 @@
+"""Destroys sandboxes whose environment no longer exists.
+
+The Sandbox service cannot tell an orphan: environment identity lives here.
+A pass lists every organization's sandboxes that carry the
+``berth.environment_id`` label and destroys each one whose environment has
+no row in the sandbox's organization. Such sandboxes come from a create that
+completed after its environment was deleted (its setup owner died during
+CreateSandbox), a database restored from an older backup, or rows removed by
+hand. A pass runs on start and then every ``interval_s``.
+
+What keeps a pass from destroying a sandbox someone still needs:
+
+* A sandbox younger than ``grace_s`` (by its ``create_time``) is left alone,
+  whatever the database says, so a create racing with the commit of its
+  environment, or clocks that disagree, never lose a sandbox.
+* The environment's row is read again right before each destroy.
+* A row that is being deleted still counts as existing: its teardown
+  destroys the sandbox itself, and a teardown whose destroy fails puts the
+  environment back, which must find its sandbox.
+
+Replicas may run passes at the same time: DestroySandbox is idempotent and
+a sandbox that is gone already is not an error, so the worst case is two
+calls for one orphan (each replica counts the reaps it made).
+
+The reverse case, a ready environment whose sandbox is gone, is not touched:
+an environment's status is its setup state, setup never runs twice, and an
+unusable sandbox never changes the environment (operations report it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.core.db import Database
+from services.core.errors import BerthError
+from services.core.logging import get_logger
+from services.core.metrics import ORPHAN_SANDBOXES_REAPED
+from services.environment import repository as repo
+from services.environment.compute import EnvironmentSandbox, SandboxInventory
+
+__all__ = ["SandboxReconciler", "ReapedSandbox", "REASON_ENVIRONMENT_NOT_FOUND", "REASON_ORGANIZATION_MISMATCH"]
+
+log = get_logger(__name__)
+
+# No environment with the label's ID exists.
+REASON_ENVIRONMENT_NOT_FOUND = "environment_not_found"
+# The environment exists, but in another organization than the sandbox's.
+REASON_ORGANIZATION_MISMATCH = "organization_mismatch"
+
+# Environment IDs per query, well under every driver's parameter limit.
+_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class ReapedSandbox:
+    """One sandbox a pass destroyed, and why."""
+
+    sandbox_id: str
+    environment_id: str
+    org_id: str
+    reason: str
+
+
+class SandboxReconciler:
+    def __init__(
+        self,
+        db: Database,
+        inventory: SandboxInventory,
+        *,
+        interval_s: float,
+        grace_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._db = db
+        self._inventory = inventory
+        self._interval_s = interval_s
+        self._grace_s = grace_s
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Runs a pass now and then every ``interval_s`` in the background."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="environment-sandbox-reconciler")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def reconcile(self) -> list[ReapedSandbox]:
+        """One pass; returns the sandboxes it destroyed. A sandbox that could
+        not be destroyed is logged and left for the next pass."""
+        listed = await self._inventory.list_environment_sandboxes()
+        now = self._clock()
+        old = [s for s in listed if now - s.created_at >= self._grace_s]
+        orgs = await self._environment_orgs([s.environment_id for s in old])
+        reaped: list[ReapedSandbox] = []
+        for sandbox in old:
+            if _reason(sandbox, orgs) is None:
+                continue
+            done = await self._reap(sandbox)
+            if done is not None:
+                reaped.append(done)
+        return reaped
+
+    async def _environment_orgs(self, environment_ids: Sequence[str]) -> dict[str, str]:
+        unique = sorted(set(environment_ids))
+        orgs: dict[str, str] = {}
+        async with self._db.transaction(read_only=True) as s:
+            for i in range(0, len(unique), _CHUNK):
+                orgs.update(await repo.environment_orgs(s, unique[i : i + _CHUNK]))
+        return orgs
+
+    async def _reap(self, sandbox: EnvironmentSandbox) -> ReapedSandbox | None:
+        # The decision is made on the row as it is now, not as the pass's
+        # first read saw it.
+        reason = _reason(sandbox, await self._environment_orgs([sandbox.environment_id]))
+        if reason is None:
+            return None
+        ids = {"sandbox_id": sandbox.sandbox_id, "environment_id": sandbox.environment_id, "org_id": sandbox.org_id}
+        try:
+            await self._inventory.destroy_org_sandbox(sandbox.org_id, sandbox.sandbox_id)
+        except BerthError as exc:
+            log.warning("orphan_sandbox_reap_failed", **ids, reason=reason, error=exc.message)
+            return None
+        ORPHAN_SANDBOXES_REAPED.labels(reason=reason).inc()
+        log.info("orphan_sandbox_reaped", **ids, reason=reason)
+        return ReapedSandbox(reason=reason, **ids)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                reaped = await self.reconcile()
+                if reaped:
+                    log.info("sandbox_reconcile_finished", reaped=len(reaped))
+            except BerthError as exc:
+                log.warning("sandbox_reconcile_failed", code=exc.grpc_code.name, error=exc.message)
+            except Exception:
+                log.exception("sandbox_reconcile_crashed")
+            await asyncio.sleep(self._interval_s)
+
+
+def _reason(sandbox: EnvironmentSandbox, orgs: dict[str, str]) -> str | None:
+    """Why the sandbox is an orphan, or None when its environment exists."""
+    org_id = orgs.get(sandbox.environment_id)
+    if org_id is None:
+        return REASON_ENVIRONMENT_NOT_FOUND
+    if org_id != sandbox.org_id:
+        return REASON_ORGANIZATION_MISMATCH
+    return None
