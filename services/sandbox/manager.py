@@ -309,6 +309,13 @@ class SandboxManager:
         return await self._row(org_id, sandbox_id)
 
     async def destroy(self, org_id: str, sandbox_id: str) -> None:
+        # Serialized with create of the same ID: a destroy that arrives while
+        # the sandbox is being created waits for it and then removes it, so a
+        # finishing create can never bring a destroyed sandbox back.
+        async with self._create_locks.setdefault(sandbox_id, asyncio.Lock()):
+            await self._destroy(org_id, sandbox_id)
+
+    async def _destroy(self, org_id: str, sandbox_id: str) -> None:
         async with self._db.transaction() as s:
             row = await s.get(SandboxRow, sandbox_id)
             if row is None or row.org_id != org_id:

@@ -4,6 +4,7 @@ container and the data directory, although the service never held it live."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -17,12 +18,16 @@ from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixt
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.sandbox.backends.base import BackendHandle
+from services.core.db import open_database
+from services.core.errors import NotFound
+from services.sandbox.backends.base import BackendHandle, SandboxSpec
 from services.sandbox.backends.docker import installation_id
 from services.sandbox.backends.local import LocalBackend
+from services.sandbox.manager import CreateParams, SandboxManager
 from services.sandbox.server import start_sandbox_service
 
 ORG = (("x-berth-org", "org_a"),)
+MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "sandbox" / "migrations" / "versions"
 
 
 class Running:
@@ -94,6 +99,48 @@ async def test_destroying_a_local_sandbox_lost_in_a_restart_deletes_its_director
         if handle is not None and home.exists():  # the test failed half-way: leave no process behind
             with contextlib.suppress(Exception):
                 await LocalBackend(tmp_path / "berth", isolation="none").destroy(handle)
+
+
+class _GatedBackend(LocalBackend):
+    """A local backend whose create waits at a gate once it has begun."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir, isolation="bwrap")
+        self.began = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def create(self, spec: SandboxSpec) -> BackendHandle:
+        self.began.set()
+        await self.gate.wait()
+        return await super().create(spec)
+
+
+async def test_a_destroy_that_arrives_during_create_leaves_the_sandbox_destroyed(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    data_dir = tmp_path / "berth"
+    db = await open_database(Settings(data_dir=data_dir).database_url("sandbox"), "sandbox", MIGRATIONS)
+    backend = _GatedBackend(data_dir)
+    manager = SandboxManager(db, backend, backend_name="local", isolation="bwrap", idle_pause_s=0)
+    await manager.start()
+    try:
+        params = CreateParams(sandbox_id="sbx_race", labels={}, network={"access": "disabled"}, env={}, size=0)
+        creating = asyncio.ensure_future(manager.create("org_a", params))
+        await asyncio.wait_for(backend.began.wait(), timeout=10)
+        destroying = asyncio.ensure_future(manager.destroy("org_a", "sbx_race"))
+        # Give the destroy every chance to finish before the create does.
+        await asyncio.wait({destroying}, timeout=0.5)
+        backend.gate.set()
+        await asyncio.wait_for(asyncio.gather(creating, destroying, return_exceptions=True), timeout=30)
+        with pytest.raises(NotFound):
+            await manager.get("org_a", "sbx_race")
+        assert await _none_alive(data_dir)
+        assert not (data_dir / "sandboxes" / "sbx_race").exists()
+    finally:
+        await manager.close()
+        for handle in await LocalBackend(data_dir, isolation="none").adopt():
+            await LocalBackend(data_dir, isolation="none").destroy(handle)
+        await db.dispose()
 
 
 @pytest.mark.docker
