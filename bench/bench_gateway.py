@@ -1,12 +1,17 @@
 """The gateway's own overhead: an authenticated GET of a missing environment
 (auth, one gRPC hop to the Environment service, a 404 envelope) against a
-bare FastAPI route on uvicorn, both under the same concurrent load from an
-httpx client on loopback, in one process and one run."""
+bare FastAPI route on uvicorn served from the same process, both under the
+same concurrent load in one run. The httpx load client runs in a process of
+its own (``python -m bench.bench_gateway --client``), so its CPU is not
+billed to the servers."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import socket
+import sys
 from pathlib import Path
 
 import httpx
@@ -54,22 +59,10 @@ async def run(tmp: Path) -> list[Result]:
     bare, bare_task, bare_port = await _bare_server()
     try:
         _, key = await create_key(gateway.database, "bench", ["tasks:read", "tasks:write"])
-        headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
-        limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
-        async with httpx.AsyncClient(headers=headers, limits=limits) as client:
-            missing = f"http://127.0.0.1:{gateway.port}/v1/agents/environments/env_000000000doesnotexist000"
-            bare_url = f"http://127.0.0.1:{bare_port}/v1/agents/environments/env_000000000doesnotexist000"
-
-            async def via_gateway() -> None:
-                resp = await client.get(missing)
-                assert resp.status_code == 404, resp.text
-
-            async def via_bare() -> None:
-                resp = await client.get(bare_url)
-                assert resp.status_code == 200
-
-            base = await measure_concurrent(via_bare, total=TOTAL, concurrency=CONCURRENCY)
-            gw = await measure_concurrent(via_gateway, total=TOTAL, concurrency=CONCURRENCY)
+        missing = f"http://127.0.0.1:{gateway.port}/v1/agents/environments/env_000000000doesnotexist000"
+        bare_url = f"http://127.0.0.1:{bare_port}/v1/agents/environments/env_000000000doesnotexist000"
+        base = await _load(bare_url, key, 200)
+        gw = await _load(missing, key, 404)
         return [summarize(f"gateway GET missing env (c={CONCURRENCY})", gw, "bare FastAPI route, same load", base)]
     finally:
         bare.should_exit = True
@@ -78,3 +71,38 @@ async def run(tmp: Path) -> list[Result]:
         await session.stop(0.2)
         await environment.stop(0.2)
         await sandbox.stop(0.2)
+
+
+async def _load(url: str, key: str, status: int) -> list[float]:
+    """Latencies (ms) measured by the load client process."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.bench_gateway", "--client", url, key, str(status), stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"the load client failed ({process.returncode})")
+    return [float(v) for v in json.loads(out)]
+
+
+async def _client(url: str, key: str, status: int) -> list[float]:
+    headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
+    limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+    async with httpx.AsyncClient(headers=headers, limits=limits) as client:
+
+        async def call() -> None:
+            response = await client.get(url)
+            if response.status_code != status:
+                raise RuntimeError(f"{url}: {response.status_code} {response.text}")
+
+        return await measure_concurrent(call, total=TOTAL, concurrency=CONCURRENCY)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the benchmark's load client (run by the benchmark itself)")
+    parser.add_argument("--client", nargs=3, metavar=("URL", "KEY", "STATUS"), required=True)
+    url, key, status = parser.parse_args().client
+    print(json.dumps(asyncio.run(_client(url, key, int(status)))))
+
+
+if __name__ == "__main__":
+    main()
