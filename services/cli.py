@@ -133,8 +133,10 @@ async def _status(settings: Settings) -> int:
         ("gateway", f"{settings.gateway_host}:{settings.gateway_port}", await _check_http(f"http://{settings.gateway_host}:{settings.gateway_port}/healthz")),
         ("session", settings.session_addr, await _check_grpc(settings.session_addr)),
         ("environment", settings.environment_addr, await _check_grpc(settings.environment_addr)),
-        ("sandbox", settings.sandbox_addr, await _check_grpc(settings.sandbox_addr)),
     ]
+    for node, address in settings.sandbox_nodes().items():
+        label = "sandbox" if node in ("", address) else f"sandbox {node}"
+        rows.append((label, address, await _check_grpc(address)))
     width = max(len(r[1]) for r in rows)
     for name, addr, state in rows:
         print(f"{name:<12} {addr:<{width}}  {state}")

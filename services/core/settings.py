@@ -8,11 +8,13 @@ address its clients dial.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings", "ServiceName"]
 
@@ -31,6 +33,15 @@ class Settings(BaseSettings):
     session_addr: str = "127.0.0.1:50051"
     environment_addr: str = "127.0.0.1:50052"
     sandbox_addr: str = "127.0.0.1:50053"
+    sandbox_addrs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Sandbox service nodes the Environment service places sandboxes on, as `host:port` or "
+            "`name=host:port`, comma-separated or a JSON list; a node without a name is named by its address. "
+            "Empty means the one node at `sandbox_addr`. The first node serves environments created before "
+            "nodes were recorded."
+        ),
+    )
     metrics_port: int = Field(default=0, description="Prometheus port of a gRPC service; 0 disables it.")
 
     gateway_database_url: str = ""
@@ -60,8 +71,16 @@ class Settings(BaseSettings):
         default=2,
         ge=0,
         description=(
-            "Started containers the docker backend keeps ready for sandboxes without network, so creating one "
+            "Started containers the docker backend keeps ready per pooled network, so creating a sandbox "
             "skips `docker create`; 0 disables the pool."
+        ),
+    )
+    docker_pool_networks: Annotated[list[Literal["enabled", "disabled", "restricted"]], NoDecode] = Field(
+        default=["enabled", "disabled"],
+        description=(
+            "Network policies whose warm pool is filled from start, comma-separated; `disabled` and `restricted` "
+            "share one pool (no network). A policy not listed is kept warm from its first sandbox on; empty "
+            "pre-fills nothing."
         ),
     )
     sandbox_extra_ro_mounts: dict[str, str] = Field(
@@ -109,6 +128,14 @@ class Settings(BaseSettings):
 
     dev_org: str = "dev"
 
+    @field_validator("docker_pool_networks", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        """``BERTH_DOCKER_POOL_NETWORKS=enabled,disabled`` rather than JSON."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
     def database_url(self, service: ServiceName) -> str:
         """The service's own database; SQLite under data_dir unless configured."""
         configured: str = getattr(self, f"{service}_database_url")
@@ -116,6 +143,32 @@ class Settings(BaseSettings):
             return normalize_database_url(configured)
         path = (self.data_dir / f"{service}.db").resolve()
         return f"sqlite+berth:///{path}"
+
+    @field_validator("sandbox_addrs", mode="before")
+    @classmethod
+    def _sandbox_addr_list(cls, value: object) -> object:
+        """``BERTH_SANDBOX_ADDRS`` as a JSON list or comma-separated."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("sandbox_addrs")
+    @classmethod
+    def _sandbox_addrs_valid(cls, value: list[str]) -> list[str]:
+        parse_sandbox_nodes(value)  # fails start-up on a bad entry or a duplicate name
+        return value
+
+    def sandbox_nodes(self) -> dict[str, str]:
+        """Node name -> address, in configured order (the first is the
+        default node). Without ``sandbox_addrs`` it is one node with the empty
+        name at ``sandbox_addr``: environments record that empty name, so
+        moving that one Sandbox service to another address keeps them."""
+        if not self.sandbox_addrs:
+            return {"": self.sandbox_addr}
+        return parse_sandbox_nodes(self.sandbox_addrs)
 
 
 def normalize_database_url(url: str) -> str:
@@ -133,3 +186,29 @@ def normalize_database_url(url: str) -> str:
 
 
 __all__ += ["normalize_database_url"]
+
+# Node names are stored with each environment (String(128)).
+_MAX_NODE_NAME = 128
+
+
+def parse_sandbox_nodes(entries: Sequence[str]) -> dict[str, str]:
+    """``host:port`` or ``name=host:port`` entries as node name -> address,
+    in order. A name is 1-128 printable characters without spaces, ``=``
+    or ``,``; names are unique."""
+    nodes: dict[str, str] = {}
+    for entry in entries:
+        name, sep, address = entry.strip().partition("=")
+        if not sep:
+            name, address = entry.strip(), entry.strip()
+        name, address = name.strip(), address.strip()
+        if not address or any(c.isspace() for c in address):
+            raise ValueError(f"sandbox node {entry!r} needs an address host:port")
+        if not 0 < len(name) <= _MAX_NODE_NAME or not name.isprintable() or any(c.isspace() or c in "=," for c in name):
+            raise ValueError(f"sandbox node {entry!r} has an invalid name")
+        if name in nodes:
+            raise ValueError(f"sandbox node name {name!r} is listed twice")
+        nodes[name] = address
+    return nodes
+
+
+__all__ += ["parse_sandbox_nodes"]

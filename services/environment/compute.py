@@ -1,11 +1,14 @@
 """The Environment service's only path to compute: a small typed interface
-over the Sandbox service.
+over the Sandbox service nodes.
 
-``Compute`` is what the domain and the init guard depend on; ``SandboxClient``
-implements it with the generated stub, and also ``SandboxInventory``, the
-cross-organization view the sandbox reconciler needs. Failed calls surface
-as domain errors: an unreachable Sandbox service is ``SandboxUnavailable``
-(the domain adds the environment and session IDs), anything else keeps the
+``Compute`` is what the domain and the init guard depend on. It addresses a
+sandbox by ``SandboxRef``, its ID and the node its environment's row
+records, and places new sandboxes on a node; ``SandboxInventory`` is the
+cross-organization view, node by node, that the sandbox reconciler needs.
+``SandboxNodes`` (sandbox_nodes.py) implements both over one
+``SandboxClient`` per node, which wraps the generated stub. Failed calls
+surface as domain errors: an unreachable node is ``SandboxUnavailable`` (the
+domain adds the environment and session IDs), anything else keeps the
 reason the Sandbox service gave it.
 """
 
@@ -24,6 +27,7 @@ from services.core.errors import BerthError, SandboxUnavailable, from_rpc_error
 
 __all__ = [
     "Compute",
+    "SandboxRef",
     "SandboxSpec",
     "ExecEvent",
     "SandboxClient",
@@ -38,7 +42,8 @@ ExecEvent: TypeAlias = common_pb2.OutputChunk | common_pb2.ExitStatus
 _SERVICE = "berth.sandbox.v1.SandboxService"
 
 # Safe to retry on UNAVAILABLE: reads, and writes that are idempotent by ID
-# or replace a whole file.
+# or replace a whole file. CountSandboxes is left out on purpose: placement
+# skips a node that does not answer rather than waiting on retries.
 SANDBOX_IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = tuple(
     (_SERVICE, m)
     for m in (
@@ -55,9 +60,10 @@ SANDBOX_IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = tuple(
 
 # The label naming the environment a sandbox belongs to.
 ENVIRONMENT_LABEL = "berth.environment_id"
-# The cross-organization listing is not scoped by organization, yet every RPC
-# must name one; this one says in the Sandbox service's logs who is asking.
+# The cross-organization listing and count are not scoped by organization, yet
+# every RPC must name one; these say in the Sandbox service's logs who is asking.
 _INVENTORY_ORG = "berth.environment-reconciler"
+_PLACEMENT_ORG = "berth.environment-placement"
 _INVENTORY_PAGE_SIZE = 1000
 
 _SIZES: Mapping[str, int] = {
@@ -69,10 +75,18 @@ _SIZES: Mapping[str, int] = {
 
 
 @dataclass(frozen=True)
-class SandboxSpec:
-    """What CreateSandbox needs for one environment."""
+class SandboxRef:
+    """An environment's sandbox: its ID, and the node its environment's row
+    records (empty is the default node, the first configured)."""
 
     sandbox_id: str
+    node: str
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What CreateSandbox needs for one environment, besides its identity."""
+
     labels: Mapping[str, str] = field(default_factory=dict)
     network: common_pb2.NetworkPolicy = field(default_factory=common_pb2.NetworkPolicy)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -80,15 +94,24 @@ class SandboxSpec:
 
 
 class Compute(Protocol):
-    """Sandbox operations used by the Environment service."""
+    """Sandbox operations used by the Environment service; each goes to the
+    node the ``SandboxRef`` names."""
 
-    async def create_sandbox(self, spec: SandboxSpec) -> None: ...
+    async def place_sandbox(self, previous_node: str | None) -> str:
+        """The node a new sandbox goes to: among the nodes that answer, the
+        one with the fewest live sandboxes, the first configured on a tie.
+        ``previous_node`` is the node an earlier attempt of the same setup
+        recorded; it is kept while it answers, so a retry finds what it made
+        there. No node answering is ``SandboxUnavailable``."""
+        ...
 
-    async def destroy_sandbox(self, sandbox_id: str) -> None: ...
+    async def create_sandbox(self, sandbox: SandboxRef, spec: SandboxSpec) -> None: ...
+
+    async def destroy_sandbox(self, sandbox: SandboxRef) -> None: ...
 
     def exec(
         self,
-        sandbox_id: str,
+        sandbox: SandboxRef,
         *,
         argv: Sequence[str] = (),
         shell: str = "",
@@ -100,70 +123,91 @@ class Compute(Protocol):
         early (or cancelling its consumer) cancels the command."""
         ...
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry: ...
+    async def write_file(self, sandbox: SandboxRef, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry: ...
 
-    def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
+    def read_file(self, sandbox: SandboxRef, path: str) -> AsyncIterator[tuple[bytes, int]]:
         """(chunk, total size) pairs; the size is set on the first chunk."""
         ...
 
-    async def list_files(self, sandbox_id: str, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]: ...
+    async def list_files(self, sandbox: SandboxRef, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]: ...
 
     async def start_mcp_broker(
-        self, sandbox_id: str, label: str, transport: sandbox_pb2.McpTransport
+        self, sandbox: SandboxRef, label: str, transport: sandbox_pb2.McpTransport
     ) -> tuple[sandbox_pb2.McpBroker, bool]:
         """The label's broker and whether this call created it with ``transport``."""
         ...
 
-    async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]: ...
+    async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]: ...
 
-    async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
+    async def send_mcp_message(self, sandbox: SandboxRef, label: str, message_json: str, *, timeout_s: float) -> str:
         """The JSON-RPC response to a request; empty for anything else."""
         ...
 
-    async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker: ...
+    async def stop_mcp_broker(self, sandbox: SandboxRef, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker: ...
 
-    async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool: ...
+    async def close_mcp_upstream(self, sandbox: SandboxRef, label: str, *, timeout_s: float) -> bool: ...
 
 
 @dataclass(frozen=True)
 class EnvironmentSandbox:
-    """A sandbox that carries an environment label, as the Sandbox service
-    lists it; ``created_at`` is by the Sandbox service's clock."""
+    """A sandbox that carries an environment label, as the node it lives on
+    lists it; ``created_at`` is by that Sandbox service's clock."""
 
     sandbox_id: str
     org_id: str
     environment_id: str
     created_at: float
+    node: str = ""
 
 
 class SandboxInventory(Protocol):
-    """Every organization's environment sandboxes, for the reconciler."""
+    """Every organization's environment sandboxes, node by node, for the reconciler."""
 
-    async def list_environment_sandboxes(self) -> list[EnvironmentSandbox]:
-        """Every sandbox that carries ``ENVIRONMENT_LABEL`` and is not destroyed."""
+    def node_names(self) -> Sequence[str]:
+        """The configured nodes, the default node first."""
         ...
 
-    async def destroy_org_sandbox(self, org_id: str, sandbox_id: str) -> None:
+    async def list_environment_sandboxes(self, node: str) -> list[EnvironmentSandbox]:
+        """Every sandbox on ``node`` that carries ``ENVIRONMENT_LABEL`` and is not destroyed."""
+        ...
+
+    async def destroy_org_sandbox(self, org_id: str, sandbox: SandboxRef) -> None:
         """Destroys one organization's sandbox; a sandbox that is gone already is fine."""
         ...
 
 
-def _translate(exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return SandboxUnavailable(f"sandbox {sandbox_id} is unavailable: {exc.details() or 'unreachable'}")
-    return from_rpc_error(exc)
-
-
 class SandboxClient:
-    """``Compute`` and ``SandboxInventory`` over the Sandbox service's gRPC API."""
+    """One Sandbox service node over its gRPC API, addressed by sandbox ID."""
 
-    def __init__(self, channel: grpc.aio.Channel, *, create_timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, *, create_timeout_s: float, node: str = "") -> None:
         self._stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
         self._create_timeout_s = create_timeout_s
+        self.node = node
 
-    async def create_sandbox(self, spec: SandboxSpec) -> None:
+    def _where(self) -> str:
+        return f"sandbox node {self.node}" if self.node else "the Sandbox service"
+
+    def _translate(self, exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            where = f" on sandbox node {self.node}" if self.node else ""
+            return SandboxUnavailable(f"sandbox {sandbox_id}{where} is unavailable: {exc.details() or 'unreachable'}")
+        return from_rpc_error(exc)
+
+    async def count_live_sandboxes(self, *, timeout_s: float) -> int:
+        """Sandboxes of every organization that hold resources on this node."""
+        try:
+            response = await self._stub.CountSandboxes(
+                sandbox_service_pb2.CountSandboxesRequest(), metadata=org_metadata(_PLACEMENT_ORG), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise SandboxUnavailable(f"{self._where()} is unavailable: {exc.details() or 'unreachable'}") from exc
+            raise from_rpc_error(exc) from exc
+        return int(response.live_count)
+
+    async def create_sandbox(self, sandbox_id: str, spec: SandboxSpec) -> None:
         request = sandbox_service_pb2.CreateSandboxRequest(
-            sandbox_id=spec.sandbox_id,
+            sandbox_id=sandbox_id,
             labels=dict(spec.labels),
             network=spec.network,
             env=dict(spec.env),
@@ -172,7 +216,7 @@ class SandboxClient:
         try:
             await self._stub.CreateSandbox(request, timeout=self._create_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, spec.sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         await self._destroy(sandbox_id, metadata=None)
@@ -186,7 +230,7 @@ class SandboxClient:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
 
     async def list_environment_sandboxes(self) -> list[EnvironmentSandbox]:
         found: list[EnvironmentSandbox] = []
@@ -199,7 +243,7 @@ class SandboxClient:
                 response = await self._stub.ListLabeledSandboxes(request, metadata=org_metadata(_INVENTORY_ORG))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise SandboxUnavailable(f"the Sandbox service is unavailable: {exc.details() or 'unreachable'}") from exc
+                    raise SandboxUnavailable(f"{self._where()} is unavailable: {exc.details() or 'unreachable'}") from exc
                 raise from_rpc_error(exc) from exc
             found.extend(
                 EnvironmentSandbox(
@@ -207,6 +251,7 @@ class SandboxClient:
                     org_id=s.org_id,
                     environment_id=s.label_value,
                     created_at=s.create_time.ToNanoseconds() / 1e9,
+                    node=self.node,
                 )
                 for s in response.sandboxes
             )
@@ -235,7 +280,7 @@ class SandboxClient:
                 elif response.HasField("exit"):
                     yield response.exit
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         finally:
             # Reached on cancellation or early close as well: cancelling the
             # call makes the Sandbox service kill the command's process tree.
@@ -246,7 +291,7 @@ class SandboxClient:
         try:
             response = await self._stub.WriteFile(request)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return response.entry
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
@@ -255,7 +300,7 @@ class SandboxClient:
             async for response in call:
                 yield response.data, response.size_bytes
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         finally:
             call.cancel()
 
@@ -264,7 +309,7 @@ class SandboxClient:
         try:
             response = await self._stub.ListFiles(request)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return list(response.entries)
 
     async def start_mcp_broker(
@@ -274,14 +319,14 @@ class SandboxClient:
         try:
             response = await self._stub.StartMcpBroker(request)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return response.broker, bool(response.created)
 
     async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]:
         try:
             response = await self._stub.ListMcpBrokers(sandbox_service_pb2.ListMcpBrokersRequest(sandbox_id=sandbox_id))
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return list(response.brokers)
 
     async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
@@ -289,7 +334,7 @@ class SandboxClient:
         try:
             response = await self._stub.SendMcpMessage(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return str(response.message_json)
 
     async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker:
@@ -297,7 +342,7 @@ class SandboxClient:
         try:
             response = await self._stub.StopMcpBroker(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return response.broker
 
     async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool:
@@ -305,5 +350,5 @@ class SandboxClient:
         try:
             response = await self._stub.CloseMcpUpstream(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _translate(exc, sandbox_id) from exc
+            raise self._translate(exc, sandbox_id) from exc
         return bool(response.closed)

@@ -35,7 +35,7 @@ from services.core.ids import has_prefix, new_id
 from services.core.logging import get_logger
 from services.core.settings import Settings
 from services.environment import repository as repo
-from services.environment.compute import Compute, ExecEvent
+from services.environment.compute import Compute, ExecEvent, SandboxRef
 from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
 from services.environment.mcp_registry import McpServerInfo, merge_servers, parse_transport, transport_name, validate_label
@@ -114,6 +114,11 @@ def _sandbox_errors(environment_id: str, session_id: str = "") -> Iterator[None]
         raise SandboxUnavailable(f"the sandbox is unavailable ({where})", **ids) from exc
 
 
+def _sandbox(row: EnvironmentRow) -> SandboxRef:
+    """The environment's sandbox on the node its row records."""
+    return SandboxRef(row.sandbox_id, row.sandbox_node)
+
+
 def _require_env_id(environment_id: str) -> None:
     if not has_prefix(environment_id, "env"):
         raise NotFound(f"environment {environment_id} not found")
@@ -172,6 +177,7 @@ class EnvironmentDomain:
             deleting=False,
             sandbox_id=new_id("sbx"),
             sandbox_requested=False,
+            sandbox_node="",
             config=config.SerializeToString(),
             vault_ids_json=json.dumps(list(vault_ids)),
             owner_session_id=owner_session_id,
@@ -290,7 +296,7 @@ class EnvironmentDomain:
             await self._stop_mcp_brokers(row)
             try:
                 with _sandbox_errors(row.id, session_id):
-                    await self._compute.destroy_sandbox(row.sandbox_id)
+                    await self._compute.destroy_sandbox(_sandbox(row))
             except BaseException:
                 async with self._db.transaction() as s:
                     await repo.clear_deleting(s, row.id)
@@ -451,7 +457,7 @@ class EnvironmentDomain:
             if binding is not None:
                 await self._ensure_output_dir(row, binding)
             async for event in self._compute.exec(
-                row.sandbox_id, argv=argv, shell=shell, cwd=cwd, env=command_env, timeout_ms=timeout_ms
+                _sandbox(row), argv=argv, shell=shell, cwd=cwd, env=command_env, timeout_ms=timeout_ms
             ):
                 yield event
 
@@ -460,7 +466,7 @@ class EnvironmentDomain:
         if key in self._output_dirs:
             return
         exit_code = -1
-        async for event in self._compute.exec(row.sandbox_id, argv=["mkdir", "-p", binding.output_dir], cwd=WORKSPACE):
+        async for event in self._compute.exec(_sandbox(row), argv=["mkdir", "-p", binding.output_dir], cwd=WORKSPACE):
             if isinstance(event, common_pb2.ExitStatus):
                 exit_code = event.exit_code
         if exit_code == 0:
@@ -474,7 +480,7 @@ class EnvironmentDomain:
         path = workspace_file_path(path)
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
-            async for chunk in self._compute.read_file(row.sandbox_id, path):
+            async for chunk in self._compute.read_file(_sandbox(row), path):
                 yield chunk
 
     async def write_workspace_file(self, org_id: str, environment_id: str, path: str, data: bytes) -> common_pb2.FileEntry:
@@ -483,7 +489,7 @@ class EnvironmentDomain:
             raise InvalidArgument("file is too large", param="data")
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
-            return await self._compute.write_file(row.sandbox_id, path, data)
+            return await self._compute.write_file(_sandbox(row), path, data)
 
     async def list_workspace_files(
         self, org_id: str, environment_id: str, path: str, *, recursive: bool
@@ -491,12 +497,12 @@ class EnvironmentDomain:
         path = workspace_dir_path(path)
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
-            return await self._compute.list_files(row.sandbox_id, path, recursive=recursive)
+            return await self._compute.list_files(_sandbox(row), path, recursive=recursive)
 
     async def _list_or_empty(self, row: EnvironmentRow, path: str, session_id: str = "") -> list[common_pb2.FileEntry]:
         try:
             with _sandbox_errors(row.id, session_id):
-                return await self._compute.list_files(row.sandbox_id, path, recursive=True)
+                return await self._compute.list_files(_sandbox(row), path, recursive=True)
         except NotFound:
             return []
 
@@ -539,7 +545,7 @@ class EnvironmentDomain:
             await self.get_binding(org_id, environment_id, session_id)
         row = await self._ready(org_id, environment_id, session_id)
         with _sandbox_errors(environment_id, session_id):
-            broker, created = await self._compute.start_mcp_broker(row.sandbox_id, label, transport)
+            broker, created = await self._compute.start_mcp_broker(_sandbox(row), label, transport)
         now = time.time()
         entry = McpServerRow(
             environment_id=environment_id,
@@ -579,7 +585,7 @@ class EnvironmentDomain:
         row = await self._ready(org_id, environment_id, session_id)
         with _sandbox_errors(environment_id, session_id):
             response = await self._compute.send_mcp_message(
-                row.sandbox_id, label, message_json, timeout_s=timeout_s or self._settings.mcp_call_timeout_s
+                _sandbox(row), label, message_json, timeout_s=timeout_s or self._settings.mcp_call_timeout_s
             )
         key = (environment_id, label, session_id)
         if session_id and key not in self._mcp_uses:
@@ -598,7 +604,7 @@ class EnvironmentDomain:
         brokers = []
         if row.status == STATUS_READY and row.sandbox_requested:
             with _sandbox_errors(environment_id):
-                brokers = await self._compute.list_mcp_brokers(row.sandbox_id)
+                brokers = await self._compute.list_mcp_brokers(_sandbox(row))
         return merge_servers(environment_id, rows, uses, brokers)
 
     async def _close_mcp_upstreams(self, row: EnvironmentRow, session_id: str, labels: Sequence[str]) -> None:
@@ -610,7 +616,7 @@ class EnvironmentDomain:
             return
         for label in labels:
             try:
-                closed = await self._compute.close_mcp_upstream(row.sandbox_id, label, timeout_s=_MCP_CLEANUP_TIMEOUT_S)
+                closed = await self._compute.close_mcp_upstream(_sandbox(row), label, timeout_s=_MCP_CLEANUP_TIMEOUT_S)
             except BerthError as exc:
                 log.warning(
                     "mcp_upstream_close_failed", environment_id=row.id, session_id=session_id, label=label, error=exc.message
@@ -625,7 +631,7 @@ class EnvironmentDomain:
         if row.status != STATUS_READY:
             return
         try:
-            brokers = await self._compute.list_mcp_brokers(row.sandbox_id)
+            brokers = await self._compute.list_mcp_brokers(_sandbox(row))
         except BerthError as exc:
             log.warning("mcp_broker_list_failed", environment_id=row.id, error=exc.message)
             return
@@ -634,7 +640,7 @@ class EnvironmentDomain:
             if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD:
                 continue
             try:
-                await self._compute.stop_mcp_broker(row.sandbox_id, broker.label, timeout_s=_MCP_CLEANUP_TIMEOUT_S)
+                await self._compute.stop_mcp_broker(_sandbox(row), broker.label, timeout_s=_MCP_CLEANUP_TIMEOUT_S)
                 stopped += 1
             except BerthError as exc:
                 log.warning("mcp_broker_stop_failed", environment_id=row.id, label=broker.label, error=exc.message)
@@ -662,7 +668,7 @@ class EnvironmentDomain:
             raise InvalidArgument("file is too large", param="data")
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
-            await self._compute.write_file(row.sandbox_id, path, content)
+            await self._compute.write_file(_sandbox(row), path, content)
         async with self._db.transaction() as s:
             return await repo.upsert_registered_file(
                 s,

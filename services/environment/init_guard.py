@@ -87,9 +87,12 @@ class SetupFence:
         self.owner = owner
         self.lost = False
 
-    async def mark_sandbox_requested(self) -> None:
+    async def mark_sandbox_requested(self, node: str) -> None:
+        """Records the node the sandbox is created on, before it is."""
         async with self._db.transaction() as s:
-            ok = await repo.mark_sandbox_requested(s, self.environment_id, version=self.version, owner=self.owner)
+            ok = await repo.mark_sandbox_requested(
+                s, self.environment_id, version=self.version, owner=self.owner, node=node
+            )
         if not ok:
             self.lost = True
             raise LeaseLost(self.environment_id)

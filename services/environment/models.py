@@ -63,6 +63,10 @@ class EnvironmentRow(Base):
     sandbox_id: Mapped[str] = mapped_column(String(64))
     # True once CreateSandbox was attempted, so deletion knows to destroy.
     sandbox_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The Sandbox service node the sandbox was placed on, recorded with
+    # sandbox_requested; empty is the default node (rows from before nodes,
+    # and the single unnamed node of a deployment without BERTH_SANDBOX_ADDRS).
+    sandbox_node: Mapped[str] = mapped_column(String(128), default="")
     config: Mapped[bytes] = mapped_column(LargeBinary)
     vault_ids_json: Mapped[str] = mapped_column(Text, default="[]")
     owner_session_id: Mapped[str] = mapped_column(String(128), default="")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import bindparam, delete, false, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -38,7 +38,8 @@ __all__ = [
     "get_environment_config",
     "list_environments",
     "count_environments_by_status",
-    "environment_orgs",
+    "RecordedSandbox",
+    "recorded_sandboxes",
     "start_init",
     "renew_lease",
     "finish_init",
@@ -139,13 +140,27 @@ async def count_environments_by_status(session: AsyncSession) -> dict[str, int]:
     return {str(status): int(count) for status, count in (await session.execute(stmt)).all()}
 
 
-async def environment_orgs(session: AsyncSession, environment_ids: Collection[str]) -> dict[str, str]:
-    """The organization of each of these environments that has a row, being
-    deleted or not (for the sandbox reconciler)."""
+class RecordedSandbox(NamedTuple):
+    """What an environment's row says about its sandbox (for the sandbox reconciler)."""
+
+    org_id: str
+    sandbox_id: str
+    sandbox_node: str
+    status: str
+
+
+async def recorded_sandboxes(session: AsyncSession, environment_ids: Collection[str]) -> dict[str, RecordedSandbox]:
+    """The organization, sandbox, node and status of each of these
+    environments that has a row, being deleted or not."""
     if not environment_ids:
         return {}
-    stmt = select(EnvironmentRow.id, EnvironmentRow.org_id).where(EnvironmentRow.id.in_(list(environment_ids)))
-    return {str(env_id): str(org_id) for env_id, org_id in (await session.execute(stmt)).all()}
+    stmt = select(
+        EnvironmentRow.id, EnvironmentRow.org_id, EnvironmentRow.sandbox_id, EnvironmentRow.sandbox_node, EnvironmentRow.status
+    ).where(EnvironmentRow.id.in_(list(environment_ids)))
+    return {
+        str(env_id): RecordedSandbox(str(org_id), str(sandbox_id), str(node), str(status))
+        for env_id, org_id, sandbox_id, node, status in (await session.execute(stmt)).all()
+    }
 
 
 async def start_init(
@@ -189,9 +204,15 @@ async def renew_lease(
     return _rowcount(result) == 1
 
 
-async def mark_sandbox_requested(session: AsyncSession, environment_id: str, *, version: int, owner: str) -> bool:
+async def mark_sandbox_requested(
+    session: AsyncSession, environment_id: str, *, version: int, owner: str, node: str
+) -> bool:
+    """Records, fenced, that CreateSandbox is about to run and on which node:
+    every later call routes there, from any replica."""
     result = await session.execute(
-        update(EnvironmentRow).where(*_fenced(environment_id, version, owner)).values(sandbox_requested=True)
+        update(EnvironmentRow)
+        .where(*_fenced(environment_id, version, owner))
+        .values(sandbox_requested=True, sandbox_node=node)
     )
     return _rowcount(result) == 1
 

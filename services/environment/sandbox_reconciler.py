@@ -1,12 +1,31 @@
-"""Destroys sandboxes whose environment no longer exists.
+"""Destroys sandboxes whose environment no longer exists, or lives elsewhere.
 
 The Sandbox service cannot tell an orphan: environment identity lives here.
-A pass lists every organization's sandboxes that carry the
-``berth.environment_id`` label and destroys each one whose environment has
-no row in the sandbox's organization. Such sandboxes come from a create that
-completed after its environment was deleted (its setup owner died during
-CreateSandbox), a database restored from an older backup, or rows removed by
-hand. A pass runs on start and then every ``interval_s``.
+A pass lists, on every configured Sandbox service node, every
+organization's sandboxes that carry the ``berth.environment_id`` label and
+destroys each one whose environment has no row in the sandbox's
+organization. Such sandboxes come from a create that completed after its
+environment was deleted (its setup owner died during CreateSandbox), a
+database restored from an older backup, or rows removed by hand. A pass
+runs on start and then every ``interval_s``. A node that cannot be listed
+is skipped for that pass (and logged); the others are still reconciled.
+
+A sandbox of an existing environment found on another node than the one
+its row records is an orphan copy: nothing routes to it. It comes from a
+setup that was deferred after CreateSandbox reached one node but its answer
+did not (the node became unreachable), and whose retry was placed on
+another node because that one was still unreachable (a retry keeps the
+recorded node while it answers). It is destroyed (``node_mismatch``) only when all of these
+hold, so that a copy that might still be the environment's only sandbox is
+kept:
+
+* the environment's setup has settled (ready or failed), so no retry will
+  place its sandbox again (a retry may reuse a copy: CreateSandbox is
+  idempotent, while a destroyed identity is never created again);
+* the node the row names was listed in the same pass and holds the
+  environment's own sandbox. So an empty name (rows from before nodes, the
+  one unnamed node) is never second-guessed, and a row naming a node that
+  was removed or renamed keeps every copy until an operator sorts it out.
 
 What keeps a pass from destroying a sandbox someone still needs:
 
@@ -40,9 +59,16 @@ from services.core.errors import BerthError
 from services.core.logging import get_logger
 from services.core.metrics import ORPHAN_SANDBOXES_REAPED
 from services.environment import repository as repo
-from services.environment.compute import EnvironmentSandbox, SandboxInventory
+from services.environment.compute import EnvironmentSandbox, SandboxInventory, SandboxRef
+from services.environment.models import STATUS_FAILED, STATUS_READY
 
-__all__ = ["SandboxReconciler", "ReapedSandbox", "REASON_ENVIRONMENT_NOT_FOUND", "REASON_ORGANIZATION_MISMATCH"]
+__all__ = [
+    "SandboxReconciler",
+    "ReapedSandbox",
+    "REASON_ENVIRONMENT_NOT_FOUND",
+    "REASON_ORGANIZATION_MISMATCH",
+    "REASON_NODE_MISMATCH",
+]
 
 log = get_logger(__name__)
 
@@ -50,6 +76,11 @@ log = get_logger(__name__)
 REASON_ENVIRONMENT_NOT_FOUND = "environment_not_found"
 # The environment exists, but in another organization than the sandbox's.
 REASON_ORGANIZATION_MISMATCH = "organization_mismatch"
+# The environment exists and its sandbox is on the node its row records;
+# this one is a copy on another node.
+REASON_NODE_MISMATCH = "node_mismatch"
+
+_SETTLED = (STATUS_READY, STATUS_FAILED)
 
 # Environment IDs per query, well under every driver's parameter limit.
 _CHUNK = 500
@@ -63,6 +94,7 @@ class ReapedSandbox:
     environment_id: str
     org_id: str
     reason: str
+    node: str = ""
 
 
 class SandboxReconciler:
@@ -95,37 +127,61 @@ class SandboxReconciler:
 
     async def reconcile(self) -> list[ReapedSandbox]:
         """One pass; returns the sandboxes it destroyed. A sandbox that could
-        not be destroyed is logged and left for the next pass."""
-        listed = await self._inventory.list_environment_sandboxes()
+        not be destroyed is logged and left for the next pass. Fails only
+        when no node could be listed."""
+        nodes = list(self._inventory.node_names())
+        listings = await asyncio.gather(
+            *(self._inventory.list_environment_sandboxes(node) for node in nodes), return_exceptions=True
+        )
+        listed: list[EnvironmentSandbox] = []
+        answered = 0
+        failure: BerthError | None = None
+        for node, listing in zip(nodes, listings, strict=True):
+            if isinstance(listing, BerthError):
+                log.warning("sandbox_node_list_failed", node=node, code=listing.grpc_code.name, error=listing.message)
+                failure = listing
+            elif isinstance(listing, BaseException):
+                raise listing
+            else:
+                answered += 1
+                listed.extend(listing)
+        if answered == 0 and failure is not None:
+            raise failure
+        view = _PassView(held=frozenset((s.node, s.sandbox_id) for s in listed))
         now = self._clock()
         old = [s for s in listed if now - s.created_at >= self._grace_s]
-        orgs = await self._environment_orgs([s.environment_id for s in old])
+        recorded = await self._recorded([s.environment_id for s in old])
         reaped: list[ReapedSandbox] = []
         for sandbox in old:
-            if _reason(sandbox, orgs) is None:
+            if view.reason(sandbox, recorded) is None:
                 continue
-            done = await self._reap(sandbox)
+            done = await self._reap(sandbox, view)
             if done is not None:
                 reaped.append(done)
         return reaped
 
-    async def _environment_orgs(self, environment_ids: Sequence[str]) -> dict[str, str]:
+    async def _recorded(self, environment_ids: Sequence[str]) -> dict[str, repo.RecordedSandbox]:
         unique = sorted(set(environment_ids))
-        orgs: dict[str, str] = {}
+        recorded: dict[str, repo.RecordedSandbox] = {}
         async with self._db.transaction(read_only=True) as s:
             for i in range(0, len(unique), _CHUNK):
-                orgs.update(await repo.environment_orgs(s, unique[i : i + _CHUNK]))
-        return orgs
+                recorded.update(await repo.recorded_sandboxes(s, unique[i : i + _CHUNK]))
+        return recorded
 
-    async def _reap(self, sandbox: EnvironmentSandbox) -> ReapedSandbox | None:
+    async def _reap(self, sandbox: EnvironmentSandbox, view: _PassView) -> ReapedSandbox | None:
         # The decision is made on the row as it is now, not as the pass's
         # first read saw it.
-        reason = _reason(sandbox, await self._environment_orgs([sandbox.environment_id]))
+        reason = view.reason(sandbox, await self._recorded([sandbox.environment_id]))
         if reason is None:
             return None
-        ids = {"sandbox_id": sandbox.sandbox_id, "environment_id": sandbox.environment_id, "org_id": sandbox.org_id}
+        ids = {
+            "sandbox_id": sandbox.sandbox_id,
+            "environment_id": sandbox.environment_id,
+            "org_id": sandbox.org_id,
+            "node": sandbox.node,
+        }
         try:
-            await self._inventory.destroy_org_sandbox(sandbox.org_id, sandbox.sandbox_id)
+            await self._inventory.destroy_org_sandbox(sandbox.org_id, SandboxRef(sandbox.sandbox_id, sandbox.node))
         except BerthError as exc:
             log.warning("orphan_sandbox_reap_failed", **ids, reason=reason, error=exc.message)
             return None
@@ -146,11 +202,21 @@ class SandboxReconciler:
             await asyncio.sleep(self._interval_s)
 
 
-def _reason(sandbox: EnvironmentSandbox, orgs: dict[str, str]) -> str | None:
-    """Why the sandbox is an orphan, or None when its environment exists."""
-    org_id = orgs.get(sandbox.environment_id)
-    if org_id is None:
-        return REASON_ENVIRONMENT_NOT_FOUND
-    if org_id != sandbox.org_id:
-        return REASON_ORGANIZATION_MISMATCH
-    return None
+@dataclass(frozen=True)
+class _PassView:
+    """What one pass saw of the nodes."""
+
+    # (node, sandbox_id) of every sandbox listed, young ones included.
+    held: frozenset[tuple[str, str]]
+
+    def reason(self, sandbox: EnvironmentSandbox, recorded: dict[str, repo.RecordedSandbox]) -> str | None:
+        """Why the sandbox is an orphan, or None when it is its environment's."""
+        record = recorded.get(sandbox.environment_id)
+        if record is None:
+            return REASON_ENVIRONMENT_NOT_FOUND
+        if record.org_id != sandbox.org_id:
+            return REASON_ORGANIZATION_MISMATCH
+        node = record.sandbox_node
+        if node != sandbox.node and record.status in _SETTLED and (node, record.sandbox_id) in self.held:
+            return REASON_NODE_MISMATCH
+        return None

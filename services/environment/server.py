@@ -19,6 +19,7 @@ from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, Compute, Sa
 from services.environment.domain import EnvironmentDomain
 from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
+from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import SandboxReconciler
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
@@ -27,6 +28,8 @@ from services.environment.status_gauge import EnvironmentStatusGauge
 __all__ = ["start_environment_service"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+# How long placement waits for a node's count before skipping the node.
+_PLACEMENT_TIMEOUT_S = 5.0
 
 
 def _instance_id() -> str:
@@ -38,18 +41,25 @@ async def start_environment_service(
 ) -> ServiceHandle:
     """Opens the database, wires the guard and domain, starts the sandbox
     reconciler, and serves ``berth.environment.v1.EnvironmentService``.
-    ``compute`` replaces the Sandbox service client (tests), and then no
-    reconciler runs; by default it dials ``settings.sandbox_addr``."""
+    ``compute`` replaces the Sandbox service nodes (tests), and then no
+    reconciler runs; by default it dials every node of
+    ``settings.sandbox_nodes()``: ``sandbox_addrs``, or the one
+    ``sandbox_addr``."""
     db = await open_database(settings.database_url("environment"), "environment", _MIGRATIONS)
     closers: list[Callable[[], Awaitable[None]]] = [db.dispose]
     try:
         inventory: SandboxInventory | None = None
         if compute is None:
-            channel = open_channel(
-                settings.sandbox_addr, timeout_s=settings.rpc_timeout_s, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
+            clients: dict[str, SandboxClient] = {}
+            for node, node_address in settings.sandbox_nodes().items():
+                channel = open_channel(
+                    node_address, timeout_s=settings.rpc_timeout_s, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
+                )
+                closers.append(channel.close)
+                clients[node] = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0), node=node)
+            compute = inventory = SandboxNodes(
+                clients, placement_timeout_s=min(settings.rpc_timeout_s, _PLACEMENT_TIMEOUT_S)
             )
-            closers.append(channel.close)
-            compute = inventory = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0))
         file_store = FileStore(db, settings.data_dir / "blobs", max_bytes=settings.max_body_bytes)
         gauge = EnvironmentStatusGauge(db)
         gauge.start()

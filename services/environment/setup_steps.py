@@ -1,11 +1,12 @@
 """The setup steps an init-once operation runs in a new sandbox.
 
-Order: create the sandbox, write the configured files, install packages, run
-setup commands, install skills and plugins. Error messages never contain a
+Order: place the sandbox on a Sandbox service node and record that node on
+the environment's row, create the sandbox there, write the configured files,
+install packages, run setup commands, install skills and plugins. Error messages never contain a
 setup command body: setup commands are confidential.
 
-Creating the sandbox and writing files are idempotent, so an unreachable
-Sandbox service during those steps defers setup (``SetupUnavailable``); once
+Placing, creating the sandbox and writing files are idempotent, so an
+unreachable Sandbox service during those steps defers setup (``SetupUnavailable``); once
 a package install or setup command may have run, it fails setup for good.
 """
 
@@ -29,7 +30,7 @@ from services.core.errors import BerthError, NotFound, SandboxUnavailable
 from services.core.ids import new_id
 from services.core.settings import Settings
 from services.environment import repository as repo
-from services.environment.compute import ENVIRONMENT_LABEL, Compute, SandboxSpec
+from services.environment.compute import ENVIRONMENT_LABEL, Compute, SandboxRef, SandboxSpec
 from services.environment.file_store import FileStore
 from services.environment.init_guard import SetupFailed, SetupFence, SetupUnavailable
 from services.environment.models import EnvironmentRow, RegisteredFileRow
@@ -143,33 +144,39 @@ class EnvironmentSetup:
     async def __call__(self, environment: EnvironmentRow, fence: SetupFence) -> None:
         async with self._db.transaction() as s:
             config = environment_pb2.EnvironmentConfig.FromString(await repo.get_environment_config(s, environment.id))
-        sandbox_id = environment.sandbox_id
-
-        await fence.mark_sandbox_requested()
+        # A retry (the Sandbox service was unreachable last time) keeps the
+        # node it recorded while that node answers.
+        try:
+            node = await self._compute.place_sandbox(environment.sandbox_node if environment.sandbox_requested else None)
+        except SandboxUnavailable:
+            raise SetupUnavailable(environment.id) from None
+        await fence.mark_sandbox_requested(node)
+        sandbox = SandboxRef(environment.sandbox_id, node)
         spec = SandboxSpec(
-            sandbox_id=sandbox_id,
             labels={ENVIRONMENT_LABEL: environment.id, "berth.org": environment.org_id},
             network=config.network,
             env=sandbox_env(config, self._settings),
             container_size=config.container_size,
         )
         try:
-            await self._compute.create_sandbox(spec)
+            await self._compute.create_sandbox(sandbox, spec)
         except SandboxUnavailable:
             raise SetupUnavailable(environment.id) from None
         except BerthError as exc:
             raise SetupFailed("sandbox_create_failed", f"the sandbox could not be created: {exc.message}") from exc
 
-        await self._write_files(environment, config)
+        await self._write_files(environment, sandbox, config)
         try:
-            await self._install_packages(sandbox_id, config.packages)
-            await self._run_setup_commands(sandbox_id, config.setup_commands)
-            await self._install_archives(sandbox_id, config.skills_json, kind="skill", root=SKILLS_DIR)
-            await self._install_archives(sandbox_id, config.plugins_json, kind="plugin", root=PLUGINS_DIR)
+            await self._install_packages(sandbox, config.packages)
+            await self._run_setup_commands(sandbox, config.setup_commands)
+            await self._install_archives(sandbox, config.skills_json, kind="skill", root=SKILLS_DIR)
+            await self._install_archives(sandbox, config.plugins_json, kind="plugin", root=PLUGINS_DIR)
         except SandboxUnavailable as exc:
             raise SetupFailed("sandbox_unavailable", "the sandbox became unavailable during setup") from exc
 
-    async def _write_files(self, environment: EnvironmentRow, config: environment_pb2.EnvironmentConfig) -> None:
+    async def _write_files(
+        self, environment: EnvironmentRow, sandbox: SandboxRef, config: environment_pb2.EnvironmentConfig
+    ) -> None:
         registered: list[RegisteredFileRow] = []
         now = time.time()
         for i, f in enumerate(config.files):
@@ -184,7 +191,7 @@ class EnvironmentSetup:
                 data = f.data
                 source = "inline"
             try:
-                await self._compute.write_file(environment.sandbox_id, f.path, data)
+                await self._compute.write_file(sandbox, f.path, data)
             except SandboxUnavailable:
                 raise SetupUnavailable(environment.id) from None
             except BerthError as exc:
@@ -206,15 +213,15 @@ class EnvironmentSetup:
                 for row in registered:
                     await repo.upsert_registered_file(s, row)
 
-    async def _exec(self, sandbox_id: str, *, argv: Sequence[str] = (), shell: str = "", cwd: str = WORKSPACE,
+    async def _exec(self, sandbox: SandboxRef, *, argv: Sequence[str] = (), shell: str = "", cwd: str = WORKSPACE,
                     env: Mapping[str, str] | None = None) -> tuple[int, bool]:
         exit_code, timed_out = -1, False
-        async for event in self._compute.exec(sandbox_id, argv=argv, shell=shell, cwd=cwd, env=env):
+        async for event in self._compute.exec(sandbox, argv=argv, shell=shell, cwd=cwd, env=env):
             if isinstance(event, common_pb2.ExitStatus):
                 exit_code, timed_out = event.exit_code, event.timed_out
         return exit_code, timed_out
 
-    async def _install_packages(self, sandbox_id: str, packages: environment_pb2.Packages) -> None:
+    async def _install_packages(self, sandbox: SandboxRef, packages: environment_pb2.Packages) -> None:
         steps: list[tuple[str, list[str], dict[str, str]]] = []
         if packages.system:
             steps.append(("system", ["apt-get", "install", "-y", *packages.system], {"DEBIAN_FRONTEND": "noninteractive"}))
@@ -224,7 +231,7 @@ class EnvironmentSetup:
             steps.append(("npm", ["npm", "install", "-g", *packages.npm], {}))
         for kind, argv, env in steps:
             try:
-                code, timed_out = await self._exec(sandbox_id, argv=argv, env=env)
+                code, timed_out = await self._exec(sandbox, argv=argv, env=env)
             except SandboxUnavailable:
                 raise
             except BerthError as exc:
@@ -233,10 +240,10 @@ class EnvironmentSetup:
             if code != 0 or timed_out:
                 raise SetupFailed("package_install_failed", f"{kind} package installation exited with status {code}")
 
-    async def _run_setup_commands(self, sandbox_id: str, commands: Sequence[environment_pb2.SetupCommand]) -> None:
+    async def _run_setup_commands(self, sandbox: SandboxRef, commands: Sequence[environment_pb2.SetupCommand]) -> None:
         for i, command in enumerate(commands, start=1):
             try:
-                code, timed_out = await self._exec(sandbox_id, shell=command.command, cwd=command.cwd or WORKSPACE)
+                code, timed_out = await self._exec(sandbox, shell=command.command, cwd=command.cwd or WORKSPACE)
             except SandboxUnavailable:
                 raise
             except BerthError as exc:
@@ -247,7 +254,7 @@ class EnvironmentSetup:
             if code != 0:
                 raise SetupFailed("setup_command_failed", f"setup command {i} exited with status {code}")
 
-    async def _install_archives(self, sandbox_id: str, raw: str, *, kind: str, root: str) -> None:
+    async def _install_archives(self, sandbox: SandboxRef, raw: str, *, kind: str, root: str) -> None:
         limit = self._settings.max_body_bytes * 4
         try:
             capabilities = parse_capabilities(raw, kind=kind, max_bytes=limit)
@@ -258,7 +265,7 @@ class EnvironmentSetup:
                 continue  # by-ID skills are recorded in the configuration only
             try:
                 for rel, data, mode in _archive_members(cap.archive, max_bytes=limit):
-                    await self._compute.write_file(sandbox_id, f"{root}/{cap.name}/{rel}", data, mode=mode)
+                    await self._compute.write_file(sandbox, f"{root}/{cap.name}/{rel}", data, mode=mode)
             except SandboxUnavailable:
                 raise
             except (BerthError, ValueError, zipfile.BadZipFile) as exc:

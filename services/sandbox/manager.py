@@ -44,6 +44,9 @@ __all__ = ["SandboxManager", "SandboxRecord", "CreateParams", "SIZES"]
 # (0 unspecified = small, 1 small, 2 medium, 3 large).
 SIZES: dict[int, tuple[int, int]] = {0: (1000, 1024), 1: (1000, 1024), 2: (2000, 4096), 3: (4000, 8192)}
 
+# States in which a sandbox holds the node's resources.
+_LIVE_STATES = ("creating", "running", "paused")
+
 log = get_logger(__name__)
 
 
@@ -277,6 +280,13 @@ class SandboxManager:
         page = records[:size]
         token = page[-1].sandbox_id if len(records) > size else ""
         return page, token
+
+    async def count_live(self) -> int:
+        """Sandboxes of every organization that hold resources here: the
+        load the Environment service places new sandboxes by."""
+        async with self._db.transaction(read_only=True) as s:
+            stmt = select(func.count()).select_from(SandboxRow).where(SandboxRow.state.in_(_LIVE_STATES))
+            return int((await s.execute(stmt)).scalar_one())
 
     async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
         size = page_size if 0 < page_size <= 1000 else 100

@@ -201,6 +201,9 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
             sandboxes=[_labeled(r, request.label_key) for r in records], next_page_token=token
         )
 
+    async def CountSandboxes(self, request: pb.CountSandboxesRequest, context: grpc.aio.ServicerContext) -> pb.CountSandboxesResponse:
+        return pb.CountSandboxesResponse(live_count=await self._m.count_live())
+
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExecResponse]:
         argv, shell = _command(list(request.argv), request.shell)
         async with self._m.operation(current_org(), request.sandbox_id) as client:

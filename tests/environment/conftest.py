@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import ORGS, Cluster, EnvService, SandboxService, md
+from environment_helpers import ORGS, Cluster, EnvService, SandboxNodePool, SandboxService, md
 
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
@@ -88,3 +88,18 @@ async def sandbox_service(tmp_path: Path) -> AsyncIterator[SandboxService]:
                 )
         await channel.close()
         await handle.stop(0.2)
+
+
+@pytest.fixture
+async def sandbox_nodes(tmp_path: Path) -> AsyncIterator[SandboxNodePool]:
+    """Two real Sandbox services on bubblewrap, nodes ``a`` and ``b``; every
+    sandbox on them is destroyed at teardown."""
+    if shutil.which("bwrap") is None:
+        _require_or_skip("bubblewrap", "BERTH_REQUIRE_BWRAP", "bwrap is not installed (apt-get install -y bubblewrap)")
+    pool = SandboxNodePool(tmp_path)
+    try:
+        await pool.start("a")
+        await pool.start("b")
+        yield pool
+    finally:
+        await pool.close()

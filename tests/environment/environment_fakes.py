@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2
 from services.core.errors import McpServerDead, NotFound, SandboxUnavailable
-from services.environment.compute import ExecEvent, SandboxSpec
+from services.environment.compute import ExecEvent, SandboxRef, SandboxSpec
 
 
 @dataclass
@@ -49,23 +49,28 @@ class FakeCompute:
         if self.unavailable:
             raise SandboxUnavailable("sandbox service unreachable")
 
-    async def create_sandbox(self, spec: SandboxSpec) -> None:
+    async def place_sandbox(self, previous_node: str | None) -> str:
+        self._check()
+        return ""
+
+    async def create_sandbox(self, sandbox: SandboxRef, spec: SandboxSpec) -> None:
         self._check()
         self.created.append(spec)
-        self.files.setdefault(spec.sandbox_id, {})
+        self.files.setdefault(sandbox.sandbox_id, {})
         self.create_started.set()
         if self.create_gate is not None:
             await self.create_gate.wait()
 
-    async def destroy_sandbox(self, sandbox_id: str) -> None:
+    async def destroy_sandbox(self, sandbox: SandboxRef) -> None:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         self.mcp_calls.append(("destroy", sandbox_id, ""))
         self.destroyed.append(sandbox_id)
         self.files.pop(sandbox_id, None)
 
     async def exec(
         self,
-        sandbox_id: str,
+        sandbox: SandboxRef,
         *,
         argv: Sequence[str] = (),
         shell: str = "",
@@ -74,7 +79,7 @@ class FakeCompute:
         timeout_ms: int = 0,
     ) -> AsyncIterator[ExecEvent]:
         self._check()
-        call = ExecCall(sandbox_id, list(argv), shell, cwd, dict(env or {}))
+        call = ExecCall(sandbox.sandbox_id, list(argv), shell, cwd, dict(env or {}))
         self.execs.append(call)
         code = 0
         try:
@@ -86,20 +91,23 @@ class FakeCompute:
         yield common_pb2.OutputChunk(stream=common_pb2.OUTPUT_STREAM_STDOUT, seq=0, data=b"ok\n")
         yield common_pb2.ExitStatus(exit_code=code)
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
+    async def write_file(self, sandbox: SandboxRef, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         self.files.setdefault(sandbox_id, {})[path] = data
         return common_pb2.FileEntry(path=path, type=common_pb2.FILE_TYPE_FILE, size_bytes=len(data))
 
-    async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
+    async def read_file(self, sandbox: SandboxRef, path: str) -> AsyncIterator[tuple[bytes, int]]:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         data = self.files.get(sandbox_id, {}).get(path)
         if data is None:
             raise NotFound(f"{path} does not exist")
         yield data, len(data)
 
-    async def list_files(self, sandbox_id: str, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]:
+    async def list_files(self, sandbox: SandboxRef, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         prefix = path.rstrip("/") + "/"
         found = [
             common_pb2.FileEntry(path=p, type=common_pb2.FILE_TYPE_FILE, size_bytes=len(d))
@@ -111,9 +119,10 @@ class FakeCompute:
         return found
 
     async def start_mcp_broker(
-        self, sandbox_id: str, label: str, transport: sandbox_pb2.McpTransport
+        self, sandbox: SandboxRef, label: str, transport: sandbox_pb2.McpTransport
     ) -> tuple[sandbox_pb2.McpBroker, bool]:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         brokers = self.brokers.setdefault(sandbox_id, {})
         if label in brokers:
             return brokers[label], False
@@ -123,12 +132,14 @@ class FakeCompute:
         )
         return brokers[label], True
 
-    async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]:
+    async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         return list(self.brokers.get(sandbox_id, {}).values())
 
-    async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
+    async def send_mcp_message(self, sandbox: SandboxRef, label: str, message_json: str, *, timeout_s: float) -> str:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         broker = self.brokers.get(sandbox_id, {}).get(label)
         if broker is None:
             raise NotFound(f"no MCP broker {label}")
@@ -136,15 +147,17 @@ class FakeCompute:
             raise McpServerDead(f"MCP server {label} is dead")
         return message_json
 
-    async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker:
+    async def stop_mcp_broker(self, sandbox: SandboxRef, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         self.mcp_calls.append(("stop", sandbox_id, label))
         broker = self.brokers[sandbox_id][label]
         broker.state = sandbox_pb2.MCP_BROKER_STATE_DEAD
         return broker
 
-    async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool:
+    async def close_mcp_upstream(self, sandbox: SandboxRef, label: str, *, timeout_s: float) -> bool:
         self._check()
+        sandbox_id = sandbox.sandbox_id
         self.mcp_calls.append(("close", sandbox_id, label))
         broker = self.brokers.get(sandbox_id, {}).get(label)
         return broker is not None and broker.transport_type == sandbox_pb2.MCP_TRANSPORT_TYPE_HTTP

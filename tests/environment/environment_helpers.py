@@ -112,6 +112,67 @@ class SandboxService:
         return data
 
 
+@dataclass
+class SandboxNodePool:
+    """Real Sandbox services as named nodes, each on its own data dir (so
+    its own database and workspaces), that a test can stop and start."""
+
+    tmp_path: Path
+    running: dict[str, SandboxService] = field(default_factory=dict)
+    started: list[str] = field(default_factory=list)
+
+    def data_dir(self, name: str) -> Path:
+        return (self.tmp_path / f"node_{name}").resolve()
+
+    def workspace(self, name: str, sandbox_id: str) -> Path:
+        """Where the local backend of node ``name`` keeps a sandbox's /workspace."""
+        return self.data_dir(name) / "sandboxes" / sandbox_id / "workspace"
+
+    async def start(self, name: str) -> SandboxService:
+        from services.sandbox.server import start_sandbox_service
+
+        settings = Settings(data_dir=self.data_dir(name), sandbox_idle_pause_s=0)
+        handle = await start_sandbox_service(settings, address="127.0.0.1:0")
+        channel = grpc.aio.insecure_channel(handle.address)
+        service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
+        self.running[name] = service
+        if name not in self.started:
+            self.started.append(name)
+        return service
+
+    async def stop(self, name: str) -> None:
+        """Takes the node down; its sandboxes outlive it, as on a real host."""
+        service = self.running.pop(name)
+        await service.channel.close()
+        await service.handle.stop(0.2)
+
+    def addrs(self, *names: str) -> list[str]:
+        """``BERTH_SANDBOX_ADDRS`` entries of running nodes, in this order."""
+        return [f"{name}={self.running[name].address}" for name in names]
+
+    async def holds(self, name: str, sandbox_id: str, org: str = "org_a") -> bool:
+        try:
+            await self.running[name].stub.GetSandbox(sandbox_service_pb2.GetSandboxRequest(sandbox_id=sandbox_id), metadata=md(org))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def close(self) -> None:
+        """Destroys every sandbox on every node ever started (starting a
+        stopped node again for that), then stops them."""
+        for name in self.started:
+            service = self.running.get(name) or await self.start(name)
+            for org in ORGS:
+                listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
+                for sandbox in listed.sandboxes:
+                    await service.stub.DestroySandbox(
+                        sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
+                    )
+            await self.stop(name)
+
+
 async def create_env(stub: EnvStub, org: str = "org_a", **kwargs: Any) -> pb.CreateEnvironmentResponse:
     config = kwargs.pop("config", None) or environment_pb2.EnvironmentConfig()
     response: pb.CreateEnvironmentResponse = await stub.CreateEnvironment(

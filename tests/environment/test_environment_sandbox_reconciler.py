@@ -21,6 +21,7 @@ from services.core.grpc_server import open_channel
 from services.core.settings import normalize_database_url
 from services.environment import repository as repo
 from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, SandboxClient
+from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import (
     REASON_ENVIRONMENT_NOT_FOUND,
     REASON_ORGANIZATION_MISMATCH,
@@ -51,13 +52,23 @@ async def make_reconciler(sandbox_service: SandboxService) -> AsyncIterator[Make
     channel, as separate replicas have."""
     closers: list[Callable[[], Awaitable[None]]] = []
 
-    async def make(database_url: str, *, grace_s: float = 0.0, clock: Callable[[], float] = time.time) -> SandboxReconciler:
+    async def make(
+        database_url: str,
+        *,
+        grace_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
+        nodes: dict[str, str] | None = None,
+    ) -> SandboxReconciler:
+        """``nodes`` (name -> address) defaults to the one unnamed node."""
         db = await open_database(normalize_database_url(database_url), "environment", MIGRATIONS)
         closers.append(db.dispose)
-        channel = open_channel(sandbox_service.address, timeout_s=10, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS)
-        closers.append(channel.close)
-        client = SandboxClient(channel, create_timeout_s=60)
-        return SandboxReconciler(db, client, interval_s=3600, grace_s=grace_s, clock=clock)
+        clients: dict[str, SandboxClient] = {}
+        for name, address in (nodes or {"": sandbox_service.address}).items():
+            channel = open_channel(address, timeout_s=10, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS)
+            closers.append(channel.close)
+            clients[name] = SandboxClient(channel, create_timeout_s=60, node=name)
+        inventory = SandboxNodes(clients, placement_timeout_s=5)
+        return SandboxReconciler(db, inventory, interval_s=3600, grace_s=grace_s, clock=clock)
 
     try:
         yield make

@@ -1,5 +1,6 @@
-"""ListLabeledSandboxes: the internal cross-organization listing the
-Environment service's reconciler reads, over real gRPC on bubblewrap."""
+"""ListLabeledSandboxes and CountSandboxes: the internal cross-organization
+listing the Environment service's reconciler reads, and the count its
+placement reads, over real gRPC on bubblewrap."""
 
 from __future__ import annotations
 
@@ -70,3 +71,17 @@ async def test_listing_labelled_sandboxes_needs_a_label_key(stub: Stub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.ListLabeledSandboxes(pb.ListLabeledSandboxesRequest(), metadata=CALLER)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_every_organizations_live_sandboxes_are_counted_and_destroyed_ones_are_not(stub: Stub) -> None:
+    assert (await stub.CountSandboxes(pb.CountSandboxesRequest(), metadata=CALLER)).live_count == 0
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_a"), metadata=ORG_A)
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_b", labels={LABEL: "env_b"}), metadata=ORG_B)
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_paused"), metadata=ORG_A)
+    await stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id="sbx_paused"), metadata=ORG_A)
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+
+    counted = await stub.CountSandboxes(pb.CountSandboxesRequest(), metadata=CALLER)
+
+    assert counted.live_count == 3

@@ -318,6 +318,45 @@ class ListLabeledSandboxesResponse(_message.Message):
 Global___ListLabeledSandboxesResponse: _TypeAlias = ListLabeledSandboxesResponse  # noqa: Y015
 
 @_typing.final
+class CountSandboxesRequest(_message.Message):
+    """Request for CountSandboxes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CountSandboxesRequest: _TypeAlias = CountSandboxesRequest  # noqa: Y015
+
+@_typing.final
+class CountSandboxesResponse(_message.Message):
+    """Response for CountSandboxes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIVE_COUNT_FIELD_NUMBER: _builtins.int
+    live_count: _builtins.int
+    """Sandboxes of every organization that are creating, running or paused."""
+    def __init__(
+        self,
+        *,
+        live_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["live_count", b"live_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CountSandboxesResponse: _TypeAlias = CountSandboxesResponse  # noqa: Y015
+
+@_typing.final
 class ExecRequest(_message.Message):
     """Request for Exec."""
 

@@ -55,6 +55,11 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesResponse.FromString,
                 _registered_method=True)
+        self.CountSandboxes = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/CountSandboxes',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CountSandboxesRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CountSandboxesResponse.FromString,
+                _registered_method=True)
         self.Exec = channel.unary_stream(
                 '/berth.sandbox.v1.SandboxService/Exec',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ExecRequest.SerializeToString,
@@ -179,6 +184,17 @@ class SandboxServiceServicer:
         service for berth.environment_id); the gateway never exposes it. The
         organization metadata is required as on every RPC but does not scope
         the result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CountSandboxes(self, request, context):
+        """Counts, across every organization, the sandboxes that hold resources on
+        this node (creating, running or paused). Internal: the Environment
+        service places new sandboxes on the least loaded node with it. It tells
+        no identities; the organization metadata is required as on every RPC
+        but does not scope the count.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -341,6 +357,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.ListLabeledSandboxes,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesResponse.SerializeToString,
+            ),
+            'CountSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountSandboxes,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CountSandboxesRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CountSandboxesResponse.SerializeToString,
             ),
             'Exec': grpc.unary_stream_rpc_method_handler(
                     servicer.Exec,
@@ -542,6 +563,33 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/ListLabeledSandboxes',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/CountSandboxes',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CountSandboxesRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CountSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,13 @@ class SandboxServiceStub:
     organization metadata is required as on every RPC but does not scope
     the result.
     """
+    CountSandboxes: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.CountSandboxesRequest, _sandbox_service_pb2.CountSandboxesResponse]
+    """Counts, across every organization, the sandboxes that hold resources on
+    this node (creating, running or paused). Internal: the Environment
+    service places new sandboxes on the least loaded node with it. It tells
+    no identities; the organization metadata is required as on every RPC
+    but does not scope the count.
+    """
     Exec: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]
     """Runs a command and streams its output, then its exit status.
     Cancelling the call kills the command's process tree.
@@ -120,6 +127,13 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     service for berth.environment_id); the gateway never exposes it. The
     organization metadata is required as on every RPC but does not scope
     the result.
+    """
+    CountSandboxes: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.CountSandboxesRequest, _sandbox_service_pb2.CountSandboxesResponse]  # type: ignore[assignment]
+    """Counts, across every organization, the sandboxes that hold resources on
+    this node (creating, running or paused). Internal: the Environment
+    service places new sandboxes on the least loaded node with it. It tells
+    no identities; the organization metadata is required as on every RPC
+    but does not scope the count.
     """
     Exec: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]  # type: ignore[assignment]
     """Runs a command and streams its output, then its exit status.
@@ -212,6 +226,19 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         service for berth.environment_id); the gateway never exposes it. The
         organization metadata is required as on every RPC but does not scope
         the result.
+        """
+
+    @_abc_1.abstractmethod
+    def CountSandboxes(
+        self,
+        request: _sandbox_service_pb2.CountSandboxesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.CountSandboxesResponse, _abc.Awaitable[_sandbox_service_pb2.CountSandboxesResponse]]:
+        """Counts, across every organization, the sandboxes that hold resources on
+        this node (creating, running or paused). Internal: the Environment
+        service places new sandboxes on the least loaded node with it. It tells
+        no identities; the organization metadata is required as on every RPC
+        but does not scope the count.
         """
 
     @_abc_1.abstractmethod
