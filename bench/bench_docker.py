@@ -1,23 +1,27 @@
 """The ``docker`` sandbox backend (BERTH_SANDBOX_BACKEND=docker, image
 BERTH_DOCKER_IMAGE, default ``berth-sandbox:latest``).
 
-Cold start: POST a session with an inline environment (network disabled)
-through the gateway, then its first exec, ``true`` through the Environment
-service's ExecCommand (what the harness calls), until its exit status
-arrives. That provisions the sandbox: a container with sandboxd as its
-entrypoint, claimed from the docker backend's warm pool (default
-BERTH_DOCKER_POOL_SIZE). Baseline in the same run: ``docker run --rm
---network none <image> true`` through the Docker SDK. Target: p50 under
-500 ms. Two more rows time the backend alone (DockerBackend.create plus one
-exec through sandboxd), with a warm pool and with none
-(``docker_pool_size=0``: every create starts a fresh container, which is
-also what a create costs when a burst has emptied the pool).
+Cold start: POST a session with an inline environment through the
+gateway, then its first exec, ``true`` through the Environment service's
+ExecCommand (what the harness calls), until its exit status arrives. That
+provisions the sandbox: a container with sandboxd as its entrypoint,
+claimed from the docker backend's warm pools (default BERTH_DOCKER_POOL_SIZE
+and BERTH_DOCKER_POOL_NETWORKS). One row per network policy: ``disabled``;
+the default, ``enabled`` (an environment without a network setting), on the
+engine's enabled network; and ``restricted``, whose create also starts the
+sandbox's egress proxy and sandboxd's relay to it. Baseline in the same
+run: ``docker run --rm --network none <image> true`` through the Docker SDK.
+Target: p50 under 500 ms. Two more rows time the backend alone
+(DockerBackend.create plus one exec through sandboxd, network disabled),
+with a warm pool and with none (``docker_pool_size=0``: every create starts
+a fresh container, which is also what a create costs when a burst has
+emptied the pool).
 
-The pool is measured in its steady state: before every sample (of every
+The pools are measured in their steady state: before every sample (of every
 series, the baseline included) the run waits, untimed, until every pool is
-full again, so no sample competes with a refill. The stack's pool counts as
-full when as many pool slot directories as its size hold a sandboxd that
-answers.
+full again, so no sample competes with a refill. The stack's pools count as
+full when as many pool slot directories as their sizes add up to hold a
+sandboxd that answers.
 
 Warm exec: ``true`` in a running docker sandbox through SandboxService.Exec
 (gRPC -> service -> sandboxd) and straight through DaemonClient, against
@@ -53,6 +57,13 @@ COLD_RUNS = 15
 WARM_RUNS = 200
 DOCKER_EXEC_RUNS = 40
 POOL_SIZE = 2
+# The stack's pre-filled pools: restricted sandboxes are served by disabled's.
+STACK_POOLS = ("enabled", "disabled")
+NETWORKS: dict[str, dict[str, object]] = {
+    "disabled": {"access": "disabled"},
+    "enabled": {},  # no network setting: the default
+    "restricted": {"access": "restricted", "allowed_domains": ["example.com"]},
+}
 REFILL_TIMEOUT_S = 300.0
 ORG = (("x-berth-org", "bench"),)
 
@@ -90,7 +101,7 @@ async def _warm_in(data_dir: Path) -> int:
 
 
 async def _cold_start(tmp: Path, client: Any) -> list[Result]:
-    """The four series run interleaved, one sample of each per round in a
+    """The six series run interleaved, one sample of each per round in a
     rotating order, so a busy engine (vfs copies and deletes whole image
     layers) weighs on all of them alike."""
     from services.sandbox.backends.base import SandboxSpec
@@ -98,12 +109,19 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
     from services.sandbox.daemon_client import DaemonClient
 
     stack_dir, backend_dir, fresh_dir = tmp / "cold", tmp / "backend", tmp / "backend-no-pool"
-    backend = DockerBackend(Settings(data_dir=backend_dir, docker_image=IMAGE, docker_pool_size=POOL_SIZE))
+    backend = DockerBackend(
+        Settings(data_dir=backend_dir, docker_image=IMAGE, docker_pool_size=POOL_SIZE, docker_pool_networks=["disabled"])
+    )
     no_pool = DockerBackend(Settings(data_dir=fresh_dir, docker_image=IMAGE, docker_pool_size=0))
-    body = {"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted", "network": {"access": "disabled"}}}
     await backend.start()
     try:
-        async with running_stack(stack_dir, sandbox_backend="docker", docker_image=IMAGE, docker_pool_size=POOL_SIZE) as stack:
+        async with running_stack(
+            stack_dir,
+            sandbox_backend="docker",
+            docker_image=IMAGE,
+            docker_pool_size=POOL_SIZE,
+            docker_pool_networks=list(STACK_POOLS),
+        ) as stack:
             record, _ = await create_key(stack.gateway.database, "bench", ["tasks:read"])
             org = (("x-berth-org", record.org_id),)
             channel = grpc.aio.insecure_channel(stack.settings.environment_addr)
@@ -111,7 +129,11 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
             try:
                 async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers, timeout=120) as http:
 
-                    async def through_services() -> str:
+                    async def through_services(network: str) -> str:
+                        environment: dict[str, object] = {"type": "openai_hosted"}
+                        if NETWORKS[network]:
+                            environment["network"] = NETWORKS[network]
+                        body = {"agent": {"model": "scripted"}, "environment": environment}
                         created = await http.post("/agents/sessions", json=body)
                         created.raise_for_status()
                         session_id = str(created.json()["id"])
@@ -141,22 +163,23 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
                     async def pools_full() -> None:
                         loop = asyncio.get_running_loop()
                         deadline = loop.time() + REFILL_TIMEOUT_S
-                        while backend.warm_count() < POOL_SIZE or await _warm_in(stack_dir) < POOL_SIZE:
+                        stack_pools = POOL_SIZE * len(STACK_POOLS)
+                        while backend.warm_count() < POOL_SIZE or await _warm_in(stack_dir) < stack_pools:
                             if loop.time() > deadline:
                                 raise RuntimeError(f"warm pools not refilled within {REFILL_TIMEOUT_S}s")
                             await asyncio.sleep(0.05)
 
-                    kinds = ("services", "backend", "no_pool", "baseline")
+                    kinds = (*NETWORKS, "backend", "no_pool", "baseline")
                     samples: dict[str, list[float]] = {kind: [] for kind in kinds}
                     for i in range(COLD_RUNS + 1):  # the first round is a warm-up
-                        session_id, handles = "", []
+                        session_ids, handles = [], []
                         # The order rotates: the engine finishes removing the
                         # previous round's containers in the background.
                         for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
                             await pools_full()
                             t0 = time.perf_counter()
-                            if kind == "services":
-                                session_id = await through_services()
+                            if kind in NETWORKS:
+                                session_ids.append(await through_services(kind))
                             elif kind == "backend":
                                 handles.append((backend, await backend_alone(backend, i)))
                             elif kind == "no_pool":
@@ -166,8 +189,9 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
                             elapsed = (time.perf_counter() - t0) * 1000
                             if i:
                                 samples[kind].append(elapsed)
-                        # Not timed: deleting the session destroys its private environment's sandbox.
-                        (await http.delete(f"/agents/sessions/{session_id}")).raise_for_status()
+                        # Not timed: deleting a session destroys its private environment's sandbox.
+                        for session_id in session_ids:
+                            (await http.delete(f"/agents/sessions/{session_id}")).raise_for_status()
                         for owner, handle in handles:
                             await owner.destroy(handle)
             finally:
@@ -178,12 +202,15 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
             await asyncio.to_thread(_remove_installation, client, data_dir.resolve())
     base = samples["baseline"]
     return [
-        summarize(
-            "docker: session create + first exec (cold, warm pool)",
-            samples["services"],
-            "docker run --rm true (SDK)",
-            base,
-            "p50 < 500 ms",
+        *(
+            summarize(
+                f"docker: session+exec, {network} (warm pool)",
+                samples[network],
+                "docker run --rm true (SDK)",
+                base,
+                "p50 < 500 ms",
+            )
+            for network in NETWORKS
         ),
         summarize("docker: backend create + first exec (warm pool)", samples["backend"], "docker run --rm true (SDK)", base),
         summarize("docker: backend create + first exec (pool empty)", samples["no_pool"], "docker run --rm true (SDK)", base),

@@ -1,4 +1,5 @@
-"""Settings read from ``BERTH_*`` variables: the sandbox node list."""
+"""Settings read from ``BERTH_*`` variables: the sandbox node list and the
+docker warm pool's networks."""
 
 from __future__ import annotations
 
@@ -26,5 +27,20 @@ def test_a_sandbox_node_list_with_a_duplicate_name_or_a_bad_entry_is_refused(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
     monkeypatch.setenv("BERTH_SANDBOX_ADDRS", value)
+    with pytest.raises(ValidationError):
+        Settings()
+
+
+def test_the_docker_pool_pre_fills_enabled_and_disabled_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BERTH_DOCKER_POOL_NETWORKS", raising=False)
+    assert Settings().docker_pool_networks == ["enabled", "disabled"]
+    monkeypatch.setenv("BERTH_DOCKER_POOL_NETWORKS", " restricted,enabled ")
+    assert Settings().docker_pool_networks == ["restricted", "enabled"]
+    monkeypatch.setenv("BERTH_DOCKER_POOL_NETWORKS", "")
+    assert Settings().docker_pool_networks == []
+
+
+def test_an_unknown_network_policy_in_the_docker_pool_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BERTH_DOCKER_POOL_NETWORKS", "enabled,offline")
     with pytest.raises(ValidationError):
         Settings()

@@ -75,14 +75,19 @@ class Harness:
 
     async def backend(self) -> SandboxBackend:
         """The module's started backend. The docker one keeps its default
-        warm pool, filled before the first sandbox, so sandboxes without
-        network are claimed pool containers whenever one is ready."""
+        warm pools (``enabled`` and ``disabled``, which serves ``restricted``
+        too), filled before the first sandbox, so sandboxes of every policy
+        are claimed pool containers whenever one is ready."""
         if not self.started:
             backend = self.new_backend()
             await backend.start()
             self.started.append(backend)
             if isinstance(backend, DockerBackend):
-                await wait_for(lambda: backend.warm_count() == backend.pool_size, timeout=180, message="warm pool filled")
+                await wait_for(
+                    lambda: backend.warm_count("disabled") == backend.warm_count("enabled") == backend.pool_size,
+                    timeout=150,
+                    message="warm pools filled",
+                )
         return self.started[0]
 
     async def make(self, sandbox_id: str, network: NetworkPolicy = "disabled", backend: SandboxBackend | None = None) -> Sandbox:

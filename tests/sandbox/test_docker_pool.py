@@ -1,12 +1,14 @@
-"""The docker backend's warm pool on a real engine: sandboxes without network
-are made of pre-started containers, and nothing shows it from inside."""
+"""The docker backend's warm pool on a real engine: sandboxes of every network
+policy are made of pre-started containers, and nothing shows it from inside."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import shutil
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,7 @@ from sandbox_support import WaitFor
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 
 from services.core.settings import Settings
-from services.sandbox.backends.base import BackendHandle, NetworkPolicy, SandboxSpec
+from services.sandbox.backends.base import EGRESS_SOCKET_IN_SANDBOX, BackendHandle, NetworkPolicy, SandboxSpec, egress_env
 from services.sandbox.backends.docker import DockerBackend, installation_id
 from services.sandbox.daemon_client import DaemonClient
 
@@ -44,25 +46,39 @@ class Pools:
     data_dir: Path
     backends: list[DockerBackend] = field(default_factory=list)
     made: list[tuple[DockerBackend, BackendHandle]] = field(default_factory=list)
+    networks: list[str] = field(default_factory=list)
 
     @property
     def installation(self) -> str:
         return installation_id(self.data_dir)
 
-    def backend(self, pool_size: int = 1) -> DockerBackend:
-        backend = DockerBackend(Settings(data_dir=self.data_dir, docker_image=self.image, docker_pool_size=pool_size))
+    def backend(
+        self, pool_size: int = 1, networks: tuple[NetworkPolicy, ...] = ("disabled",), docker_network: str = ""
+    ) -> DockerBackend:
+        """A backend of this data dir; by default only its ``disabled`` pool
+        is pre-filled, so most tests wait for one container only."""
+        settings = Settings(
+            data_dir=self.data_dir,
+            docker_image=self.image,
+            docker_pool_size=pool_size,
+            docker_pool_networks=list(networks),
+            docker_network=docker_network,
+        )
+        backend = DockerBackend(settings)
         self.backends.append(backend)
         return backend
 
-    async def started(self, wait_for: WaitFor, pool_size: int = 1) -> DockerBackend:
-        """A started backend whose pool is full."""
-        backend = self.backend(pool_size)
+    async def started(
+        self, wait_for: WaitFor, pool_size: int = 1, network: NetworkPolicy = "disabled", docker_network: str = ""
+    ) -> DockerBackend:
+        """A started backend whose pool for ``network`` is pre-filled and full."""
+        backend = self.backend(pool_size, (network,), docker_network)
         await backend.start()
-        await self.full(backend, wait_for)
+        await self.full(backend, wait_for, network)
         return backend
 
-    async def full(self, backend: DockerBackend, wait_for: WaitFor) -> None:
-        await wait_for(lambda: backend.warm_count() == backend.pool_size, timeout=FILL_S, message="pool full")
+    async def full(self, backend: DockerBackend, wait_for: WaitFor, network: NetworkPolicy = "disabled") -> None:
+        await wait_for(lambda: backend.warm_count(network) == backend.pool_size, timeout=FILL_S, message=f"{network} pool full")
 
     async def create(self, backend: DockerBackend, sandbox_id: str, network: NetworkPolicy = "disabled") -> BackendHandle:
         spec = SandboxSpec(
@@ -86,6 +102,17 @@ class Pools:
         root = self.data_dir / "docker" / "pool"
         return sorted(root.iterdir()) if root.is_dir() else []
 
+    def network_name(self, suffix: str) -> str:
+        """A Docker network of this test only, removed after it."""
+        name = f"berth-test-{self.installation}-{suffix}"
+        self.networks.append(name)
+        return name
+
+    def networks_of(self, container_id: str) -> tuple[str, list[str]]:
+        """The container's network mode and the networks it is attached to now."""
+        attrs = self.engine.containers.get(container_id).attrs
+        return attrs["HostConfig"]["NetworkMode"], sorted(attrs["NetworkSettings"]["Networks"])
+
 
 @pytest.fixture
 async def pools(docker_engine: docker.DockerClient, docker_test_image: str, tmp_path: Path) -> AsyncIterator[Pools]:
@@ -100,6 +127,9 @@ async def pools(docker_engine: docker.DockerClient, docker_test_image: str, tmp_
     label = f"berth.installation={pools.installation}"
     for container in docker_engine.containers.list(all=True, filters={"label": label}):
         container.remove(force=True)
+    for name in pools.networks:
+        with contextlib.suppress(docker.errors.NotFound):
+            docker_engine.networks.get(name).remove()
 
 
 _PROBE = r"""
@@ -166,23 +196,75 @@ async def test_a_claimed_pool_container_becomes_the_sandbox_with_its_env_limits_
     assert (Path(str(handle.private["workspace_dir"])) / "note.txt").read_bytes() == b"mine"
 
 
+# The IPv4 address of each of the container's interfaces that has one.
+_ADDRESSES = r"""
+import fcntl, os, socket, struct
+for name in sorted(os.listdir("/sys/class/net")):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()))  # SIOCGIFADDR
+        except OSError:
+            continue
+    print(name, socket.inet_ntoa(packed[20:24]))
+"""
+
+# Reads one line from the unix socket argv[1].
+_READ_SOCKET = r"""
+import socket, sys
+with socket.socket(socket.AF_UNIX) as s:
+    s.settimeout(20)
+    s.connect(sys.argv[1])
+    print(s.makefile().readline().strip())
+"""
+
+
+@contextlib.asynccontextmanager
+async def _greeting_socket(path: Path, greeting: bytes) -> AsyncIterator[None]:
+    """Serves ``greeting`` on the unix socket ``path``, bound through a short
+    /proc/self/fd alias of its directory (test paths outgrow sun_path)."""
+
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(greeting + b"\n")
+        await writer.drain()
+        writer.close()
+
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(f"/proc/self/fd/{directory}/{path.name}")
+    finally:
+        os.close(directory)
+    server = await asyncio.start_unix_server(greet, sock=sock)
+    try:
+        yield
+    finally:
+        server.close()
+        await server.wait_closed()
+        path.unlink(missing_ok=True)
+
+
 def _private_without_identity(handle: BackendHandle) -> Any:
     private = {k: v for k, v in handle.private.items() if k != "container_id"}
     return json.loads(json.dumps(private).replace(handle.sandbox_id, "<sandbox_id>"))
 
 
-async def test_a_claimed_sandbox_looks_the_same_inside_as_a_fresh_one(pools: Pools, wait_for: WaitFor) -> None:
-    backend = pools.backend(pool_size=1)
+@pytest.mark.parametrize("network", ["disabled", "enabled", "restricted"])
+async def test_a_claimed_sandbox_looks_the_same_inside_as_a_fresh_one(
+    pools: Pools, wait_for: WaitFor, network: NetworkPolicy
+) -> None:
+    backend = pools.backend(pool_size=1, networks=(network,))
     # Before start() the pool is empty: this one is a fresh container.
-    fresh = await pools.create(backend, "sbx-fresh-1")
+    fresh = await pools.create(backend, "sbx-fresh-1", network=network)
     await backend.start()
-    await pools.full(backend, wait_for)
+    await pools.full(backend, wait_for, network)
     warm = pools.pool_container_ids()
 
-    claimed = await pools.create(backend, "sbx-pooled-1")
+    claimed = await pools.create(backend, "sbx-pooled-1", network=network)
 
     assert fresh.private["container_id"] not in warm
     assert claimed.private["container_id"] in warm
+    assert claimed.private["network"] == network
+    assert pools.networks_of(str(claimed.private["container_id"])) == pools.networks_of(str(fresh.private["container_id"]))
     assert await _probe(claimed) == await _probe(fresh)
     assert _private_without_identity(claimed) == _private_without_identity(fresh)
 
@@ -218,15 +300,104 @@ async def test_concurrent_creates_never_share_a_container(pools: Pools, wait_for
         assert listing.stdout == f"{handle.sandbox_id}owner.txt\n".encode()
 
 
-async def test_a_sandbox_with_network_is_not_made_from_the_pool(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for)
-    warm = pools.pool_container_ids()
+async def test_an_enabled_sandbox_claimed_from_the_pool_is_on_the_enabled_network(pools: Pools, wait_for: WaitFor) -> None:
+    network = pools.network_name("enabled")
+    backend = await pools.started(wait_for, network="enabled", docker_network=network)
+    (warm,) = pools.pool_container_ids()
 
-    handle = await pools.create(backend, "networked", network="enabled")
+    handle = await pools.create(backend, "online", network="enabled")
 
-    assert handle.private["container_id"] not in warm
-    assert backend.warm_count() == 1
-    assert pools.pool_container_ids() == warm
+    assert handle.private["container_id"] == warm
+    assert handle.private["network"] == "enabled"
+    assert pools.networks_of(warm) == (network, [network])
+    address = pools.engine.containers.get(warm).attrs["NetworkSettings"]["Networks"][network]["IPAddress"]
+    assert address
+    async with DaemonClient(handle.socket_path) as client:
+        shown = await client.run(argv=["python3", "-c", _ADDRESSES])
+    assert shown.stdout.decode().splitlines() == [f"eth0 {address}", "lo 127.0.0.1"]
+
+
+async def test_a_restricted_sandbox_is_claimed_from_the_disabled_pool_and_gets_the_egress_variables(
+    pools: Pools, wait_for: WaitFor
+) -> None:
+    # Both have no network: one pool serves them.
+    backend = await pools.started(wait_for, network="disabled")
+    (warm,) = pools.pool_container_ids()
+
+    handle = await pools.create(backend, "fenced", network="restricted")
+
+    assert handle.private["container_id"] == warm
+    assert handle.private["network"] == "restricted"
+    assert pools.networks_of(warm) == ("none", ["none"])
+    # The manager serves the egress proxy where the backend says; the
+    # container (whose run/ was the pool slot's) finds it at /run/berth.
+    egress = Path(str(backend.egress_socket_path(handle)))
+    assert egress == pools.data_dir / "sandboxes" / "fenced" / "run" / "egress.sock"
+    async with _greeting_socket(egress, b"egress served on the host"), DaemonClient(handle.socket_path) as client:
+        read = await client.run(argv=["python3", "-c", _READ_SOCKET, EGRESS_SOCKET_IN_SANDBOX])
+    assert read.stdout == b"egress served on the host\n", read.stderr
+    probed = await _probe(handle)
+    assert probed["interfaces"] == ["lo"]
+    assert {k: probed["env"].get(k) for k in egress_env()} == egress_env()
+    assert {k: probed["env"].get(k) for k in SPEC_ENV} == SPEC_ENV
+
+
+async def test_a_policy_not_pre_filled_is_kept_warm_after_its_first_use(pools: Pools, wait_for: WaitFor) -> None:
+    backend = await pools.started(wait_for, network="disabled")
+    pre_filled = pools.pool_container_ids()
+    assert backend.warm_count("enabled") == 0
+
+    first = await pools.create(backend, "first-online", network="enabled")
+
+    assert first.private["container_id"] not in pre_filled
+    await pools.full(backend, wait_for, "enabled")
+    warm_enabled = pools.pool_container_ids() - pre_filled
+    assert len(warm_enabled) == 1
+    second = await pools.create(backend, "second-online", network="enabled")
+    assert {str(second.private["container_id"])} == warm_enabled
+    await pools.full(backend, wait_for, "enabled")  # and it is topped up again
+
+
+async def test_a_pool_container_moved_to_another_network_is_discarded_and_the_sandbox_starts_fresh(
+    pools: Pools, wait_for: WaitFor
+) -> None:
+    network, other = pools.network_name("enabled"), pools.network_name("other")
+    backend = await pools.started(wait_for, network="enabled", docker_network=network)
+    (moved,) = pools.pool_container_ids()
+    pools.engine.networks.create(other, driver="bridge")
+    pools.engine.networks.get(network).disconnect(moved)
+    pools.engine.networks.get(other).connect(moved)
+
+    handle = await pools.create(backend, "not-moved", network="enabled")
+
+    assert handle.private["container_id"] != moved
+    with pytest.raises(docker.errors.NotFound):
+        pools.engine.containers.get(moved)
+    assert pools.networks_of(str(handle.private["container_id"])) == (network, [network])
+    assert (await _probe(handle))["workspace"] == []
+
+
+async def test_after_a_restart_with_another_docker_network_no_container_of_the_old_pool_is_handed_out(
+    pools: Pools, wait_for: WaitFor
+) -> None:
+    old_network, new_network = pools.network_name("old"), pools.network_name("new")
+    before = await pools.started(wait_for, network="enabled", docker_network=old_network)
+    (old,) = pools.pool_container_ids()
+    assert pools.networks_of(old) == (old_network, [old_network]) and before.warm_count("enabled") == 1
+    # The service dies without closing its backend; the next one has another network.
+    after = pools.backend(networks=("enabled",), docker_network=new_network)
+    assert await after.adopt() == []
+    await after.start()
+
+    handle = await pools.create(after, "moved-on", network="enabled")
+
+    assert handle.private["container_id"] != old
+    with pytest.raises(docker.errors.NotFound):
+        pools.engine.containers.get(old)
+    assert pools.networks_of(str(handle.private["container_id"])) == (new_network, [new_network])
+    await pools.full(after, wait_for, "enabled")
+    (refilled,) = pools.pool_container_ids()
+    assert pools.networks_of(refilled) == (new_network, [new_network])
 
 
 async def test_adopt_after_a_restart_keeps_a_claimed_sandbox_and_removes_unclaimed_pool_containers(

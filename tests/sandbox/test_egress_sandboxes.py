@@ -1,7 +1,8 @@
 """``restricted`` network in real sandboxes of both backends, through the
 Sandbox service: HTTP(S) leaves only through the egress proxy, and only to
 allowed hosts. The targets are servers on the host's loopback, named
-``localhost``, so the service allows private targets."""
+``localhost``, so the service allows private targets. ``docker-pool`` runs
+the same on a sandbox made of a warm pool container."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import docker
 import grpc
 import pytest
 import pytest_asyncio
+from sandbox_support import wait_until
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 from egress_helpers import CONNECT, DIRECT, FETCH, Target, echo_target, http_target, local_names_only  # noqa: F401 (fixture)
 
@@ -24,12 +27,19 @@ from services.core.db import open_database
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.sandbox.egress import EgressOptions, EgressProxies
+from services.sandbox import server as server_module
+from services.sandbox.backends.base import SandboxBackend
+from services.sandbox.backends.docker import DockerBackend, installation_id
 from services.sandbox.manager import CreateParams, SandboxManager
 from services.sandbox.server import build_backend, start_sandbox_service
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
-BACKENDS = [pytest.param("local", id="local"), pytest.param("docker", id="docker", marks=pytest.mark.docker)]
+BACKENDS = [
+    pytest.param("local", id="local"),
+    pytest.param("docker", id="docker", marks=pytest.mark.docker),
+    pytest.param("docker-pool", id="docker-pool", marks=pytest.mark.docker),
+]
 ORG = (("x-berth-org", "org_a"),)
 SANDBOX = "sbx_restricted"
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "sandbox" / "migrations" / "versions"
@@ -59,7 +69,11 @@ def settings(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             pytest.skip("bubblewrap (bwrap) is not installed")
         return Settings(**common)
     image = request.getfixturevalue("docker_test_image")
-    return Settings(**common, sandbox_backend="docker", docker_image=image, docker_pool_size=0)
+    if kind == "docker-pool":
+        pool: dict[str, Any] = {"docker_pool_size": 1, "docker_pool_networks": ["restricted"]}
+    else:
+        pool = {"docker_pool_size": 0}
+    return Settings(**common, sandbox_backend="docker", docker_image=image, **pool)
 
 
 @dataclass
@@ -68,9 +82,17 @@ class Service:
     handle: ServiceHandle | None = None
     channel: grpc.aio.Channel | None = None
     stub: sandbox_service_pb2_grpc.SandboxServiceStub | None = None
+    backend: SandboxBackend | None = None
 
     async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
-        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
+        def keep_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
+            built = build_backend(settings)
+            self.backend = built[0]
+            return built
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(server_module, "build_backend", keep_backend)
+            self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
         self.channel = grpc.aio.insecure_channel(self.handle.address)
         self.stub = sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
         return self.stub
@@ -80,7 +102,7 @@ class Service:
             await self.channel.close()
         if self.handle is not None:
             await self.handle.stop(0.2)
-        self.handle = self.channel = self.stub = None
+        self.handle = self.channel = self.stub = self.backend = None
 
     async def run(self, argv: list[str], sandbox_id: str = SANDBOX) -> tuple[int, str]:
         assert self.stub is not None
@@ -107,16 +129,26 @@ async def targets() -> AsyncIterator[Targets]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def service(settings: Settings) -> AsyncIterator[Service]:
+async def service(settings: Settings, request: pytest.FixtureRequest) -> AsyncIterator[Service]:
     """The service with one restricted sandbox: ``localhost`` allowed, its
-    subdomain ``blocked.localhost`` blocked."""
+    subdomain ``blocked.localhost`` blocked. With a warm pool, the sandbox
+    is made of a pool container."""
     svc = Service(settings)
     stub = await svc.start()
-    network = common_pb2.NetworkPolicy(
-        access=common_pb2.NETWORK_ACCESS_RESTRICTED, allowed_domains=["localhost"], blocked_domains=["blocked.localhost"]
-    )
-    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id=SANDBOX, network=network), metadata=ORG)
     try:
+        pool = svc.backend if isinstance(svc.backend, DockerBackend) and svc.backend.pool_size else None
+        if pool is not None:
+            warm_count = pool.warm_count
+            await wait_until(lambda: warm_count("restricted") == 1, timeout=180, message="pool warm")
+        network = common_pb2.NetworkPolicy(
+            access=common_pb2.NETWORK_ACCESS_RESTRICTED, allowed_domains=["localhost"], blocked_domains=["blocked.localhost"]
+        )
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id=SANDBOX, network=network), metadata=ORG)
+        if pool is not None:
+            engine: docker.DockerClient = request.getfixturevalue("docker_engine")
+            container = engine.containers.get(f"berth-{installation_id(settings.data_dir)}-{SANDBOX}")
+            assert "berth.pool" in container.labels, "the sandbox was not made of a pool container"
+            assert container.attrs["HostConfig"]["NetworkMode"] == "none"
         yield svc
     finally:
         if svc.stub is None:

@@ -81,6 +81,36 @@ async def test_nothing_is_made_before_start_or_with_size_zero() -> None:
     assert maker.attempts == 0
 
 
+async def test_fills_of_different_keys_make_one_item_at_a_time_taking_turns(wait_for: WaitFor) -> None:
+    maker = Maker()
+    making: list[str] = []
+    most_at_once = 0
+    real_make = maker.make
+
+    async def make(key: str) -> str:
+        nonlocal most_at_once
+        making.append(key)
+        most_at_once = max(most_at_once, len(making))
+        try:
+            return await real_make(key)
+        finally:
+            making.remove(key)
+
+    maker.gate.clear()
+    pool: WarmPool[str, str] = WarmPool(2, make, maker.discard, name="test")
+    pool.start(["a", "b"])
+    await wait_for(lambda: maker.attempts >= 1)
+    await asyncio.sleep(0)
+    assert maker.attempts == 1  # b waits for a's first item
+
+    maker.gate.set()
+
+    await wait_for(lambda: pool.ready("a") == 2 and pool.ready("b") == 2)
+    assert most_at_once == 1
+    assert [pool.take("a"), pool.take("b")] == ["a-1", "b-2"]  # turns: a, b, a, b
+    await pool.close()
+
+
 async def test_a_failed_fill_stops_until_the_next_refill(wait_for: WaitFor) -> None:
     maker = Maker()
     maker.fail = True

@@ -4,11 +4,12 @@ The pool knows nothing of what it holds: ``make`` builds one item for a key
 and ``discard`` gets rid of one. ``take`` hands out the oldest ready item
 without awaiting anything, so two concurrent takers never get the same one.
 Each key has at most one fill task, which makes items one after another
-until the key holds ``size`` of them: fills compete with the foreground
-work that needs the same engine, and one at a time keeps that competition
-small. A failed fill logs and stops; the next ``refill`` (after the next
-``take``) tries again, so a broken engine is retried at the rate of
-requests, not in a loop.
+until the key holds ``size`` of them, and the fill tasks of all keys take
+turns, so the pool makes one item at a time: fills compete with the
+foreground work that needs the same engine, and one at a time keeps that
+competition small. A failed fill logs and stops; the next ``refill`` (after
+the next ``take``) tries again, so a broken engine is retried at the rate
+of requests, not in a loop.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class WarmPool(Generic[_K, _T]):
         self._name = name
         self._ready: dict[_K, deque[_T]] = {}
         self._fillers: dict[_K, asyncio.Task[None]] = {}
+        # Held while one item is made; FIFO, so keys take turns.
+        self._making = asyncio.Lock()
         self._discards: set[asyncio.Task[None]] = set()
         self._started = False
         self._closed = False
@@ -87,11 +90,14 @@ class WarmPool(Generic[_K, _T]):
     async def _fill(self, key: _K) -> None:
         try:
             while not self._closed and self.ready(key) < self.size:
-                try:
-                    item = await self._make(key)
-                except Exception as exc:
-                    log.warning("warm_pool_fill_failed", pool=self._name, key=str(key), error=str(exc))
-                    return
+                async with self._making:
+                    if self._closed:
+                        return
+                    try:
+                        item = await self._make(key)
+                    except Exception as exc:
+                        log.warning("warm_pool_fill_failed", pool=self._name, key=str(key), error=str(exc))
+                        return
                 if self._closed:
                     await self._discard_quietly(item)
                     return

@@ -58,8 +58,9 @@ Network policy:
   ``run/`` mount already puts at ``/run/berth/egress.sock``; sandboxd relays
   ``127.0.0.1:3128`` to it and the commands' ``HTTP(S)_PROXY`` variables
   point there (``base.egress_env``, replacing the host proxy's, which the
-  egress proxy chains through instead). The ``berth.network`` label and the
-  handle record ``restricted``.
+  egress proxy chains through instead). The handle records ``restricted``,
+  and so does the ``berth.network`` label of a fresh container (a claimed
+  one keeps its pool's, see "Warm pool").
 
 Containers run the image's user (root in the Berth images) with Docker's
 default capabilities minus NET_RAW, MKNOD, AUDIT_WRITE and SETFCAP, and
@@ -75,17 +76,33 @@ Warm pool
 ---------
 On the vfs storage driver ``docker create`` alone copies the image (1-2 s),
 so the backend keeps ``settings.docker_pool_size`` containers started ahead
-for sandboxes whose network is ``disabled``: a container's network mode is
-fixed when it is created, and everything else can be applied later. Other
-policies, and a sandbox ID whose directory exists (its workspace is
-reused), get a fresh container. ``start()`` begins filling the pool and
-every ``create`` of a new sandbox without network tops it up, one
-container at a time in a background task. The pool stays off when ``docker/pool/`` and
+in each warm pool. Only a container's network is fixed when it is created;
+everything else can be applied later. So there is one pool per network a
+container is created with: ``enabled`` (on the enabled network above) and
+``disabled`` (``network_mode=none``), which serves ``restricted`` sandboxes
+too. They have no network either, and what makes them restricted is
+applied at the claim (the egress proxy variables, in env.json) or after any
+create, pooled or not: the manager serves the proxy on the sandbox's
+``run/egress.sock`` and starts sandboxd's relay to it. A sandbox ID whose
+directory exists (its workspace is reused) gets a fresh container.
+
+Which pools are warm: those of ``settings.docker_pool_networks`` (default
+``enabled,disabled``, hence all three policies) fill from ``start()``; any
+other starts filling after the first create that needs it. From then on
+every create tops up its pool once the create itself is done, in the
+background and one container at a time (the pools take turns). The price is disk and engine work:
+on vfs each container holds two full copies of the image (its init layer
+and its own, about 350 MB for ``berth-sandbox``), so the defaults (two
+pools of 2) hold about 1.4 GB, and a pool used once stays warm until the
+service stops (on overlay2 a container costs next to nothing). An
+installation that uses a single policy lists only that one; an empty list
+pools only what is used. The pool stays off when ``docker/pool/`` and
 ``sandboxes/`` are on different filesystems, because a claim's rename
-cannot cross them. A pool container is started by the same code as a sandbox's,
-without env, labels or limits, in ``<data_dir>/docker/pool/<slot>/``, named
-``berth-<installation>.pool-<slot>`` (``.`` never occurs in a sandbox ID)
-and labelled ``berth.pool=<slot>`` instead of ``berth.sandbox_id``.
+cannot cross them. A pool container is started by the same code as a
+sandbox's, without env, labels or limits, in
+``<data_dir>/docker/pool/<slot>/``, named ``berth-<installation>.pool-<slot>``
+(``.`` never occurs in a sandbox ID) and labelled ``berth.pool=<slot>``
+instead of ``berth.sandbox_id``.
 
 ``create`` claims the oldest ready one (taken without an await, so two
 creates never share one): the slot directory is renamed to the sandbox's
@@ -98,18 +115,22 @@ labels and network, then at once the container is renamed to
 ``docker update`` (a CFS quota over a 100 ms period, which is what NanoCpus
 becomes) and sandboxd re-reads ``env.json``, rewritten with the spec's
 variables (``env.reload``). Its answer also proves the container alive; a
-pool container that fails any step, or mounts an outdated sandboxd or CA
-bundle, is removed and the next one (or a fresh container) is used. The
-user sees no difference from a fresh container: the same env, limits,
-empty ``/workspace``, hostname, mounts and network.
+pool container that fails any step, mounts an outdated sandboxd or CA
+bundle, or is not on the network a fresh container would get now (an
+operator disconnected it, say) is removed and the next one (or a fresh
+container) is used. The user sees no difference from a fresh container:
+the same env, limits, empty ``/workspace``, hostname, mounts and network.
 
-Labels cannot change, so a claimed container keeps ``berth.pool`` and lacks
+Labels cannot change, so a claimed container keeps ``berth.pool`` and its
+pool's ``berth.network`` (``disabled`` for a restricted sandbox), and lacks
 the sandbox's labels: its handle takes them from ``pool-claim.json`` (kept
 in the sandbox directory, outside the container's mounts, so the sandbox
 cannot rewrite it), and ``adopt`` takes a pool container as a sandbox only
 when its name and that record agree. ``close()`` removes the unclaimed pool
 containers (after a fill in progress ends); whatever a crash leaves, the
-next ``adopt`` removes, so exactly one service process should use a data dir.
+next ``adopt`` removes, so no container pooled under an earlier
+configuration (another ``docker_network``, image or sandboxd) is ever
+claimed, and exactly one service process should use a data dir.
 """
 
 from __future__ import annotations
@@ -176,8 +197,6 @@ _POOL_LABEL = "berth.pool"
 # Labels every container of the installation carries, not the sandbox's own.
 _INTERNAL_LABELS = (_MANAGED, _INSTALLATION, _NETWORK_LABEL, _POOL_LABEL, "berth.data_dir")
 _CLAIM_FILE = "pool-claim.json"
-# Only what can be decided before the sandbox is known is pooled.
-_POOLED_NETWORKS: tuple[NetworkPolicy, ...] = ("disabled",)
 # A claim that fails here discards the pool container and tries the next one.
 _CLAIM_ERRORS = (BackendError, DaemonError, DaemonUnavailable, OSError, ValueError, docker.errors.DockerException)
 
@@ -236,6 +255,21 @@ class _PoolEntry:
 
     slot: str
     container: Container
+
+
+def _pool_key(network: NetworkPolicy) -> NetworkPolicy:
+    """The warm pool serving sandboxes with ``network``. Only a container's
+    network is fixed at its creation: a restricted sandbox has none either
+    (its proxy variables come with env.json at the claim), so it is served
+    by the pool of ``disabled``."""
+    return "enabled" if network == "enabled" else "disabled"
+
+
+def _on_network(attrs: dict[str, Any], network: str) -> bool:
+    """Whether inspect data show the container on ``network`` alone (``none``,
+    ``host``, ``bridge`` or a network's name), as a fresh container would be."""
+    networks = (attrs.get("NetworkSettings") or {}).get("Networks") or {}
+    return (attrs.get("HostConfig") or {}).get("NetworkMode") == network and set(networks) == {network}
 
 
 def _mount_sources(container: Container) -> dict[str, str]:
@@ -329,8 +363,13 @@ class DockerBackend(SandboxBackend):
                 await self._remove_container(existing)
                 if pooled:
                     (self._paths(spec.sandbox_id).home / _CLAIM_FILE).unlink(missing_ok=True)
-            handle = await self._create_from_pool(spec)
-            return handle if handle is not None else await self._start(spec)
+            try:
+                handle = await self._create_from_pool(spec)
+                return handle if handle is not None else await self._start(spec)
+            finally:
+                # After the create, not competing with it: a policy in use is
+                # kept warm from now on, whether it was pre-filled or not.
+                self._pool.refill(_pool_key(spec.network))
 
     async def pause(self, handle: BackendHandle) -> None:
         async with self._lock(handle.sandbox_id):
@@ -405,7 +444,9 @@ class DockerBackend(SandboxBackend):
         )
 
     async def start(self) -> None:
-        """Starts filling the warm pool (``docker_pool_size`` per pooled network policy)."""
+        """Starts filling the warm pools of ``docker_pool_networks``
+        (``docker_pool_size`` containers each); every other pool starts
+        filling after its first create."""
         if self._pool.size == 0:
             return
         sandboxes, pool = self._data_dir / "sandboxes", self._data_dir / "docker" / "pool"
@@ -420,7 +461,7 @@ class DockerBackend(SandboxBackend):
         if not await asyncio.to_thread(same_filesystem):
             log.warning("docker_pool_disabled", reason=f"{sandboxes} and {pool} are on different filesystems")
             return
-        self._pool.start(list(_POOLED_NETWORKS))
+        self._pool.start(list(dict.fromkeys(_pool_key(n) for n in self._settings.docker_pool_networks)))
 
     async def close(self) -> None:
         """Removes the warm pool's unclaimed containers and slot directories
@@ -429,12 +470,13 @@ class DockerBackend(SandboxBackend):
 
     @property
     def pool_size(self) -> int:
-        """Pool containers kept ready per pooled network policy."""
+        """Pool containers kept ready per pool (``enabled``, and ``disabled``
+        which also serves ``restricted``)."""
         return self._pool.size
 
     def warm_count(self, network: NetworkPolicy = "disabled") -> int:
         """Pool containers ready to be claimed by a sandbox with ``network``."""
-        return self._pool.ready(network)
+        return self._pool.ready(_pool_key(network))
 
     # ------------------------------------------------------------ engine access
 
@@ -845,21 +887,16 @@ class DockerBackend(SandboxBackend):
         pool holds none for it. Only new sandboxes are: an existing workspace
         is reused, and only a fresh container can mount it. A pool container
         that fails its claim (it died, say) is discarded for the next one."""
-        if spec.network not in _POOLED_NETWORKS:
-            return None
         paths = self._paths(spec.sandbox_id)
         if paths.home.exists():
             return None
-        try:
-            # take() awaits nothing, so concurrent creates never share an entry.
-            while (entry := self._pool.take(spec.network)) is not None:
-                self._pool_slots.discard(entry.slot)
-                try:
-                    return await self._claim(entry, spec, paths)
-                except _CLAIM_ERRORS as exc:
-                    log.warning("pool_container_discarded", sandbox_id=spec.sandbox_id, slot=entry.slot, error=str(exc))
-        finally:
-            self._pool.refill(spec.network)
+        # take() awaits nothing, so concurrent creates never share an entry.
+        while (entry := self._pool.take(_pool_key(spec.network))) is not None:
+            self._pool_slots.discard(entry.slot)
+            try:
+                return await self._claim(entry, spec, paths)
+            except _CLAIM_ERRORS as exc:
+                log.warning("pool_container_discarded", sandbox_id=spec.sandbox_id, slot=entry.slot, error=str(exc))
         return None
 
     async def _claim(self, entry: _PoolEntry, spec: SandboxSpec, paths: _Paths) -> BackendHandle:
@@ -869,7 +906,9 @@ class DockerBackend(SandboxBackend):
         the slot path). Then, at once: the container gets the sandbox's name
         and limits, and sandboxd re-reads env.json, now the sandbox's; its
         answer also proves the container alive. On any failure the container
-        and the directory are removed."""
+        and the directory are removed. A container on another network than a
+        fresh one would get now (an operator moved it, say) is refused like
+        one with an outdated sandboxd."""
         client = await self._docker()
         container = entry.container
         container_id = str(container.id)
@@ -882,6 +921,10 @@ class DockerBackend(SandboxBackend):
                 None if ca_file is None else str(ca_file)
             ):
                 raise BackendError("pool container mounts an outdated sandboxd or CA bundle")
+            _, network_args = await self._network_mode(spec.network, spec.sandbox_id)
+            network = str(network_args.get("network_mode") or network_args["network"])
+            if not _on_network(container.attrs, network):
+                raise BackendError(f"pool container is not on the network {network}")
             claim = _Claim(
                 sandbox_id=spec.sandbox_id,
                 container_id=container_id,
@@ -907,6 +950,11 @@ class DockerBackend(SandboxBackend):
                 self._call(lambda: client.api.rename(container_id, name)),
                 self._reload_env(paths.socket),
             ]
+            if network not in ("none", "host"):
+                # Unlike none and host, a network can be disconnected after
+                # creation. Checked alongside the other steps, whose effects a
+                # failure undoes.
+                steps.append(self._check_attached(client, container_id, network))
             if update:
                 steps.append(self._call(lambda: client.api.update_container(container_id, **update)))
             for result in await asyncio.gather(*steps, return_exceptions=True):
@@ -943,6 +991,11 @@ class DockerBackend(SandboxBackend):
             update["mem_limit"] = f"{spec.memory_mib}m"
             update["memswap_limit"] = f"{spec.memory_mib}m"
         return update
+
+    async def _check_attached(self, client: docker.DockerClient, container_id: str, network: str) -> None:
+        attrs: dict[str, Any] = await self._call(lambda: client.api.inspect_container(container_id))
+        if not _on_network(attrs, network):
+            raise BackendError(f"pool container is no longer on the network {network}")
 
     async def _reload_env(self, socket: Path) -> None:
         daemon = DaemonClient(str(socket), connect_timeout_s=2.0, request_timeout_s=5.0)
