@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 
 from bench.runner import Result, measure_concurrent, summarize
 from gateway.app import start_gateway
@@ -34,13 +34,15 @@ async def _bare_server() -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     app = FastAPI()
 
     @app.get("/v1/agents/environments/{environment_id}")
-    async def missing(environment_id: str) -> dict[str, str]:
-        return {"id": environment_id}
+    async def missing(environment_id: str) -> Response:
+        # A ready-made response, as the gateway's routes return.
+        return Response(json.dumps({"id": environment_id}), media_type="application/json")
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+    # Configured as the gateway's server is (no access log, no websockets).
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, ws="none"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
@@ -61,8 +63,8 @@ async def run(tmp: Path) -> list[Result]:
         _, key = await create_key(gateway.database, "bench", ["tasks:read", "tasks:write"])
         missing = f"http://127.0.0.1:{gateway.port}/v1/agents/environments/env_000000000doesnotexist000"
         bare_url = f"http://127.0.0.1:{bare_port}/v1/agents/environments/env_000000000doesnotexist000"
-        base = await _load(bare_url, key, 200)
         gw = await _load(missing, key, 404)
+        base = await _load(bare_url, key, 200)
         return [summarize(f"gateway GET missing env (c={CONCURRENCY})", gw, "bare FastAPI route, same load", base)]
     finally:
         bare.should_exit = True
