@@ -64,7 +64,7 @@ _BUSY_MAX_S = 0.05
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None:
-        return bool(code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED))
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
     text = str(exc)
     return "locked" in text or "busy" in text
 
