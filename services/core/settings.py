@@ -113,6 +113,16 @@ class Settings(BaseSettings):
         ge=0,
         description="Sandboxes younger than this (by the Sandbox service's clock) are never reaped.",
     )
+    environment_reconcile_max_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description=(
+            "A reconcile pass that would destroy more than this fraction of the labelled sandboxes past their "
+            "grace (and more than 10) destroys none and logs an error: a sign of a wrong or restored database. "
+            "1 lifts the limit, e.g. to clean up deliberately."
+        ),
+    )
     setup_timeout_s: float = Field(default=900.0, gt=0)
     mcp_call_timeout_s: float = Field(
         default=600.0, gt=0, description="Bound on one MCP request (a tool call, a listing) from the harness to a server."

@@ -36,6 +36,12 @@ What keeps a pass from destroying a sandbox someone still needs:
 * A row that is being deleted still counts as existing: its teardown
   destroys the sandbox itself, and a teardown whose destroy fails puts the
   environment back, which must find its sandbox.
+* A pass that would destroy more than ``max_fraction`` of the labelled
+  sandboxes past their grace (and more than ``MASS_REAP_FLOOR`` of them)
+  destroys none and logs ``sandbox_reconcile_refused``: that many orphans at
+  once means the service most likely reads the wrong (or a restored, or an
+  empty) database, and the sandboxes are users' work. An operator who means
+  it sets ``BERTH_ENVIRONMENT_RECONCILE_MAX_FRACTION=1`` for a pass.
 
 Replicas may run passes at the same time: DestroySandbox is idempotent and
 a sandbox that is gone already is not an error, so the worst case is two
@@ -68,6 +74,7 @@ __all__ = [
     "REASON_ENVIRONMENT_NOT_FOUND",
     "REASON_ORGANIZATION_MISMATCH",
     "REASON_NODE_MISMATCH",
+    "MASS_REAP_FLOOR",
 ]
 
 log = get_logger(__name__)
@@ -81,6 +88,9 @@ REASON_ORGANIZATION_MISMATCH = "organization_mismatch"
 REASON_NODE_MISMATCH = "node_mismatch"
 
 _SETTLED = (STATUS_READY, STATUS_FAILED)
+
+# Up to this many orphans a pass always reaps, whatever their fraction.
+MASS_REAP_FLOOR = 10
 
 # Environment IDs per query, well under every driver's parameter limit.
 _CHUNK = 500
@@ -105,12 +115,14 @@ class SandboxReconciler:
         *,
         interval_s: float,
         grace_s: float,
+        max_fraction: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = db
         self._inventory = inventory
         self._interval_s = interval_s
         self._grace_s = grace_s
+        self._max_fraction = max_fraction
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
 
@@ -151,10 +163,18 @@ class SandboxReconciler:
         now = self._clock()
         old = [s for s in listed if now - s.created_at >= self._grace_s]
         recorded = await self._recorded([s.environment_id for s in old])
+        orphans = [s for s in old if view.reason(s, recorded) is not None]
+        if len(orphans) > MASS_REAP_FLOOR and len(orphans) > self._max_fraction * len(old):
+            log.error(
+                "sandbox_reconcile_refused",
+                orphans=len(orphans),
+                labelled=len(old),
+                max_fraction=self._max_fraction,
+                detail="too many sandboxes look orphaned at once; check the environment database",
+            )
+            return []
         reaped: list[ReapedSandbox] = []
-        for sandbox in old:
-            if view.reason(sandbox, recorded) is None:
-                continue
+        for sandbox in orphans:
             done = await self._reap(sandbox, view)
             if done is not None:
                 reaped.append(done)

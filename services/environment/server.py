@@ -87,6 +87,7 @@ async def start_environment_service(
                 inventory,
                 interval_s=settings.environment_reconcile_interval_s,
                 grace_s=settings.environment_reconcile_grace_s,
+                max_fraction=settings.environment_reconcile_max_fraction,
             )
             reconciler.start()
             closers.append(reconciler.close)

@@ -23,6 +23,7 @@ from services.environment import repository as repo
 from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, SandboxClient
 from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import (
+    MASS_REAP_FLOOR,
     REASON_ENVIRONMENT_NOT_FOUND,
     REASON_ORGANIZATION_MISMATCH,
     ReapedSandbox,
@@ -58,6 +59,7 @@ async def make_reconciler(sandbox_service: SandboxService) -> AsyncIterator[Make
         grace_s: float = 0.0,
         clock: Callable[[], float] = time.time,
         nodes: dict[str, str] | None = None,
+        max_fraction: float = 0.5,
     ) -> SandboxReconciler:
         """``nodes`` (name -> address) defaults to the one unnamed node."""
         db = await open_database(normalize_database_url(database_url), "environment", MIGRATIONS)
@@ -68,7 +70,9 @@ async def make_reconciler(sandbox_service: SandboxService) -> AsyncIterator[Make
             closers.append(channel.close)
             clients[name] = SandboxClient(channel, create_timeout_s=60, node=name)
         inventory = SandboxNodes(clients, placement_timeout_s=5)
-        return SandboxReconciler(db, inventory, interval_s=3600, grace_s=grace_s, clock=clock)
+        return SandboxReconciler(
+            db, inventory, interval_s=3600, grace_s=grace_s, max_fraction=max_fraction, clock=clock
+        )
 
     try:
         yield make
@@ -117,6 +121,24 @@ async def test_a_sandbox_whose_environment_row_is_gone_is_destroyed_by_the_recon
     assert reaped == [ReapedSandbox(sandbox_id, env_id, "org_a", REASON_ENVIRONMENT_NOT_FOUND)]
     assert not await exists(sandbox_service, sandbox_id)
     assert await reconciler.reconcile() == []
+
+
+async def test_a_pass_that_finds_most_sandboxes_orphaned_destroys_none_until_the_limit_is_lifted(
+    cluster: Cluster, database_url: str, sandbox_service: SandboxService, make_reconciler: MakeReconciler
+) -> None:
+    # As if the service read an empty or wrong database: every labelled
+    # sandbox names an environment it does not know.
+    orphans = [f"sbx_mass_{i}" for i in range(MASS_REAP_FLOOR + 1)]
+    for i, sandbox_id in enumerate(orphans):
+        await labelled_sandbox(sandbox_service, sandbox_id, f"env_unknown_{i}")
+    cautious = await make_reconciler(database_url)
+    assert await cautious.reconcile() == []
+    assert all([await exists(sandbox_service, sandbox_id) for sandbox_id in orphans])
+
+    deliberate = await make_reconciler(database_url, max_fraction=1.0)
+    reaped = await deliberate.reconcile()
+    assert sorted(r.sandbox_id for r in reaped) == sorted(orphans)
+    assert not any([await exists(sandbox_service, sandbox_id) for sandbox_id in orphans])
 
 
 async def test_a_sandbox_whose_environment_is_ready_is_kept(
