@@ -9,14 +9,15 @@ event loop, waits for locks are asynchronous); PostgreSQL runs through asyncpg.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import bindparam, event
+from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
@@ -131,4 +132,16 @@ async def open_database(url: str, service: str, versions: Path) -> Database:
     return Database(engine)
 
 
-__all__ += ["open_database"]
+__all__ += ["open_database", "set_clause", "set_params"]
+
+
+# Prepared UPDATE statements set columns from bound parameters named
+# ``v_<column>``: a bound parameter may not share its column's name in a SET
+# clause. ``set_clause`` builds the SET part once (per set of columns);
+# ``set_params`` names the values for each execution.
+def set_clause(columns: Iterable[str]) -> dict[str, BindParameter[Any]]:
+    return {column: bindparam(f"v_{column}") for column in columns}
+
+
+def set_params(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {f"v_{column}": value for column, value in values.items()}

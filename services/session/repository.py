@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast
 from sqlalchemy import Table, bindparam, case, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.core.db import set_clause, set_params
 from services.core.errors import InvalidArgument, NotFound
 from services.session.models import (
     AgentRow,
@@ -74,16 +75,12 @@ _CLAIM_ACTIVE_TURN = (
 )
 
 
-def _set_params(values: dict[str, Any]) -> dict[str, Any]:
-    return {f"v_{k}": v for k, v in values.items()}
-
-
 @functools.cache
 def _update_turn(keys: tuple[str, ...], expected: tuple[str, ...], returning: bool) -> Any:
     stmt = (
         update(_TURNS)
         .where(_TURNS.c.id == bindparam("turn_id"), _TURNS.c.status.in_(expected))
-        .values({k: bindparam(f"v_{k}") for k in keys})
+        .values(set_clause(keys))
     )
     return stmt.returning(*_TURNS.c) if returning else stmt
 
@@ -235,14 +232,14 @@ async def claim_active_turn(s: AsyncSession, session_id: str, turn_id: str, now:
 
 async def set_turn_status(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> bool:
     stmt = _update_turn(tuple(values), tuple(expected), False)
-    result = await s.execute(stmt, {"turn_id": turn_id, **_set_params(values)})
+    result = await s.execute(stmt, {"turn_id": turn_id, **set_params(values)})
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
 async def transition_turn(s: AsyncSession, turn_id: str, expected: tuple[str, ...], **values: Any) -> TurnRow | None:
     """``set_turn_status`` that returns the updated turn (untracked)."""
     stmt = _update_turn(tuple(values), tuple(expected), True)
-    row = (await s.execute(stmt, {"turn_id": turn_id, **_set_params(values)})).one_or_none()
+    row = (await s.execute(stmt, {"turn_id": turn_id, **set_params(values)})).one_or_none()
     return TurnRow(**row._mapping) if row is not None else None
 
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 from sqlalchemy import Table, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.core.db import Database
+from services.core.db import Database, set_clause, set_params
 from services.core.errors import NotFound
 from services.core.ids import new_id
 from services.session.models import EventRow, SessionRow
@@ -55,7 +55,7 @@ def _emit_statement(touched: tuple[str, ...]) -> Any:
         .values(
             {
                 SessionRow.event_seq: SessionRow.event_seq + bindparam("v_count"),
-                **{getattr(SessionRow, k): bindparam(f"v_{k}") for k in touched},
+                **{getattr(SessionRow, k): param for k, param in set_clause(touched).items()},
             }
         )
         .returning(SessionRow.event_seq)
@@ -177,7 +177,7 @@ class Unit:
         touch = touch or {}
         result = await self.session.execute(
             _emit_statement(tuple(touch)),
-            {"session_id": session_id, "v_count": len(events), **{f"v_{k}": v for k, v in touch.items()}},
+            {"session_id": session_id, "v_count": len(events), **set_params(touch)},
         )
         last = result.scalar_one_or_none()
         if last is None:

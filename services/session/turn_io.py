@@ -25,6 +25,7 @@ from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
+from services.core.db import set_clause, set_params
 from services.core.errors import NotFound, from_rpc_error
 from services.core.ids import new_id
 from services.core.logging import get_logger
@@ -94,7 +95,7 @@ _APPEND = (
 
 @functools.cache
 def _update_item(keys: tuple[str, ...]) -> Any:
-    return update(_ITEMS).where(_ITEMS.c.id == bindparam("item_id")).values({k: bindparam(f"v_{k}") for k in keys})
+    return update(_ITEMS).where(_ITEMS.c.id == bindparam("item_id")).values(set_clause(keys))
 
 
 @dataclass
@@ -200,7 +201,7 @@ class DbTurnIO:
             u.session.add_all(staged.calls)
             for item_id, values in staged.item_updates.items():
                 await u.session.execute(
-                    _update_item(tuple(values)), {"item_id": item_id, **{f"v_{k}": v for k, v in values.items()}}
+                    _update_item(tuple(values)), {"item_id": item_id, **set_params(values)}
                 )
             await self._append(u, staged.events)
             for item_id in staged.finished:
