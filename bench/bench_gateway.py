@@ -11,14 +11,13 @@ import argparse
 import asyncio
 import json
 import socket
-import sys
 from pathlib import Path
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Response
 
-from bench.runner import Result, measure_concurrent, summarize
+from bench.runner import Result, measure_concurrent, run_client, summarize
 from gateway.app import start_gateway
 from gateway.keys import create_key
 from services.core.settings import Settings
@@ -77,13 +76,7 @@ async def run(tmp: Path) -> list[Result]:
 
 async def _load(url: str, key: str, status: int) -> list[float]:
     """Latencies (ms) measured by the load client process."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.bench_gateway", "--client", url, key, str(status), stdout=asyncio.subprocess.PIPE
-    )
-    out, _ = await process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"the load client failed ({process.returncode})")
-    return [float(v) for v in json.loads(out)]
+    return [float(v) for v in await run_client("bench.bench_gateway", url, key, str(status))]
 
 
 async def _client(url: str, key: str, status: int) -> list[float]:

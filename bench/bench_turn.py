@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from bench.runner import Result, measure, summarize
+from bench.runner import Result, measure, run_client, summarize
 from bench.stack import running_stack
 from berth.environment.v1 import environment_service_pb2 as env_pb
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
@@ -112,14 +111,7 @@ async def run(tmp: Path) -> list[Result]:
     async with running_stack(tmp / "berth") as stack:
         record, _ = await create_key(stack.gateway.database, "bench", ["tasks:read"])
         org = (("x-berth-org", record.org_id),)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.bench_turn", "--client", stack.base_url, stack.key, str(RUNS), str(WARMUP),
-            stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        out, _ = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeError(f"the benchmark client failed ({process.returncode})")
-        report = json.loads(out)
+        report = await run_client("bench.bench_turn", stack.base_url, stack.key, str(RUNS), str(WARMUP))
         samples = [float(v) for v in report["samples"]]
         session_id, environment_id = str(report["session_id"]), str(report["environment_id"])
 

@@ -8,12 +8,15 @@ not comparable between runs.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Result", "measure", "measure_concurrent", "percentile", "print_table"]
+__all__ = ["Result", "measure", "measure_concurrent", "percentile", "print_table", "run_client"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,19 @@ def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     idx = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[idx]
+
+
+async def run_client(module: str, *args: str) -> Any:
+    """Runs ``python -m <module> --client <args>`` (a benchmark's client in a
+    process of its own, so its CPU is not billed to the servers in this one)
+    and returns the JSON it prints."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, "--client", *args, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"the benchmark client {module} failed ({process.returncode})")
+    return json.loads(out)
 
 
 async def measure(fn: Callable[[], Awaitable[object]], *, runs: int, warmup: int = 3) -> list[float]:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from conftest_docker import docker_engine, docker_test_image, sandbox_host_address  # noqa: F401 (fixtures)
+from sandbox_support import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxBackend, SandboxSpec
@@ -40,17 +41,8 @@ def _require_bwrap() -> None:
 
 
 async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 20.0, message: str = "") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() >= deadline:
-            pytest.fail(f"condition not met within {timeout}s: {message or predicate}")
-        await asyncio.sleep(0.01)
+    """``wait_until`` with the longer default these backends need (docker)."""
+    await wait_until(predicate, timeout, message)
 
 
 @dataclass
