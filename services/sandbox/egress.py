@@ -35,6 +35,7 @@ import contextlib
 import ipaddress
 import os
 import re
+import secrets
 import socket
 import ssl
 from collections.abc import Iterable
@@ -379,25 +380,34 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 
 
 def _bind_unix(path: str) -> tuple[socket.socket, int]:
-    """Binds ``path`` through a ``/proc/self/fd`` alias of its directory (the
-    host path may exceed sun_path). Whatever a sandbox left at the name is
-    unlinked first, never followed. Returns the socket and its inode."""
+    """Binds ``path`` through ``/proc/self/fd`` aliases of directories (the
+    host path may exceed sun_path). The socket is made in the parent of its
+    directory, which only the host can write, and made connectable by the
+    sandbox's unprivileged user there, then renamed into place: whatever a
+    sandbox left at the name is replaced, never followed, and no chmod ever
+    touches a path the sandbox controls. Returns the socket and its inode."""
     directory, name = os.path.split(path)
     dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    private_fd = os.open(os.path.dirname(directory), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    staged = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=dir_fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(f"/proc/self/fd/{dir_fd}/{name}")
+            sock.bind(f"/proc/self/fd/{private_fd}/{staged}")
+            # Only the sandbox's own directory leads to it; connecting needs write permission.
+            os.chmod(f"/proc/self/fd/{private_fd}/{staged}", 0o666)
+            os.rename(staged, name, src_dir_fd=private_fd, dst_dir_fd=dir_fd)
             sock.listen(128)
             sock.setblocking(False)
             inode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino
         except BaseException:
             sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(staged, dir_fd=private_fd)
             raise
     finally:
         os.close(dir_fd)
+        os.close(private_fd)
     return sock, inode
 
 

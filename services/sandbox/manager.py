@@ -36,13 +36,10 @@ from services.sandbox.backends.base import (
 )
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
 from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
+from services.sandbox.isolation.sizes import size_for
 from services.sandbox.models import SandboxRow
 
-__all__ = ["SandboxManager", "SandboxRecord", "CreateParams", "SIZES"]
-
-# container_size -> (CPU millicores, memory MiB); index is the proto enum value
-# (0 unspecified = small, 1 small, 2 medium, 3 large).
-SIZES: dict[int, tuple[int, int]] = {0: (1000, 1024), 1: (1000, 1024), 2: (2000, 4096), 3: (4000, 8192)}
+__all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
 
 # States in which a sandbox holds the node's resources.
 _LIVE_STATES = ("creating", "running", "paused")
@@ -228,7 +225,6 @@ class SandboxManager:
                     )
                     s.add(row)
             egress = _egress_policy(network)
-            cpu_millis, memory_mib = SIZES.get(params.size, SIZES[0])
             spec = SandboxSpec(
                 sandbox_id=params.sandbox_id,
                 network=_network_policy(network),
@@ -236,8 +232,7 @@ class SandboxManager:
                 blocked_domains=egress.blocked_domains,
                 env=dict(params.env),
                 labels={**dict(params.labels), "berth.sandbox_id": params.sandbox_id, "berth.org": org_id},
-                cpu_millis=cpu_millis,
-                memory_mib=memory_mib,
+                size=size_for(params.size),
             )
             try:
                 handle = await self._backend.create(spec)

@@ -40,6 +40,8 @@ async def test_the_relay_carries_a_connection_to_the_unix_socket_and_is_idempote
         writer.close()
 
     server = await asyncio.start_unix_server(upper, str(mounted / "upper.sock"))
+    # The sandbox's unprivileged user connects to it, as to the egress proxy's socket.
+    (mounted / "upper.sock").chmod(0o666)
     try:
         port = await sandbox.client.start_egress_relay(0, "/run/berth/upper.sock")
         again = await sandbox.client.start_egress_relay(port, "/run/berth/upper.sock")

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.sandbox.isolation.sizes import DEFAULT_SIZE, ContainerSize
+
 __all__ = [
     "NetworkPolicy",
     "SandboxSpec",
@@ -76,8 +78,16 @@ class SandboxSpec:
     blocked_domains: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
-    cpu_millis: int | None = None
-    memory_mib: int | None = None
+    size: ContainerSize = DEFAULT_SIZE
+    """The limits the backend enforces (``isolation/sizes.py``)."""
+
+    @property
+    def cpu_millis(self) -> int:
+        return self.size.cpu_millis
+
+    @property
+    def memory_mib(self) -> int:
+        return self.size.memory_mib
 
 
 @dataclass(frozen=True)

@@ -1,39 +1,58 @@
-"""The ``local`` backend: sandboxd under bubblewrap on this host.
+"""The ``local`` backend: sandboxd under bubblewrap on this host, confined.
 
 Layout of one sandbox::
 
-    <data_dir>/sandboxes/<sandbox_id>/
-        workspace/        bind-mounted read-write at /workspace
-        run/              host only: handle.json, bwrap.pid, sandbox.log
-        run/berth/        bind-mounted at /run/berth: sandboxd.sock, env.json, state/,
-                          egress.sock (restricted only; served by the Sandbox service)
+    <data_dir>/sandboxes/<sandbox_id>/          root-owned, 0700
+        workspace.ext4    the workspace filesystem (sparse image, the disk quota)
+        workspace/        its mount point, bound read-write at /workspace
+        run/              host only: handle.json, bwrap.pid, sandbox.log, slirp.log
+        run/berth/        owned by the sandbox's uid, bound at /run/berth:
+                          sandboxd.sock, env.json, state/, egress.sock (restricted)
+    <data_dir>/isolation/                       shared by every sandbox, read-only to them
+        etc-<hash>/       the minimal /etc (``isolation/etc.py``)
+        sandboxd-<hash>.py, seccomp-<hash>.bpf
 
 Host-side bookkeeping stays out of the mounted directory so nothing inside the
 sandbox can make the service signal an arbitrary host pid.
+
+What confines a sandbox (isolation ``bwrap``, the default; every piece is
+required, and a create that cannot apply one fails with BackendUnavailable
+naming it):
+
+* **Identity.** bubblewrap runs as the sandbox's own unprivileged host uid
+  (``isolation/identity.py``) in a new user namespace, where it is uid 1000
+  (``sandbox``). It never runs as host root, and no two sandboxes share a
+  host uid. Its mount sources are handed over as file descriptors, so the
+  unprivileged uid needs no access to the host directories above.
+* **Namespaces.** user, mount, PID, IPC, UTS, cgroup and network are all
+  new; no capability is kept, and no user namespace can be made inside.
+* **Files.** ``/usr`` (and the ``/bin``, ``/lib`` links) read-only, a
+  minimal generated ``/etc``, private ``/proc``, ``/dev`` and a sized
+  ``/tmp``, the workspace and ``/run/berth``. Nothing else of the host.
+* **Syscalls.** the seccomp filter of ``isolation/seccomp.py``.
+* **Limits.** memory (with swap), pids and CPU in the sandbox's own cgroup
+  (``isolation/cgroups.py``), and the workspace quota (``isolation/quota.py``),
+  all from the spec's ``container_size``.
+* **Network.** always its own namespace: ``disabled`` and ``restricted`` keep
+  only loopback (``restricted`` reaches its egress proxy through sandboxd's
+  relay); ``enabled`` gets slirp4netns behind the egress filter of
+  ``isolation/network.py``.
 
 bwrap is started in its own session and without ``--die-with-parent``, so a
 sandbox outlives a restart of the Sandbox service; ``adopt`` finds it again
 through ``handle.json``. The daemon is the sandbox's PID 1 (``--as-pid-1``):
 when it exits the kernel kills everything left in the sandbox.
 
-Network: ``enabled`` shares the host's network namespace; ``disabled`` and
-``restricted`` get their own (``--unshare-net``) with only loopback. A
-``restricted`` sandbox's commands get ``HTTP(S)_PROXY`` pointing at
-sandboxd's loopback relay of its egress proxy (``base.egress_env``), which
-the Sandbox service serves on ``run/berth/egress.sock``; they reach the
-outside through that proxy only. Unconfined sandboxes (isolation ``none``)
-share the host's network whatever their policy.
-
 Pause freezes the sandbox's cgroup (cgroup v2 ``cgroup.freeze`` or the cgroup
-v1 freezer); with no writable freezer it falls back to SIGSTOP/SIGCONT of
-every process in the tree.
+v1 freezer). Isolation ``none`` (development only, set explicitly) runs the
+daemon unconfined on the host's network as the service's user, freezes with
+SIGSTOP/SIGCONT, and applies no limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -42,7 +61,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -60,6 +79,19 @@ from services.sandbox.backends.base import (
     egress_env,
 )
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
+from services.sandbox.isolation.cgroups import CgroupError, CgroupHost, SandboxCgroup, detect_cgroups
+from services.sandbox.isolation.etc import build_etc
+from services.sandbox.isolation.identity import SANDBOX_GID, SANDBOX_UID, host_uid
+from services.sandbox.isolation.network import (
+    NetworkSetupError,
+    apply_filter,
+    filter_ruleset,
+    host_addresses,
+    parse_cidrs,
+    start_user_network,
+)
+from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_workspace
+from services.sandbox.isolation.seccomp import SeccompUnavailable, write_filter
 
 __all__ = ["LocalBackend", "Isolation", "FreezerKind", "detect_freezers"]
 
@@ -72,11 +104,19 @@ _SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _DEFAULT_DAEMON = Path(__file__).resolve().parent.parent / "daemon" / "sandboxd.py"
 _DAEMON_IN_SANDBOX = "/opt/berth/sandboxd.py"
 _RUN_IN_SANDBOX = "/run/berth"
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # bwrap and the daemon must not inherit the service's environment (API keys,
 # database URLs); commands get only what the sandbox spec grants them.
-_HOST_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-_JOIN_CGROUP = '{ echo $$ > "$0"; } 2>/dev/null || echo "berth: could not join cgroup $0" >&2; exec "$@"'
+_HOST_ENV = {"PATH": _PATH, "LANG": "C.UTF-8"}
+# Run as root before bwrap: join every cgroup of the sandbox, failing the
+# start if one cannot be joined, then (setpriv) drop to the sandbox's uid.
+_JOIN = (
+    'for f in $BERTH_CGROUPS; do echo $$ > "$f" || { echo "berth: cannot join cgroup $f" >&2; exit 97; }; done; '
+    'exec "$@"'
+)
 _POLL_S = 0.01
+# Where the staging bwrap puts the mount sources (its own tmpfs, never the host's /tmp).
+_STAGE = "/tmp/berth-stage"
 
 
 @dataclass(frozen=True)
@@ -121,49 +161,26 @@ def _signal_all(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def _cgroup_mounts() -> tuple[Path | None, Path | None]:
-    """Mount points of the cgroup v2 hierarchy and of the v1 freezer."""
-    v2: Path | None = None
-    v1_freezer: Path | None = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) < 4:
-                continue
-            mount_point, fs_type, options = parts[1], parts[2], parts[3].split(",")
-            if fs_type == "cgroup2" and v2 is None:
-                v2 = Path(mount_point)
-            elif fs_type == "cgroup" and "freezer" in options and v1_freezer is None:
-                v1_freezer = Path(mount_point)
-    return v2, v1_freezer
+def _kill_recorded(pid: object, start_time: object) -> None:
+    """SIGKILLs a helper process recorded in a handle, if it is still that process."""
+    if not isinstance(pid, int) or pid <= 0:
+        return
+    stat = _proc_stat(pid)
+    if stat is not None and stat.start_time == start_time:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
-def detect_freezers() -> list[tuple[FreezerKind, Path | None]]:
-    """Usable freezers on this host, best first, each with the directory
-    under which sandbox cgroups are created (None for signals)."""
-    v2, v1 = _cgroup_mounts()
-    candidates: list[tuple[FreezerKind, Path]] = []
-    if v2 is not None and v2 == Path("/sys/fs/cgroup"):
-        candidates.append(("cgroup_v2", v2))
-    if v1 is not None:
-        candidates.append(("cgroup_v1", v1))
-    if v2 is not None and v2 != Path("/sys/fs/cgroup"):
-        candidates.append(("cgroup_v2", v2))
-    usable: list[tuple[FreezerKind, Path | None]] = []
-    for kind, mount in candidates:
-        base = mount / "berth"
-        try:
-            base.mkdir(exist_ok=True)
-        except OSError:
-            continue
-        control = "cgroup.procs"
-        if (base / control).exists() and os.access(base / control, os.W_OK):
-            usable.append((kind, base))
-    usable.append(("signal", None))
-    return usable
+def detect_freezers() -> list[FreezerKind]:
+    """Freezers usable on this host, best first."""
+    try:
+        host = detect_cgroups()
+    except CgroupError:
+        return ["signal"]
+    return ["cgroup_v2" if host.version == "v2" else "cgroup_v1", "signal"]
 
 
-_RESERVED_TARGETS = ("/", "/proc", "/dev", "/workspace", _RUN_IN_SANDBOX, _DAEMON_IN_SANDBOX)
+_RESERVED_TARGETS = ("/", "/proc", "/dev", "/etc", "/tmp", "/workspace", _RUN_IN_SANDBOX, _DAEMON_IN_SANDBOX)
 
 
 def _check_mounts(mounts: Mapping[str | Path, str]) -> list[tuple[str, str]]:
@@ -194,6 +211,31 @@ class _Paths:
     def handle_file(self) -> Path:
         return self.run / "handle.json"
 
+    @property
+    def image(self) -> Path:
+        return self.home / IMAGE_NAME
+
+
+@dataclass(frozen=True)
+class _Assets:
+    """What every confined sandbox of this backend shares, made once."""
+
+    etc: Path
+    daemon: Path
+    seccomp: Path
+    cgroups: CgroupHost
+
+
+def _copy_by_content(source: Path, directory: Path, stem: str, suffix: str) -> Path:
+    data = source.read_bytes()
+    target = directory / f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
+    if not target.exists():
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.chmod(0o644)
+        tmp.replace(target)
+    return target
+
 
 class LocalBackend(SandboxBackend):
     name = "local"
@@ -209,12 +251,17 @@ class LocalBackend(SandboxBackend):
         python: str | None = None,
         start_timeout_s: float = 15.0,
         extra_ro_mounts: Mapping[str | Path, str] | None = None,
+        allow_cidrs: Sequence[str] = (),
+        ca_bundle: Path | None = None,
     ) -> None:
         """``python`` is the interpreter that runs sandboxd: ``python3`` from
         the sandbox's PATH under bubblewrap, this interpreter when unconfined.
         ``extra_ro_mounts`` maps host paths to absolute sandbox paths that
         bubblewrap binds read-only (e.g. a Python site-packages for MCP
-        servers); unconfined sandboxes see the host's paths and ignore it."""
+        servers); unconfined sandboxes see the host's paths and ignore it.
+        ``allow_cidrs`` are destinations an ``enabled`` sandbox may reach
+        despite the private-range rule; ``ca_bundle`` becomes the sandbox's
+        ``/etc/ssl/certs/ca-certificates.crt`` (default: the host's)."""
         self._data_dir = Path(data_dir).resolve()
         self._isolation: Isolation = isolation
         self._daemon_path = (daemon_path or _DEFAULT_DAEMON).resolve()
@@ -223,11 +270,15 @@ class LocalBackend(SandboxBackend):
         self._python = python or ("python3" if isolation == "bwrap" else sys.executable)
         self._start_timeout_s = start_timeout_s
         self._extra_ro_mounts = _check_mounts(extra_ro_mounts or {})
+        self._allow = parse_cidrs(allow_cidrs)
+        self._ca_bundle = ca_bundle if ca_bundle is not None else Path("/etc/ssl/certs/ca-certificates.crt")
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._assets: _Assets | None = None
+        self._install = str(self._data_dir)
         # Sandbox cgroups of different data dirs (tests, several installs)
         # must not collide on one host.
-        self._cgroup_prefix = hashlib.sha256(str(self._data_dir).encode()).hexdigest()[:8]
+        self._cgroup_prefix = hashlib.sha256(self._install.encode()).hexdigest()[:8]
         if isolation == "none":
             log.warning("sandbox_isolation_disabled", data_dir=str(self._data_dir))
 
@@ -243,14 +294,18 @@ class LocalBackend(SandboxBackend):
             existing = self._load_handle(spec.sandbox_id)
             if existing is not None and self._alive(existing):
                 return existing
-            if self._isolation == "bwrap" and shutil.which("bwrap") is None:
-                raise BackendUnavailable(
-                    "bubblewrap (bwrap) is not installed: install it (apt-get install bubblewrap) "
-                    "or set BERTH_SANDBOX_ISOLATION=none for development"
-                )
             if spec.network == "restricted" and self._isolation == "none":
                 log.warning("sandbox_network_restricted_not_enforced", sandbox_id=spec.sandbox_id, isolation="none")
-            return await self._start(spec)
+            try:
+                return await self._start(spec)
+            except SandboxStartError as exc:
+                # bwrap's setup of the new namespace's loopback fails now and
+                # then (a netlink error it reports with a stale errno); nothing
+                # of the sandbox ran yet, so one more start is safe.
+                if "loopback: Failed" not in str(exc):
+                    raise
+                log.warning("sandbox_start_retried", sandbox_id=spec.sandbox_id, error=str(exc))
+                return await self._start(spec)
 
     async def pause(self, handle: BackendHandle) -> None:
         async with self._lock(handle.sandbox_id):
@@ -269,6 +324,7 @@ class LocalBackend(SandboxBackend):
 
     async def destroy(self, handle: BackendHandle) -> None:
         async with self._lock(handle.sandbox_id):
+            cgroup = SandboxCgroup.from_private(handle.private.get("cgroups"))
             if self._alive(handle):
                 with contextlib.suppress(BackendError):
                     await self._set_frozen(handle, False)
@@ -280,12 +336,19 @@ class LocalBackend(SandboxBackend):
                         await client.close()
                 if not await self._wait_dead(handle, 3.0):
                     _signal_all(_process_tree(int(handle.private["pid"])), signal.SIGKILL)
-            self._kill_cgroup(handle)
+            if cgroup is not None:
+                cgroup.kill()
+            _kill_recorded(handle.private.get("slirp_pid"), handle.private.get("slirp_start_time"))
             if not await self._wait_dead(handle, 10.0):
                 raise BackendError(f"sandbox {handle.sandbox_id} did not stop")
-            await self._remove_cgroup(handle)
+            if cgroup is not None and not await cgroup.remove():
+                log.warning("sandbox_cgroup_not_removed", sandbox_id=handle.sandbox_id, cgroup=dict(cgroup.dirs))
             self._reap(handle.sandbox_id)
             home = Path(str(handle.private["home"]))
+            try:
+                await unmount_workspace(home / "workspace")
+            except QuotaError as exc:
+                raise BackendError(f"could not unmount the workspace of {handle.sandbox_id}: {exc}") from exc
             await asyncio.to_thread(shutil.rmtree, home, True)
             if home.exists():
                 raise BackendError(f"could not delete {home}")
@@ -314,6 +377,51 @@ class LocalBackend(SandboxBackend):
             return None
         return super().egress_socket_path(handle)
 
+    async def start(self) -> None:
+        """Prepares the isolation every sandbox shares, so the first create
+        does not pay for it, and says in the log what is in force; what is
+        missing fails each create with BackendUnavailable instead."""
+        if self._isolation != "bwrap":
+            return
+        try:
+            await asyncio.to_thread(self.assets)
+        except BackendUnavailable as exc:
+            log.error("sandbox_isolation_unavailable", error=str(exc))
+            return
+        log.info("sandbox_isolation_ready", data_dir=self._install)
+
+    # ------------------------------------------------------------ isolation assets
+
+    def assets(self) -> _Assets:
+        """The shared pieces of confinement, made on first use; raises
+        BackendUnavailable naming the first piece this host cannot provide."""
+        if self._assets is not None:
+            return self._assets
+        for tool, package in (("bwrap", "bubblewrap"), ("slirp4netns", "slirp4netns"), ("nft", "nftables"), ("nsenter", "util-linux"), ("setpriv", "util-linux"), ("mkfs.ext4", "e2fsprogs")):
+            if shutil.which(tool) is None:
+                raise BackendUnavailable(
+                    f"{tool} is not installed: install it (apt-get install {package}) "
+                    "or set BERTH_SANDBOX_ISOLATION=none for development"
+                )
+        directory = self._data_dir / "isolation"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            directory.chmod(0o755)
+            cgroups = detect_cgroups()
+            seccomp = directory / "seccomp.bpf"
+            write_filter(seccomp)
+            seccomp = _copy_by_content(seccomp, directory, "seccomp", ".bpf")
+            daemon = _copy_by_content(self._daemon_path, directory, "sandboxd", ".py")
+            etc = build_etc(directory, ca_bundle=self._ca_bundle)
+        except CgroupError as exc:
+            raise BackendUnavailable(f"sandbox limits cannot be enforced: {exc}") from exc
+        except SeccompUnavailable as exc:
+            raise BackendUnavailable(f"the sandbox syscall filter cannot be built: {exc}") from exc
+        except OSError as exc:
+            raise BackendUnavailable(f"cannot prepare sandbox isolation under {directory}: {exc}") from exc
+        self._assets = _Assets(etc=etc, daemon=daemon, seccomp=seccomp, cgroups=cgroups)
+        return self._assets
+
     # ------------------------------------------------------------ starting
 
     def _paths(self, sandbox_id: str) -> _Paths:
@@ -330,105 +438,167 @@ class LocalBackend(SandboxBackend):
             return None
 
     async def _start(self, spec: SandboxSpec) -> BackendHandle:
+        confined = self._isolation == "bwrap"
+        assets = self.assets() if confined else None
         paths = self._paths(spec.sandbox_id)
-        paths.workspace.mkdir(parents=True, exist_ok=True)
+        uid = host_uid(self._install, spec.sandbox_id) if confined else os.getuid()
+        paths.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         paths.run.mkdir(mode=0o700, parents=True, exist_ok=True)
         (paths.mounted / "state").mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in (paths.mounted, paths.mounted / "state"):
+            os.chown(directory, uid, uid)
+        if confined:
+            try:
+                await mount_workspace(paths.image, paths.workspace, size_mib=spec.size.disk_mib, uid=uid, gid=uid)
+            except QuotaError as exc:
+                raise BackendUnavailable(f"the workspace disk quota cannot be applied: {exc}") from exc
+        else:
+            paths.workspace.mkdir(parents=True, exist_ok=True)
         env_file = paths.mounted / "env.json"
-        egress = egress_env() if spec.network == "restricted" and self._isolation == "bwrap" else {}
+        egress = egress_env() if spec.network == "restricted" and confined else {}
         env_file.write_text(json.dumps({**self._extra_env, **egress, **dict(spec.env)}))
         env_file.chmod(0o600)
+        os.chown(env_file, uid, uid)
         with contextlib.suppress(FileNotFoundError):
             paths.socket.unlink()
 
-        freezer, cgroup = self._make_cgroup(spec.sandbox_id)
-        argv = self._bwrap_argv(spec, paths) if self._isolation == "bwrap" else self._unconfined_argv(paths)
+        cgroup: SandboxCgroup | None = None
+        freezer: FreezerKind = "signal"
+        if assets is not None:
+            try:
+                cgroup = assets.cgroups.create(f"{self._cgroup_prefix}-{spec.sandbox_id}", spec.size)
+            except CgroupError as exc:
+                with contextlib.suppress(QuotaError):
+                    await unmount_workspace(paths.workspace)
+                raise BackendUnavailable(f"sandbox limits cannot be enforced: {exc}") from exc
+            if self._freezer_choice != "signal":
+                freezer = "cgroup_v2" if cgroup.version == "v2" else "cgroup_v1"
+        elif self._freezer_choice not in ("auto", "signal"):
+            raise BackendUnavailable(f"freezer {self._freezer_choice} needs isolation bwrap")
+
+        private: dict[str, object] = {
+            "isolation": self._isolation,
+            "network": spec.network,
+            "home": str(paths.home),
+            "workspace_dir": str(paths.workspace),
+            "run_dir": str(paths.run),
+            "freezer": freezer,
+            "cgroups": None if cgroup is None else cgroup.to_private(),
+            "uid": uid,
+            "gid": uid,
+            "size": spec.size.name,
+            "labels": dict(spec.labels),
+        }
+        if assets is not None and cgroup is not None:
+            popen = self._spawn_confined(spec, paths, assets, cgroup, uid)
+        else:
+            popen = self._spawn(self._unconfined_argv(paths), paths, env=_HOST_ENV)
+        self._children[spec.sandbox_id] = popen
+        stat = _proc_stat(popen.pid)
+        handle = BackendHandle(
+            sandbox_id=spec.sandbox_id,
+            socket_path=str(paths.socket),
+            private={"pid": popen.pid, "start_time": stat.start_time if stat is not None else 0, **private},
+        )
+        self._save_handle(handle)
+        try:
+            if confined:
+                handle = await self._start_network(handle, popen, spec)
+            await self._wait_ready(handle, popen)
+        except BaseException:
+            await self._abandon_start(handle)
+            raise
+        log.info("sandbox_started", sandbox_id=spec.sandbox_id, pid=popen.pid, isolation=self._isolation, uid=uid, freezer=freezer)
+        return handle
+
+    async def _abandon_start(self, handle: BackendHandle) -> None:
+        """Undoes what a failed start left running or mounted; the workspace
+        image stays, as ``destroy`` (or the next create) will find it."""
+        _signal_all(_process_tree(int(handle.private["pid"])), signal.SIGKILL)
+        _kill_recorded(handle.private.get("slirp_pid"), handle.private.get("slirp_start_time"))
+        cgroup = SandboxCgroup.from_private(handle.private.get("cgroups"))
         if cgroup is not None:
-            # Joining before exec puts every later sandbox process in the
-            # cgroup with no window in which a child could escape it.
-            argv = ["/bin/sh", "-c", _JOIN_CGROUP, str(cgroup / "cgroup.procs"), *argv]
+            cgroup.kill()
+        await self._wait_dead(handle, 5.0)
+        if cgroup is not None:
+            await cgroup.remove()
+        with contextlib.suppress(QuotaError):
+            await unmount_workspace(Path(str(handle.private["workspace_dir"])))
+
+    def _spawn(self, argv: list[str], paths: _Paths, *, env: Mapping[str, str], pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
         with open(paths.run / "sandbox.log", "ab") as log_file:
-            popen = subprocess.Popen(
+            return subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
-                env=_HOST_ENV,
+                pass_fds=tuple(pass_fds),
+                env=dict(env),
                 cwd=paths.run,
             )
-        self._children[spec.sandbox_id] = popen
-        stat = _proc_stat(popen.pid)
-        handle = BackendHandle(
-            sandbox_id=spec.sandbox_id,
-            socket_path=str(paths.socket),
-            private={
-                "pid": popen.pid,
-                "start_time": stat.start_time if stat is not None else 0,
-                "isolation": self._isolation,
-                "network": spec.network,
-                "home": str(paths.home),
-                "workspace_dir": str(paths.workspace),
-                "run_dir": str(paths.run),
-                "freezer": freezer,
-                "cgroup": None if cgroup is None else str(cgroup),
-                "labels": dict(spec.labels),
-            },
-        )
-        self._save_handle(handle)
-        await self._wait_ready(handle, popen)
-        if cgroup is not None and popen.pid not in self._cgroup_pids(handle):
-            log.warning("sandbox_cgroup_join_failed", sandbox_id=spec.sandbox_id, cgroup=str(cgroup))
-            await self._remove_cgroup(handle)
-            handle = dataclasses.replace(handle, private={**handle.private, "freezer": "signal", "cgroup": None})
-            self._save_handle(handle)
-        log.info("sandbox_started", sandbox_id=spec.sandbox_id, pid=popen.pid, isolation=self._isolation, freezer=handle.private["freezer"])
-        return handle
 
-    def _save_handle(self, handle: BackendHandle) -> None:
-        run = Path(str(handle.private["run_dir"]))
-        tmp = run / "handle.json.tmp"
-        tmp.write_text(handle.to_json())
-        tmp.replace(run / "handle.json")
-        (run / "bwrap.pid").write_text(f"{handle.private['pid']}\n")
+    def _spawn_confined(
+        self, spec: SandboxSpec, paths: _Paths, assets: _Assets, cgroup: SandboxCgroup, uid: int
+    ) -> subprocess.Popen[bytes]:
+        # The unprivileged uid bwrap runs as cannot (and must not) walk the
+        # root-only host directories its mount sources live in. A first bwrap,
+        # still root, stages them on a fresh tmpfs in a mount namespace of its
+        # own; the second, as the sandbox's uid, binds them from there.
+        sources = {
+            "workspace": str(paths.workspace),
+            "run": str(paths.mounted),
+            "etc": str(assets.etc),
+            "sandboxd.py": str(assets.daemon),
+            **{f"ro{i}": host for i, (host, _) in enumerate(self._extra_ro_mounts)},
+        }
+        stage = {name: f"{_STAGE}/{name}" for name in sources}
+        staging = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", _STAGE]
+        for name, host in sources.items():
+            staging += ["--bind" if name in ("workspace", "run") else "--ro-bind", host, stage[name]]
+        seccomp_fd = os.open(assets.seccomp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            argv = [
+                "/bin/sh", "-c", _JOIN, "berth-join",
+                *staging, "--",
+                "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                "--inh-caps=-all", "--bounding-set=-all",
+                *self._bwrap_argv(spec, stage, seccomp_fd),
+            ]  # fmt: skip
+            env = {**_HOST_ENV, "BERTH_CGROUPS": " ".join(cgroup.procs_files())}
+            return self._spawn(argv, paths, env=env, pass_fds=(seccomp_fd,))
+        finally:
+            os.close(seccomp_fd)
 
-    def _bwrap_argv(self, spec: SandboxSpec, paths: _Paths) -> list[str]:
+    def _bwrap_argv(self, spec: SandboxSpec, stage: Mapping[str, str], seccomp_fd: int) -> list[str]:
         argv = [
             "bwrap",
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--hostname",
-            "sandbox",
+            "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--disable-userns",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup",
+            "--hostname", "sandbox",
             "--as-pid-1",
             "--new-session",
-            # Root outside must not mean privileges inside.
-            "--cap-drop",
-            "ALL",
-        ]
-        if spec.network != "enabled":
-            argv.append("--unshare-net")
-        argv += ["--ro-bind", "/usr", "/usr"]
+            "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr",
+        ]  # fmt: skip
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(top):
                 argv += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
                 argv += ["--ro-bind", top, top]
-        argv += ["--ro-bind", "/etc", "/etc"]
-        resolv = os.path.realpath("/etc/resolv.conf")
-        if spec.network == "enabled" and not resolv.startswith("/etc/") and os.path.exists(resolv):
-            # A resolv.conf symlinked into /run (systemd-resolved) would dangle.
-            argv += ["--ro-bind", resolv, resolv]
         argv += [
+            "--ro-bind", stage["etc"], "/etc",
             "--proc", "/proc",
             "--dev", "/dev",
-            "--tmpfs", "/tmp",
-            "--bind", str(paths.workspace), "/workspace",
-            "--bind", str(paths.mounted), _RUN_IN_SANDBOX,
-            "--ro-bind", str(self._daemon_path), _DAEMON_IN_SANDBOX,
-            *[arg for host, target in self._extra_ro_mounts for arg in ("--ro-bind", host, target)],
+            "--size", str(spec.size.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
+            "--bind", stage["workspace"], "/workspace",
+            "--bind", stage["run"], _RUN_IN_SANDBOX,
+            "--ro-bind", stage["sandboxd.py"], _DAEMON_IN_SANDBOX,
+            *[arg for i, (_, target) in enumerate(self._extra_ro_mounts) for arg in ("--ro-bind", stage[f"ro{i}"], target)],
+            "--seccomp", str(seccomp_fd),
             "--chdir", "/workspace",
+            "--setenv", "HOME", "/workspace",
             self._python, _DAEMON_IN_SANDBOX,
             "--socket", f"{_RUN_IN_SANDBOX}/sandboxd.sock",
             "--workspace", "/workspace",
@@ -449,6 +619,48 @@ class LocalBackend(SandboxBackend):
             "--env-file", str(paths.mounted / "env.json"),
         ]  # fmt: skip
 
+    async def _namespace_pid(self, popen: subprocess.Popen[bytes]) -> int:
+        """The first process of the sandbox's tree inside its own network
+        namespace (sandboxd's ancestor inside bwrap)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._start_timeout_s
+        own_net = os.readlink("/proc/self/ns/net")
+        while loop.time() < deadline:
+            if popen.poll() is not None:
+                raise SandboxStartError(f"sandbox exited with status {popen.returncode} while starting")
+            for pid in _process_tree(popen.pid):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/ns/net") != own_net:
+                        return pid
+            await asyncio.sleep(_POLL_S / 5)
+        raise SandboxStartError("the sandbox's namespaces did not appear")
+
+    async def _start_network(self, handle: BackendHandle, popen: subprocess.Popen[bytes], spec: SandboxSpec) -> BackendHandle:
+        try:
+            inner = await self._namespace_pid(popen)
+        except SandboxStartError as exc:
+            raise SandboxStartError(f"sandbox {handle.sandbox_id}: {exc}: {self._log_tail(handle)}") from exc
+        private = {**handle.private, "inner_pid": inner}
+        if spec.network == "enabled":
+            netns = Path(f"/proc/{inner}/ns/net")
+            try:
+                await apply_filter(netns, filter_ruleset(self._allow, host_addresses()))
+                slirp = await start_user_network(netns, Path(str(handle.private["run_dir"])) / "slirp.log")
+            except NetworkSetupError as exc:
+                raise BackendUnavailable(f"the network of sandbox {handle.sandbox_id} cannot be set up: {exc}") from exc
+            stat = _proc_stat(slirp)
+            private.update(slirp_pid=slirp, slirp_start_time=stat.start_time if stat is not None else 0)
+        handle = BackendHandle(handle.sandbox_id, handle.socket_path, private)
+        self._save_handle(handle)
+        return handle
+
+    def _save_handle(self, handle: BackendHandle) -> None:
+        run = Path(str(handle.private["run_dir"]))
+        tmp = run / "handle.json.tmp"
+        tmp.write_text(handle.to_json())
+        tmp.replace(run / "handle.json")
+        (run / "bwrap.pid").write_text(f"{handle.private['pid']}\n")
+
     async def _wait_ready(self, handle: BackendHandle, popen: subprocess.Popen[bytes]) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._start_timeout_s
@@ -463,7 +675,6 @@ class LocalBackend(SandboxBackend):
             if last_error is None:
                 return
             await asyncio.sleep(_POLL_S)
-        _signal_all(_process_tree(popen.pid), signal.SIGKILL)
         raise SandboxStartError(
             f"sandbox daemon {handle.sandbox_id} not ready after {self._start_timeout_s}s "
             f"({last_error!r}): {self._log_tail(handle)}"
@@ -502,61 +713,16 @@ class LocalBackend(SandboxBackend):
 
     # ------------------------------------------------------------ freezing
 
-    def _make_cgroup(self, sandbox_id: str) -> tuple[FreezerKind, Path | None]:
-        choices = detect_freezers()
-        if self._freezer_choice != "auto":
-            choices = [c for c in choices if c[0] == self._freezer_choice]
-            if not choices:
-                raise BackendUnavailable(f"freezer {self._freezer_choice} is not usable on this host")
-        kind, base = choices[0]
-        if base is None:
-            return kind, None
-        cgroup = base / f"{self._cgroup_prefix}-{sandbox_id}"
-        try:
-            cgroup.mkdir(exist_ok=True)
-        except OSError as exc:
-            log.warning("sandbox_cgroup_unavailable", sandbox_id=sandbox_id, error=str(exc))
-            return "signal", None
-        return kind, cgroup
-
-    def _cgroup_pids(self, handle: BackendHandle) -> list[int]:
-        cgroup = handle.private.get("cgroup")
-        if not cgroup:
-            return []
-        try:
-            text = (Path(str(cgroup)) / "cgroup.procs").read_text()
-        except OSError:
-            return []
-        return [int(line) for line in text.split()]
-
     async def _set_frozen(self, handle: BackendHandle, frozen: bool) -> None:
         kind = cast(FreezerKind, handle.private.get("freezer", "signal"))
-        cgroup = Path(str(handle.private.get("cgroup")))
-        if kind == "cgroup_v1":
-            target = "FROZEN" if frozen else "THAWED"
-            await self._write_until(cgroup / "freezer.state", target, cgroup / "freezer.state", target)
-        elif kind == "cgroup_v2":
-            value = "1" if frozen else "0"
-            await self._write_until(cgroup / "cgroup.freeze", value, cgroup / "cgroup.events", f"frozen {value}")
+        cgroup = SandboxCgroup.from_private(handle.private.get("cgroups"))
+        if kind != "signal" and cgroup is not None:
+            try:
+                await cgroup.set_frozen(frozen)
+            except CgroupError as exc:
+                raise BackendError(str(exc)) from exc
         else:
             await self._signal_freeze(handle, frozen)
-
-    async def _write_until(self, control: Path, value: str, status: Path, expected: str) -> None:
-        """Writes a freezer control and waits until the kernel reports the
-        state; a v1 freezer can stall in FREEZING, and rewriting retries it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10.0
-        while True:
-            try:
-                control.write_text(value)
-                reached = expected in status.read_text().splitlines()
-            except OSError as exc:
-                raise BackendError(f"cannot write {control}: {exc}") from exc
-            if reached:
-                return
-            if loop.time() >= deadline:
-                raise BackendError(f"{control} did not reach {expected!r}")
-            await asyncio.sleep(_POLL_S)
 
     async def _signal_freeze(self, handle: BackendHandle, frozen: bool) -> None:
         root = int(handle.private["pid"])
@@ -581,34 +747,3 @@ class LocalBackend(SandboxBackend):
             if loop.time() >= deadline:
                 raise BackendError(f"sandbox {handle.sandbox_id} did not stop")
             await asyncio.sleep(_POLL_S)
-
-    def _kill_cgroup(self, handle: BackendHandle) -> None:
-        if handle.private.get("freezer") == "cgroup_v2":
-            with contextlib.suppress(OSError):
-                (Path(str(handle.private["cgroup"])) / "cgroup.kill").write_text("1")
-        for _ in range(8):
-            pids = self._cgroup_pids(handle)
-            if not pids:
-                return
-            _signal_all(pids, signal.SIGKILL)
-
-    async def _remove_cgroup(self, handle: BackendHandle) -> None:
-        cgroup = handle.private.get("cgroup")
-        if not cgroup:
-            return
-        path = Path(str(cgroup))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5.0
-        while path.exists():
-            try:
-                path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                # Busy until the last killed member has been reaped.
-                if loop.time() >= deadline:
-                    log.warning("sandbox_cgroup_not_removed", sandbox_id=handle.sandbox_id, cgroup=str(path))
-                    return
-                self._kill_cgroup(handle)
-                await asyncio.sleep(_POLL_S)

@@ -488,6 +488,21 @@ class Child:
         return total
 
 
+COMMAND_OOM_SCORE_ADJ = 500
+
+
+def _raise_oom_score(pid: int) -> None:
+    """Commands are the OOM killer's first choice (the daemon keeps 0), so a
+    command that overruns the sandbox's memory limit is the one killed and
+    the sandbox goes on. Raising a score needs no privilege (lowering one
+    does, and some hosts refuse it even to root)."""
+    try:
+        with open("/proc/%d/oom_score_adj" % pid, "w") as f:
+            f.write(str(COMMAND_OOM_SCORE_ADJ))
+    except OSError:
+        pass
+
+
 class Reaper:
     """Owns every waitpid in the daemon. As PID 1 it also reaps orphans; for
     its own children it records the status instead of losing it."""
@@ -508,6 +523,7 @@ class Reaper:
             start_new_session=True,
             close_fds=True,
         )
+        _raise_oom_score(popen.pid)
         child = Child(popen, marker, self._loop.create_future())
         self._children[popen.pid] = child
         return child

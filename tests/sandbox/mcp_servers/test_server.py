@@ -1,8 +1,8 @@
 """An MCP server for the broker tests, written with the official ``mcp`` package.
 
 ``python test_server.py`` serves stdio; ``python test_server.py http PORT
-[json]`` serves streamable HTTP on 127.0.0.1:PORT at ``/mcp``, answering with
-SSE streams, or with plain JSON bodies given ``json``.
+[json] [--host HOST]`` serves streamable HTTP on HOST (default 127.0.0.1):PORT
+at ``/mcp``, answering with SSE streams, or with plain JSON bodies given ``json``.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def header(name: str, ctx: Context) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "http":
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]), json_response="json" in sys.argv[3:])
+        host = sys.argv[sys.argv.index("--host") + 1] if "--host" in sys.argv else "127.0.0.1"
+        server.run("streamable-http", host=host, port=int(sys.argv[2]), json_response="json" in sys.argv[3:])
     else:
         server.run()
