@@ -90,7 +90,7 @@ from services.sandbox.isolation.network import (
     parse_cidrs,
     start_user_network,
 )
-from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_workspace
+from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_under, unmount_workspace
 from services.sandbox.isolation.seccomp import SeccompUnavailable, write_filter
 
 __all__ = ["LocalBackend", "Isolation", "FreezerKind", "detect_freezers"]
@@ -346,7 +346,7 @@ class LocalBackend(SandboxBackend):
             self._reap(handle.sandbox_id)
             home = Path(str(handle.private["home"]))
             try:
-                await unmount_workspace(home / "workspace")
+                await unmount_under(home)
             except QuotaError as exc:
                 raise BackendError(f"could not unmount the workspace of {handle.sandbox_id}: {exc}") from exc
             await asyncio.to_thread(shutil.rmtree, home, True)
@@ -449,7 +449,14 @@ class LocalBackend(SandboxBackend):
             os.chown(directory, uid, uid)
         if confined:
             try:
-                await mount_workspace(paths.image, paths.workspace, size_mib=spec.size.disk_mib, uid=uid, gid=uid)
+                await mount_workspace(
+                    paths.image,
+                    paths.workspace,
+                    size_mib=spec.size.disk_mib,
+                    uid=uid,
+                    gid=uid,
+                    templates=self._data_dir / "isolation" / "filesystems",
+                )
             except QuotaError as exc:
                 raise BackendUnavailable(f"the workspace disk quota cannot be applied: {exc}") from exc
         else:
