@@ -193,3 +193,17 @@ async def test_each_sandbox_has_its_own_network_namespace(make_sandbox: Any) -> 
 
     assert len(namespaces) == 2
     assert os.readlink("/proc/self/ns/net") not in namespaces
+
+
+async def test_a_background_processs_output_never_lands_on_the_hosts_disk(make_sandbox: Any) -> None:
+    sandbox = await make_sandbox("chatty", size=TINY)
+    host_state = Path(str(sandbox.handle.private["run_dir"])) / "berth" / "state"
+
+    started = await sandbox.client.start_process(name="chatty", shell="head -c 64000000 /dev/zero")
+    status = await sandbox.client.wait_process(started.process_id, 60)
+    on_host = sum(p.stat().st_size for p in host_state.rglob("*") if p.is_file())
+    after = await sandbox.client.run(shell="echo alive")
+
+    assert status is not None
+    assert on_host < 1024 * 1024
+    assert after.stdout == b"alive\n"

@@ -7,7 +7,8 @@ Layout of one sandbox::
         workspace/        its mount point, bound read-write at /workspace
         run/              host only: handle.json, bwrap.pid, sandbox.log, slirp.log
         run/berth/        owned by the sandbox's uid, bound at /run/berth:
-                          sandboxd.sock, env.json, state/, egress.sock (restricted)
+                          sandboxd.sock, env.json, egress.sock (restricted); its
+                          state/ (process logs) is a sized tmpfs inside the sandbox
     <data_dir>/isolation/                       shared by every sandbox, read-only to them
         etc-<hash>/       the minimal /etc (``isolation/etc.py``)
         sandboxd-<hash>.py, seccomp-<hash>.bpf
@@ -601,6 +602,9 @@ class LocalBackend(SandboxBackend):
             "--size", str(spec.size.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
             "--bind", stage["workspace"], "/workspace",
             "--bind", stage["run"], _RUN_IN_SANDBOX,
+            # sandboxd's process logs: bounded and charged to the sandbox's
+            # memory, never to the host's disk outside the quota.
+            "--size", str(spec.size.tmp_mib * 1024 * 1024), "--tmpfs", f"{_RUN_IN_SANDBOX}/state",
             "--ro-bind", stage["sandboxd.py"], _DAEMON_IN_SANDBOX,
             *[arg for i, (_, target) in enumerate(self._extra_ro_mounts) for arg in ("--ro-bind", stage[f"ro{i}"], target)],
             "--seccomp", str(seccomp_fd),
