@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -44,8 +45,13 @@ def is_mounted(mount_point: Path) -> bool:
     return os.path.ismount(mount_point)
 
 
+# One template being made per path at a time in this process; other
+# processes make their own copy under a unique name, and the rename is atomic.
+_TEMPLATE_LOCKS: dict[Path, asyncio.Lock] = {}
+
+
 async def _make_filesystem(path: Path, size_mib: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     with open(tmp, "wb") as f:
         f.truncate(size_mib * 1024 * 1024)
     await _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1", str(tmp)])
@@ -67,12 +73,13 @@ async def mount_workspace(
     if is_mounted(mount_point):
         return
     if not image.exists():
-        tmp = image.with_name(f".{image.name}.tmp")
+        tmp = image.with_name(f".{image.name}.{secrets.token_hex(6)}.tmp")
         if templates is not None:
             template = templates / f"empty-{size_mib}m.ext4"
-            if not template.exists():
-                templates.mkdir(parents=True, exist_ok=True)
-                await _make_filesystem(template, size_mib)
+            async with _TEMPLATE_LOCKS.setdefault(template, asyncio.Lock()):
+                if not template.exists():
+                    templates.mkdir(parents=True, exist_ok=True)
+                    await _make_filesystem(template, size_mib)
             await _run(["cp", "--sparse=always", str(template), str(tmp)])
         else:
             await _make_filesystem(tmp, size_mib)
