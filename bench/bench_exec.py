@@ -1,7 +1,8 @@
 """Warm exec of ``true`` through SandboxService.Exec (gRPC -> service ->
 sandboxd in a running bubblewrap sandbox), against a raw fork+exec of
-``true`` and a fresh raw ``bwrap ... true`` measured in the same run.
-Target: p50 under 2x raw fork+exec."""
+``true`` and a fresh raw ``bwrap ... true`` measured in the same run, with
+the default isolation and without it (``BERTH_SANDBOX_ISOLATION=none``).
+Target: p50 under 2x raw fork+exec with isolation on."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import asyncio
 import shutil
 from pathlib import Path
 
-import grpc
 
 from bench.runner import Result, measure, summarize
+from bench.stack import INTERNAL_TOKEN, internal_channel
 from berth.sandbox.v1 import sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.settings import Settings
 from services.sandbox.server import start_sandbox_service
@@ -25,10 +26,10 @@ async def _raw_spawn(argv: list[str]) -> None:
     await proc.wait()
 
 
-async def run(tmp: Path) -> list[Result]:
-    settings = Settings(data_dir=tmp / "berth", sandbox_idle_pause_s=0)
+async def _warm_exec_samples(tmp: Path, **overrides: object) -> list[float]:
+    settings = Settings(data_dir=tmp, sandbox_idle_pause_s=0, internal_token=INTERNAL_TOKEN, **overrides)  # type: ignore[arg-type]
     service = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(service.address)
+    channel = internal_channel(service.address, "environment")
     stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
     try:
         await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_bench"), metadata=ORG)
@@ -37,19 +38,27 @@ async def run(tmp: Path) -> list[Result]:
             async for _ in stub.Exec(pb.ExecRequest(sandbox_id="sbx_bench", argv=["true"]), metadata=ORG):
                 pass
 
-        true = shutil.which("true") or "/bin/true"
-        service_ms = await measure(via_service, runs=RUNS)
-        fork_ms = await measure(lambda: _raw_spawn([true]), runs=RUNS)
-        results = [summarize("sandbox Exec(true), warm", service_ms, "raw fork+exec true", fork_ms, "p50 < 2x")]
-        if shutil.which("bwrap"):
-            bwrap = ["bwrap", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-                     "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-pid", true]
-            bwrap_ms = await measure(lambda: _raw_spawn(bwrap), runs=100)
-            results.append(summarize("sandbox Exec(true), warm", service_ms, "raw bwrap true (fresh)", bwrap_ms))
-        return results
+        return await measure(via_service, runs=RUNS)
     finally:
         try:
             await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_bench"), metadata=ORG)
         finally:
             await channel.close()
             await service.stop(0.2)
+
+
+async def run(tmp: Path) -> list[Result]:
+    true = shutil.which("true") or "/bin/true"
+    isolated_ms = await _warm_exec_samples(tmp / "isolated")
+    unconfined_ms = await _warm_exec_samples(tmp / "unconfined", sandbox_isolation="none")
+    fork_ms = await measure(lambda: _raw_spawn([true]), runs=RUNS)
+    results = [
+        summarize("sandbox Exec(true), warm (isolated)", isolated_ms, "raw fork+exec true", fork_ms, "p50 < 2x"),
+        summarize("sandbox Exec(true), warm (no isolation)", unconfined_ms, "raw fork+exec true", fork_ms),
+    ]
+    if shutil.which("bwrap"):
+        bwrap = ["bwrap", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+                 "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-pid", true]
+        bwrap_ms = await measure(lambda: _raw_spawn(bwrap), runs=100)
+        results.append(summarize("sandbox Exec(true), warm (isolated)", isolated_ms, "raw bwrap true (fresh)", bwrap_ms))
+    return results

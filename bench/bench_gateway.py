@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 
 from bench.runner import Result, measure_concurrent, run_client, summarize
+from bench.stack import INTERNAL_TOKEN
 from gateway.app import start_gateway
 from gateway.keys import create_key
 from services.core.settings import Settings
@@ -49,7 +50,7 @@ async def _bare_server() -> tuple[uvicorn.Server, asyncio.Task[None], int]:
 
 
 async def run(tmp: Path) -> list[Result]:
-    settings = Settings(data_dir=tmp / "berth", sandbox_idle_pause_s=0, log_level="ERROR")
+    settings = Settings(data_dir=tmp / "berth", sandbox_idle_pause_s=0, log_level="ERROR", internal_token=INTERNAL_TOKEN)
     sandbox = await start_sandbox_service(settings, address="127.0.0.1:0")
     settings = settings.model_copy(update={"sandbox_addr": sandbox.address})
     environment = await start_environment_service(settings, address="127.0.0.1:0")

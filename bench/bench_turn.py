@@ -20,11 +20,10 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import httpx
 
 from bench.runner import Result, measure, run_client, summarize
-from bench.stack import running_stack
+from bench.stack import internal_channel, running_stack
 from berth.environment.v1 import environment_service_pb2 as env_pb
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from gateway.keys import create_key
@@ -115,7 +114,7 @@ async def run(tmp: Path) -> list[Result]:
         samples = [float(v) for v in report["samples"]]
         session_id, environment_id = str(report["session_id"]), str(report["environment_id"])
 
-        channel = grpc.aio.insecure_channel(stack.settings.environment_addr)
+        channel = internal_channel(stack.settings.environment_addr, "session")
         stub = env_grpc.EnvironmentServiceStub(channel)
         try:
 

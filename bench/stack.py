@@ -1,21 +1,36 @@
 """The whole system in this process, for benchmarks: sandbox, environment
-and session services on port 0 and the gateway on a loopback port."""
+and session services on port 0 and the gateway on a loopback port; and the
+one internal token and channel helper every benchmark uses."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from pydantic import SecretStr
+
 from gateway.app import GatewayHandle, start_gateway
 from gateway.keys import create_key
+from services.core.context import Peer, PeerCredentials
+from services.core.grpc_server import open_channel
 from services.core.settings import Settings
 from services.environment.server import start_environment_service
 from services.sandbox.server import start_sandbox_service
 from services.session.server import start_session_service
 
-__all__ = ["BenchStack", "running_stack"]
+__all__ = ["BenchStack", "running_stack", "INTERNAL_TOKEN", "internal_channel"]
+
+# The internal token of every service a benchmark starts (one per run).
+INTERNAL_TOKEN = SecretStr(secrets.token_urlsafe(32))
+
+
+def internal_channel(address: str, peer: Peer) -> grpc.aio.Channel:
+    """A channel to a benchmark's service that calls as ``peer``."""
+    return open_channel(address, timeout_s=120, credentials=PeerCredentials(peer, INTERNAL_TOKEN.get_secret_value()))
 
 
 @dataclass
@@ -35,7 +50,9 @@ class BenchStack:
 
 @asynccontextmanager
 async def running_stack(data_dir: Path, **overrides: object) -> AsyncIterator[BenchStack]:
-    settings = Settings(data_dir=data_dir, sandbox_idle_pause_s=0, log_level="ERROR", **overrides)  # type: ignore[arg-type]
+    settings = Settings(  # type: ignore[arg-type]
+        data_dir=data_dir, sandbox_idle_pause_s=0, log_level="ERROR", internal_token=INTERNAL_TOKEN, **overrides
+    )
     sandbox = await start_sandbox_service(settings, address="127.0.0.1:0")
     settings = settings.model_copy(update={"sandbox_addr": sandbox.address})
     environment = await start_environment_service(settings, address="127.0.0.1:0")

@@ -27,6 +27,7 @@ from gateway.keys import open_gateway_database
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from gateway.routes import agents, environments, files, ops, session_resources, sessions
 from gateway.state import GatewayState
+from services.core.context import PeerCredentials
 from services.core.db import Database
 from services.core.grpc_server import open_channel
 from services.core.logging import get_logger
@@ -70,15 +71,18 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
+            credentials = PeerCredentials.from_settings(settings, "gateway")
             db = await open_gateway_database(settings)
             session_channel = open_channel(
                 session_addr or settings.session_addr,
                 timeout_s=settings.rpc_timeout_s,
+                credentials=credentials,
                 idempotent_methods=[*((_SESSION_SERVICE, m) for m in _SESSION_READS), _HEALTH],
             )
             environment_channel = open_channel(
                 environment_addr or settings.environment_addr,
                 timeout_s=settings.rpc_timeout_s,
+                credentials=credentials,
                 idempotent_methods=[*((_ENVIRONMENT_SERVICE, m) for m in _ENVIRONMENT_READS), _HEALTH],
             )
         except BaseException as exc:
@@ -181,7 +185,9 @@ async def start_gateway(
     environment_addr: str | None = None,
 ) -> GatewayHandle:
     """Starts the gateway in this event loop and returns once it accepts
-    connections. ``port=0`` binds a free port (see ``handle.port``)."""
+    connections. ``port=0`` binds a free port (see ``handle.port``). Without
+    an internal token it raises ``InternalTokenMissing`` before it binds."""
+    PeerCredentials.from_settings(settings, "gateway")
     app = create_app(settings, session_addr=session_addr, environment_addr=environment_addr)
     bind_host = host if host is not None else settings.gateway_host
     config = uvicorn.Config(

@@ -87,6 +87,10 @@ _INTERNAL = HttpError(500, "server_error", "internal_error")
 
 # (gRPC status, ErrorInfo reason or "" for any reason) -> wire error.
 GRPC_ERROR_TABLE: Mapping[tuple[grpc.StatusCode, str], HttpError] = {
+    # The gateway's own internal credentials were refused: Berth is
+    # misconfigured, the caller's key is not at fault.
+    (grpc.StatusCode.UNAUTHENTICATED, "PEER_UNAUTHENTICATED"): _INTERNAL,
+    (grpc.StatusCode.PERMISSION_DENIED, "PEER_NOT_ALLOWED"): _INTERNAL,
     (grpc.StatusCode.UNAUTHENTICATED, ""): HttpError(401, "authentication_error", "invalid_api_key"),
     (grpc.StatusCode.PERMISSION_DENIED, ""): HttpError(403, "permission_error", "insufficient_scopes"),
     (grpc.StatusCode.NOT_FOUND, ""): _NOT_FOUND,
@@ -142,7 +146,7 @@ def map_rpc_error(exc: grpc.RpcError) -> ApiError:
     wire = GRPC_ERROR_TABLE.get((code, reason)) or GRPC_ERROR_TABLE.get((code, "")) or _INTERNAL
     if wire is _INTERNAL:
         log.error("upstream_internal_error", grpc_code=code.name, reason=reason, details=details)
-    message = details if code in _PUBLIC_MESSAGES and details else _default_message(wire)
+    message = details if wire is not _INTERNAL and code in _PUBLIC_MESSAGES and details else _default_message(wire)
     return ApiError(
         wire.status, wire.code, message, param=metadata.get("param") or None, type=wire.type, retryable=wire.retryable
     )

@@ -1,8 +1,13 @@
-"""The ``berth`` command: ``serve``, ``keys``, ``status`` and ``mcp``.
+"""The ``berth`` command: ``serve``, ``keys``, ``status``, ``mcp`` and ``token``.
 
 ``berth serve`` is the embedded default: all four servers in one process,
 each built by the same factory its stand-alone ``__main__`` uses, on SQLite
-under ``BERTH_DATA_DIR`` and the local sandbox backend.
+under ``BERTH_DATA_DIR`` and the local sandbox backend. Its gRPC services
+listen on unix sockets in ``<data_dir>/control`` (mode 0700, which no sandbox
+mounts) unless their ``*_ADDR`` is set, and use a fresh internal token per
+run unless one is configured; the token is left in
+``control/internal.token`` (0600) for ``berth status`` and ``berth mcp``,
+which dial the same addresses.
 """
 
 from __future__ import annotations
@@ -10,14 +15,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import secrets
+import socket
+import stat
 import sys
 from collections.abc import Sequence
-
-
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import SecretStr
 
+from services.core.context import InternalTokenMissing, PeerCredentials
+from services.core.grpc_server import open_channel
 from services.core.logging import configure_logging, get_logger
 from services.core.settings import Settings
 
@@ -26,6 +37,130 @@ __all__ = ["main"]
 log = get_logger("berth.cli")
 
 ALL_SCOPES = ("tasks:read", "tasks:write")
+
+_CONTROL_DIR = "control"
+_TOKEN_FILE = "internal.token"
+_EMBEDDED_SERVICES = ("session", "environment", "sandbox")
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+
+
+class ServeRefused(Exception):
+    """``berth serve`` refuses to start: its control directory cannot be made
+    safe, or this host cannot confine sandboxes."""
+
+
+def _control_path(settings: Settings) -> Path:
+    return settings.data_dir.resolve() / _CONTROL_DIR
+
+
+def _socket_addresses(settings: Settings) -> dict[str, object]:
+    """Each embedded service whose ``*_ADDR`` is not configured listens on
+    (and is dialled at) a unix socket in the control directory."""
+    control = _control_path(settings)
+    return {
+        f"{name}_addr": f"unix:{control / f'{name}.sock'}"
+        for name in _EMBEDDED_SERVICES
+        if f"{name}_addr" not in settings.model_fields_set
+    }
+
+
+def _token_configured(settings: Settings) -> bool:
+    return bool(settings.internal_token.get_secret_value()) or settings.internal_token_file is not None
+
+
+def _private_control_dir(settings: Settings) -> Path:
+    """Creates ``<data_dir>/control`` as 0700, or makes an existing one 0700;
+    refuses a symlink or a directory another user owns."""
+    path = _control_path(settings)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ServeRefused(f"{path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ServeRefused(f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _check_sockets(addresses: dict[str, object]) -> None:
+    for address in addresses.values():
+        path = str(address).removeprefix("unix:")
+        if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+            raise ServeRefused(
+                f"socket path {path} is longer than {_MAX_SOCKET_PATH} bytes: use a shorter BERTH_DATA_DIR "
+                "or set BERTH_SESSION_ADDR, BERTH_ENVIRONMENT_ADDR and BERTH_SANDBOX_ADDR"
+            )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            # Binding would silently take the socket over from a running serve.
+            if probe.connect_ex(path) == 0:
+                raise ServeRefused(f"{path} is in use: another berth serve runs on this data directory")
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(fd, 0o600)
+        file.write(text + "\n")
+
+
+def _serve_settings(settings: Settings) -> Settings:
+    """The settings ``berth serve`` runs with: control sockets and a token."""
+    control = _private_control_dir(settings)
+    updates = _socket_addresses(settings)
+    _check_sockets(updates)
+    if not _token_configured(settings):
+        token = secrets.token_urlsafe(32)
+        _write_private(control / _TOKEN_FILE, token)
+        updates["internal_token"] = SecretStr(token)
+    return settings.model_copy(update=updates)
+
+
+def _client_settings(settings: Settings) -> Settings:
+    """The settings the CLI dials a ``berth serve`` with: the same addresses,
+    and its per-run token when none is configured."""
+    updates = _socket_addresses(settings)
+    token_file = _control_path(settings) / _TOKEN_FILE
+    if not _token_configured(settings) and token_file.is_file():
+        updates["internal_token_file"] = token_file
+    return settings.model_copy(update=updates)
+
+
+def _local_isolation(settings: Settings) -> bool:
+    return settings.sandbox_backend == "local" and settings.sandbox_isolation == "bwrap"
+
+
+def _require_isolation(settings: Settings) -> None:
+    """Refuses to serve, before anything listens, on a host that cannot
+    confine local sandboxes; as root with apt it installs what is missing."""
+    from services.sandbox.isolation.preflight import (
+        can_install,
+        check_local_host,
+        install_command,
+        install_missing,
+        missing_packages,
+    )
+
+    if not _local_isolation(settings):
+        return
+    missing = missing_packages()
+    if missing:
+        if can_install():
+            print(f"berth serve: sandbox isolation needs {' '.join(missing)}; installing them with apt-get", flush=True)
+        if not install_missing():
+            raise ServeRefused(
+                f"sandbox isolation needs packages that are not installed: {' '.join(missing)}. "
+                f"Run as root: {install_command(missing_packages())} "
+                "(or set BERTH_SANDBOX_ISOLATION=none for development only)"
+            )
+    failed = [check for check in check_local_host() if not check.ok]
+    if failed:
+        reasons = "; ".join(f"{check.piece}: {check.detail}" for check in failed)
+        raise ServeRefused(
+            f"this host cannot confine sandboxes ({reasons}). "
+            "Set BERTH_SANDBOX_ISOLATION=none for development only."
+        )
 
 
 async def _serve(settings: Settings) -> None:
@@ -37,7 +172,9 @@ async def _serve(settings: Settings) -> None:
     from services.sandbox.server import start_sandbox_service
     from services.session.server import start_session_service
 
+    _require_isolation(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings = _serve_settings(settings)
     start_metrics_server(settings.metrics_port)
     # Each service may listen on port 0; the next one dials the real address.
     sandbox = await start_sandbox_service(settings)
@@ -73,6 +210,8 @@ async def _serve(settings: Settings) -> None:
 
 
 def _actual(address: str, port: int) -> str:
+    if address.startswith("unix:"):
+        return address
     host = address.rsplit(":", 1)[0]
     return f"{host}:{port}"
 
@@ -107,8 +246,15 @@ async def _keys(settings: Settings, args: argparse.Namespace) -> int:
         await db.dispose()
 
 
-async def _check_grpc(address: str) -> str:
-    async with grpc.aio.insecure_channel(address) as channel:
+def _cli_credentials(settings: Settings) -> PeerCredentials | None:
+    try:
+        return PeerCredentials.from_settings(settings, "cli")
+    except InternalTokenMissing:
+        return None
+
+
+async def _check_grpc(address: str, credentials: PeerCredentials | None) -> str:
+    async with open_channel(address, timeout_s=2.0, credentials=credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
@@ -129,20 +275,31 @@ async def _check_http(url: str) -> str:
 
 
 async def _status(settings: Settings) -> int:
+    settings = _client_settings(settings)
+    # Health checks need no token; the credentials are for what status may ask later.
+    credentials = _cli_credentials(settings)
     rows: list[tuple[str, str, str]] = [
         ("gateway", f"{settings.gateway_host}:{settings.gateway_port}", await _check_http(f"http://{settings.gateway_host}:{settings.gateway_port}/healthz")),
-        ("session", settings.session_addr, await _check_grpc(settings.session_addr)),
-        ("environment", settings.environment_addr, await _check_grpc(settings.environment_addr)),
+        ("session", settings.session_addr, await _check_grpc(settings.session_addr, credentials)),
+        ("environment", settings.environment_addr, await _check_grpc(settings.environment_addr, credentials)),
     ]
     for node, address in settings.sandbox_nodes().items():
         label = "sandbox" if node in ("", address) else f"sandbox {node}"
-        rows.append((label, address, await _check_grpc(address)))
+        rows.append((label, address, await _check_grpc(address, credentials)))
     width = max(len(r[1]) for r in rows)
     for name, addr, state in rows:
         print(f"{name:<12} {addr:<{width}}  {state}")
-    if settings.sandbox_isolation == "none":
+    isolated = True
+    if settings.sandbox_isolation == "none" and settings.sandbox_backend == "local":
         print("WARNING: sandbox isolation is 'none' (BERTH_SANDBOX_ISOLATION): sandboxes run unconfined.")
-    return 0 if all(r[2] == "SERVING" for r in rows) else 1
+    elif _local_isolation(settings):
+        from services.sandbox.isolation.preflight import check_local_host
+
+        print("isolation (local sandboxes on this host):")
+        for check in await asyncio.to_thread(check_local_host):
+            print(f"  {check.piece:<18} {'on' if check.ok else 'MISSING'}: {check.detail}")
+            isolated = isolated and check.ok
+    return 0 if isolated and all(r[2] == "SERVING" for r in rows) else 1
 
 
 async def _org_id(settings: Settings, org: str) -> str | None:
@@ -168,11 +325,17 @@ async def _mcp(settings: Settings, args: argparse.Namespace) -> int:
     states = {environment_pb2.MCP_SERVER_STATE_RUNNING: "running", environment_pb2.MCP_SERVER_STATE_DEAD: "dead"}
     transports = {environment_pb2.MCP_TRANSPORT_TYPE_STDIO: "stdio", environment_pb2.MCP_TRANSPORT_TYPE_HTTP: "http"}
 
+    settings = _client_settings(settings)
+    try:
+        credentials = PeerCredentials.from_settings(settings, "cli")
+    except InternalTokenMissing as exc:
+        print(f"berth: {exc}", file=sys.stderr)
+        return 1
     org_id = await _org_id(settings, args.org)
     if org_id is None:
         print(f"berth: no organization named {args.org!r}", file=sys.stderr)
         return 1
-    async with grpc.aio.insecure_channel(settings.environment_addr) as channel:
+    async with open_channel(settings.environment_addr, timeout_s=settings.rpc_timeout_s, credentials=credentials) as channel:
         stub = environment_service_pb2_grpc.EnvironmentServiceStub(channel)
         try:
             response = await stub.ListMcpServers(
@@ -220,11 +383,17 @@ def _parser() -> argparse.ArgumentParser:
     mcp_list = mcp_sub.add_parser("list", help="list an environment's MCP servers: label, origin, owner session, state")
     mcp_list.add_argument("--org", required=True, help="organization name or ID")
     mcp_list.add_argument("--environment", required=True, help="environment ID")
+    token = sub.add_parser("token", help="internal token of a deployment's services")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    token_sub.add_parser("create", help="print a new random secret for BERTH_INTERNAL_TOKEN")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "token":
+        print(secrets.token_urlsafe(32))
+        return 0
     settings = Settings()
     if args.command == "serve":
         configure_logging(settings.log_level, json=settings.log_json)
@@ -232,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_serve(settings))
         except KeyboardInterrupt:
             pass
+        except ServeRefused as exc:
+            print(f"berth serve: {exc}", file=sys.stderr)
+            return 1
         return 0
     configure_logging("WARNING", json=settings.log_json)
     if args.command == "keys":

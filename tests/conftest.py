@@ -1,6 +1,6 @@
-"""Fixtures shared by the whole suite: the PostgreSQL database and the
+"""Fixtures shared by the whole suite: the PostgreSQL database, the
 requirement switches CI sets (BERTH_REQUIRE_*), so required components are
-never skipped silently there."""
+never skipped silently there, and the internal token every service expects."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from grpc_support import TEST_INTERNAL_TOKEN
+
+# The internal token of every Settings() built here and every service process
+# spawned from here; grpc_support.internal_channel dials with it.
+os.environ["BERTH_INTERNAL_TOKEN"] = TEST_INTERNAL_TOKEN
+os.environ.pop("BERTH_INTERNAL_TOKEN_FILE", None)
 
 POSTGRES_SERVER_URL = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -54,6 +60,11 @@ def _reap_sandboxes(tmp_path: object) -> object:
                     pass
 
     asyncio.run(reap())
+    # A sandbox that died or never finished starting keeps its workspace
+    # filesystem mounted; nothing of this test may stay mounted.
+    from services.sandbox.isolation.quota import unmount_under
+
+    asyncio.run(unmount_under(root))
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hosts_support import TestHost, free_port_on
 
 HOST_PYTHON = "/usr/bin/python3"
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
@@ -77,9 +78,17 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def http_mcp_server() -> AsyncIterator[str]:
-    """The test server over streamable HTTP on 127.0.0.1; yields its URL and
-    kills the process on exit."""
+async def http_mcp_server(host: TestHost | None = None) -> AsyncIterator[str]:
+    """The test server over streamable HTTP on 127.0.0.1 or, given ``host``,
+    on that test host (the one place a sandbox's environment-origin server
+    can be: no sandbox reaches the Berth host); yields its URL and kills the
+    process on exit."""
+    if host is not None:
+        port = free_port_on(host)
+        process = host.spawn([sys.executable, str(SERVER_SCRIPT), "http", str(port), "--host", "0.0.0.0"])
+        await asyncio.to_thread(host.wait_listening, port, process)
+        yield f"http://{host.address}:{port}/mcp"
+        return
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, str(SERVER_SCRIPT), "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

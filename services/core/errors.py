@@ -28,6 +28,8 @@ __all__ = [
     "SandboxUnavailable",
     "PermissionDenied",
     "Unauthenticated",
+    "PeerUnauthenticated",
+    "PeerNotAllowed",
     "ERROR_DOMAIN",
     "to_rpc_status",
     "reason_from_rpc_error",
@@ -117,6 +119,19 @@ class Unauthenticated(BerthError):
     reason = "UNAUTHENTICATED"
 
 
+class PeerUnauthenticated(Unauthenticated):
+    """An internal call without the deployment's internal token: a
+    misconfigured Berth process, or not a Berth process at all."""
+
+    reason = "PEER_UNAUTHENTICATED"
+
+
+class PeerNotAllowed(PermissionDenied):
+    """An authenticated Berth peer called an RPC its role does not need."""
+
+    reason = "PEER_NOT_ALLOWED"
+
+
 def to_rpc_status(error: BerthError) -> status_pb2.Status:
     """Builds the google.rpc.Status for ``error`` with its ErrorInfo detail."""
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata)
@@ -163,6 +178,8 @@ _BY_REASON: dict[str, type[BerthError]] = {
     )
 }
 
+_REFUSED_PEER = frozenset({PeerUnauthenticated.reason, PeerNotAllowed.reason})
+
 _BY_CODE: dict[grpc.StatusCode, type[BerthError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -182,6 +199,10 @@ def from_rpc_error(exc: grpc.RpcError) -> BerthError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     reason, metadata = reason_from_rpc_error(exc)
+    if reason in _REFUSED_PEER:
+        # The refused hop is this process, not the end user: passed on as
+        # UNAUTHENTICATED it would read as the user's API key being wrong.
+        return BerthError(f"internal call refused ({reason}): {details}")
     cls = _BY_REASON.get(reason) or _BY_CODE.get(code, BerthError)
     param = metadata.pop("param", None)
     return cls(details or code.name, param=param, **metadata)

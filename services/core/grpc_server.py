@@ -1,4 +1,5 @@
-"""gRPC server bootstrap: interceptors, health, reflection, graceful stop."""
+"""gRPC server bootstrap: interceptors, health, reflection, graceful stop,
+and the one way to open a channel to another Berth service."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.core.interceptors import ClientContextInterceptors, ServerContextInterceptor
+from services.core.context import PeerCredentials
+from services.core.interceptors import CallerTable, ClientContextInterceptors, ServerContextInterceptor, undeclared_methods
 from services.core.logging import get_logger
 
 __all__ = ["RunningServer", "start_grpc_server", "open_channel", "wait_for_termination_signal", "MAX_MESSAGE_BYTES"]
@@ -46,6 +49,7 @@ _RETRY_POLICY = {
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
+    # The bound TCP port; 1 for a ``unix:`` address, whose path is the address.
     port: int
     health: health.aio.HealthServicer
     service_names: list[str] = field(default_factory=list)
@@ -59,11 +63,16 @@ class RunningServer:
 async def start_grpc_server(
     address: str,
     register: Callable[[grpc.aio.Server], Iterable[str]],
+    *,
+    token: str,
+    callers: CallerTable,
 ) -> RunningServer:
-    """Starts a server on ``address`` (port 0 picks a free one). ``register``
-    adds the servicers and returns their full service names."""
+    """Starts a server on ``address``: ``host:port`` (port 0 picks a free one)
+    or ``unix:/absolute/path``. ``register`` adds the servicers and returns
+    their full service names. Every call but health checks must carry
+    ``token``, and a peer ``callers`` names for its method."""
     server = grpc.aio.server(
-        interceptors=[ServerContextInterceptor()],
+        interceptors=[ServerContextInterceptor(token=token, callers=callers)],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -76,6 +85,10 @@ async def start_grpc_server(
         ],
     )
     names = list(register(server))
+    pool = descriptor_pool.Default()
+    undeclared = undeclared_methods([pool.FindServiceByName(name) for name in names], callers)
+    if undeclared:
+        raise ValueError(f"no peer may call {', '.join(undeclared)}: declare their callers in the service's table")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
@@ -89,9 +102,16 @@ async def start_grpc_server(
     return RunningServer(server=server, port=port, health=health_servicer, service_names=names)
 
 
-def open_channel(address: str, *, timeout_s: float, idempotent_methods: Iterable[tuple[str, str]] = ()) -> grpc.aio.Channel:
-    """A channel that propagates request context, sets deadlines and retries
-    UNAVAILABLE on the listed (service, method) pairs."""
+def open_channel(
+    address: str,
+    *,
+    timeout_s: float,
+    credentials: PeerCredentials | None,
+    idempotent_methods: Iterable[tuple[str, str]] = (),
+) -> grpc.aio.Channel:
+    """A channel that attaches ``credentials`` to every call, propagates
+    request context, sets deadlines and retries UNAVAILABLE on the listed
+    (service, method) pairs. Without credentials only health checks answer."""
     import json
 
     names = [{"service": s, "method": m} for s, m in idempotent_methods]
@@ -99,7 +119,7 @@ def open_channel(address: str, *, timeout_s: float, idempotent_methods: Iterable
     options: list[tuple[str, str | int]] = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1)]
     if config:
         options.append(("grpc.service_config", json.dumps(config)))
-    return grpc.aio.insecure_channel(address, options=options, interceptors=ClientContextInterceptors(timeout_s))
+    return grpc.aio.insecure_channel(address, options=options, interceptors=ClientContextInterceptors(timeout_s, credentials))
 
 
 async def wait_for_termination_signal() -> None:

@@ -1,36 +1,52 @@
 """Server and client interceptors.
 
-Server side: bind request context (org, request ID, method, and the session,
-environment, turn and sandbox IDs a request names) into structlog
-contextvars, count requests and their latency by method and status code,
-require an organization on every Berth RPC, and map domain errors
-to rich gRPC statuses in one place; an unknown exception becomes INTERNAL with
-its traceback logged. Client side: propagate the organization and put a
-deadline on every call that has none.
+Server side: authenticate every call but health checks (the internal token,
+compared in constant time) and let only the peers a method's table names call
+it; then, and only then, bind request context (org, request ID, method, and
+the session, environment, turn and sandbox IDs a request names) into
+structlog contextvars, count requests and their latency by method and status
+code, require an organization on every Berth RPC, and map domain errors to
+rich gRPC statuses in one place; an unknown exception becomes INTERNAL with
+its traceback logged. Client side: attach the peer's credentials, propagate
+the organization and put a deadline on every call that has none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
 import structlog
 from grpc_status import rpc_status
 
-from services.core.context import ORG_METADATA_KEY, REQUEST_ID_METADATA_KEY, org_id_var, request_id_var
-from services.core.errors import BerthError, from_rpc_error, to_rpc_status
+from services.core.context import (
+    ORG_METADATA_KEY,
+    PEER_METADATA_KEY,
+    PEERS,
+    REQUEST_ID_METADATA_KEY,
+    TOKEN_METADATA_KEY,
+    Peer,
+    PeerCredentials,
+    org_id_var,
+    request_id_var,
+)
+from services.core.errors import BerthError, PeerNotAllowed, PeerUnauthenticated, from_rpc_error, to_rpc_status
 from services.core.logging import get_logger
 from services.core.metrics import RPC_LATENCY, RPC_REQUESTS
 
-__all__ = ["ServerContextInterceptor", "ClientContextInterceptors"]
+__all__ = ["ServerContextInterceptor", "ClientContextInterceptors", "CallerTable", "allowed_callers", "undeclared_methods"]
 
 log = get_logger("berth.rpc")
 
-_UNAUTHENTICATED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+# Health stays open so orchestrators' gRPC probes work without the secret.
+_OPEN_PREFIXES = ("/grpc.health.",)
+# Reflection answers any authenticated peer and names no organization.
+_ANY_PEER_PREFIXES = ("/grpc.reflection.",)
 _STREAM_DEADLINE_S = 24 * 3600.0
 
 
@@ -56,6 +72,60 @@ def _request_ids(request: Any) -> dict[str, str]:
     return ids
 
 
+CallerTable = Mapping[str, frozenset[str]]
+"""Full method name (``/package.Service/Method``) -> the peers that may call it."""
+
+
+def allowed_callers(service: Any, callers: Mapping[Peer, Iterable[str]]) -> dict[str, frozenset[str]]:
+    """The caller table of ``service`` (a ServiceDescriptor) from peer -> the
+    method names it may call. A name that is not a method of the service is
+    a mistake and fails at import."""
+    methods = {method.name for method in service.methods}
+    table: dict[str, set[str]] = {}
+    for peer, names in callers.items():
+        for name in names:
+            if name not in methods:
+                raise ValueError(f"{service.full_name} has no method {name}")
+            table.setdefault(f"/{service.full_name}/{name}", set()).add(peer)
+    return {method: frozenset(peers) for method, peers in table.items()}
+
+
+def undeclared_methods(services: Iterable[Any], callers: CallerTable) -> list[str]:
+    """Methods of ``services`` (ServiceDescriptors) that no peer may call:
+    a new RPC must name its callers before a server will serve it."""
+    return [
+        f"/{service.full_name}/{method.name}"
+        for service in services
+        for method in service.methods
+        if not callers.get(f"/{service.full_name}/{method.name}")
+    ]
+
+
+def _metadata(invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for key, value in invocation_metadata or ():
+        values.setdefault(key, value if isinstance(value, str) else value.decode(errors="replace"))
+    return values
+
+
+def _refusing(handler: grpc.RpcMethodHandler, error: BerthError) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that only aborts with ``error``."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await _abort(context, error)
+
+    kinds: tuple[tuple[Any, Callable[..., grpc.RpcMethodHandler]], ...] = (
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler),
+    )
+    build = next(build for behaviour, build in kinds if behaviour is not None)
+    return build(
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+
+
 class _Status(grpc.Status):
     def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple[tuple[str, str | bytes], ...]) -> None:
         self.code = code
@@ -75,6 +145,22 @@ async def _abort(context: grpc.aio.ServicerContext, error: BerthError) -> None:
 
 
 class ServerContextInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, *, token: str, callers: CallerTable) -> None:
+        if not token:
+            raise ValueError("a server needs the internal token")
+        self._token = token.encode()
+        self._callers = callers
+
+    def _refusal(self, method: str, metadata: Mapping[str, str]) -> BerthError | None:
+        token = metadata.get(TOKEN_METADATA_KEY, "").encode()
+        peer = metadata.get(PEER_METADATA_KEY, "")
+        if not peer or not hmac.compare_digest(token, self._token):
+            return PeerUnauthenticated("missing or invalid internal credentials")
+        allowed = PEERS if method.startswith(_ANY_PEER_PREFIXES) else self._callers.get(method, frozenset())
+        if peer not in allowed:
+            return PeerNotAllowed(f"peer {peer[:64]!r} may not call {method}")
+        return None
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -82,15 +168,19 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(_UNAUTHENTICATED_PREFIXES):
+        if handler is None or method.startswith(_OPEN_PREFIXES):
             return handler
-        org = ""
-        request_id = ""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == ORG_METADATA_KEY:
-                org = value if isinstance(value, str) else value.decode()
-            elif key == REQUEST_ID_METADATA_KEY:
-                request_id = value if isinstance(value, str) else value.decode()
+        metadata = _metadata(handler_call_details.invocation_metadata)
+        refusal = self._refusal(method, metadata)
+        if refusal is not None:
+            RPC_REQUESTS.labels(method=method, code=refusal.grpc_code.name).inc()
+            log.warning("rpc_refused", rpc=method, code=refusal.grpc_code.name, peer=metadata.get(PEER_METADATA_KEY, "")[:64])
+            return _refusing(handler, refusal)
+        if method.startswith(_ANY_PEER_PREFIXES):
+            return handler
+        # Read only now: an organization counts only from an authenticated peer.
+        org = metadata.get(ORG_METADATA_KEY, "")
+        request_id = metadata.get(REQUEST_ID_METADATA_KEY, "")
 
         def bind(request: Any) -> float:
             org_id_var.set(org)
@@ -176,12 +266,17 @@ class ServerContextInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _Deadline:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, credentials: PeerCredentials | None) -> None:
         self.timeout_s = timeout_s
+        self.credentials = credentials
 
     def details(self, client_call_details: grpc.aio.ClientCallDetails, *, streaming: bool) -> grpc.aio.ClientCallDetails:
         org = org_id_var.get()
         metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()))
+        if self.credentials is not None:
+            for key, value in self.credentials.metadata():
+                if key not in metadata:
+                    metadata.add(key, value)
         if org and ORG_METADATA_KEY not in metadata:
             metadata.add(ORG_METADATA_KEY, org)
         rid = request_id_var.get()
@@ -211,5 +306,8 @@ class _UnaryStream(_Deadline, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self.details(client_call_details, streaming=True), request)
 
 
-def ClientContextInterceptors(timeout_s: float) -> list[grpc.aio.ClientInterceptor]:  # noqa: N802
-    return [_UnaryUnary(timeout_s), _UnaryStream(timeout_s)]
+def ClientContextInterceptors(  # noqa: N802
+    timeout_s: float, credentials: PeerCredentials | None
+) -> list[grpc.aio.ClientInterceptor]:
+    """``credentials`` None sends none: only the open health service answers."""
+    return [_UnaryUnary(timeout_s, credentials), _UnaryStream(timeout_s, credentials)]

@@ -11,8 +11,10 @@ from pathlib import Path
 import grpc
 
 from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
+from services.core.context import PeerCredentials
 from services.core.db import open_database
 from services.core.grpc_server import open_channel, start_grpc_server
+from services.core.interceptors import allowed_callers
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, Compute, SandboxClient, SandboxInventory
@@ -25,9 +27,49 @@ from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
 
-__all__ = ["start_environment_service"]
+__all__ = ["start_environment_service", "ENVIRONMENT_CALLERS"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
+
+# Who calls what (grep gateway/routes and services/session/environment_client.py):
+# the gateway serves the environments and files APIs, the Session service
+# runs sessions on environments, and `berth mcp list` reads the brokers.
+ENVIRONMENT_CALLERS = allowed_callers(
+    _SERVICE,
+    {
+        "gateway": (
+            "CreateEnvironment",
+            "GetEnvironment",
+            "ListEnvironments",
+            "DeleteEnvironment",
+            "CreateEnvironmentFile",
+            "ListEnvironmentFiles",
+            "CreateStoredFile",
+            "GetStoredFile",
+            "GetStoredFileContent",
+            "DeleteStoredFile",
+            "ListStoredFiles",
+        ),
+        "session": (
+            "CreateEnvironment",
+            "GetEnvironment",
+            "AttachSession",
+            "DetachSession",
+            "GetBinding",
+            "EnsureEnvironmentReady",
+            "ExecCommand",
+            "ReadWorkspaceFile",
+            "WriteWorkspaceFile",
+            "ListWorkspaceFiles",
+            "ListSessionOutputs",
+            "StartMcpServer",
+            "SendMcpMessage",
+            "ListMcpServers",
+        ),
+        "cli": ("ListMcpServers",),
+    },
+)
 # How long placement waits for a node's count before skipping the node.
 _PLACEMENT_TIMEOUT_S = 5.0
 
@@ -45,6 +87,7 @@ async def start_environment_service(
     reconciler runs; by default it dials every node of
     ``settings.sandbox_nodes()``: ``sandbox_addrs``, or the one
     ``sandbox_addr``."""
+    credentials = PeerCredentials.from_settings(settings, "environment")
     db = await open_database(settings.database_url("environment"), "environment", _MIGRATIONS)
     closers: list[Callable[[], Awaitable[None]]] = [db.dispose]
     try:
@@ -53,7 +96,10 @@ async def start_environment_service(
             clients: dict[str, SandboxClient] = {}
             for node, node_address in settings.sandbox_nodes().items():
                 channel = open_channel(
-                    node_address, timeout_s=settings.rpc_timeout_s, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
+                    node_address,
+                    timeout_s=settings.rpc_timeout_s,
+                    credentials=credentials,
+                    idempotent_methods=SANDBOX_IDEMPOTENT_METHODS,
                 )
                 closers.append(channel.close)
                 clients[node] = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0), node=node)
@@ -78,9 +124,11 @@ async def start_environment_service(
 
         def register(server: grpc.aio.Server) -> list[str]:
             environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
-            return [environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name]
+            return [_SERVICE.full_name]
 
-        running = await start_grpc_server(address or settings.environment_addr, register)
+        running = await start_grpc_server(
+            address or settings.environment_addr, register, token=credentials.token, callers=ENVIRONMENT_CALLERS
+        )
         if inventory is not None and settings.environment_reconcile_interval_s > 0:
             reconciler = SandboxReconciler(
                 db,

@@ -7,8 +7,10 @@ from pathlib import Path
 import grpc
 
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from services.core.context import internal_token
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
+from services.core.interceptors import allowed_callers
 from services.core.logging import get_logger
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
@@ -17,11 +19,16 @@ from services.sandbox.egress import EgressOptions, EgressProxies
 from services.sandbox.manager import SandboxManager
 from services.sandbox.servicer import SandboxServicer
 
-__all__ = ["start_sandbox_service", "build_backend"]
+__all__ = ["start_sandbox_service", "build_backend", "SANDBOX_CALLERS"]
 
 log = get_logger(__name__)
 
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+_SERVICE = sandbox_service_pb2.DESCRIPTOR.services_by_name["SandboxService"]
+
+# Only the Environment service drives sandboxes; that includes the
+# cross-organization inventory (ListLabeledSandboxes, CountSandboxes).
+SANDBOX_CALLERS = allowed_callers(_SERVICE, {"environment": [method.name for method in _SERVICE.methods]})
 
 
 def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
@@ -38,6 +45,8 @@ def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
         settings.sandbox_isolation,
         extra_env=extra_env,
         extra_ro_mounts=dict(settings.sandbox_extra_ro_mounts.items()),
+        allow_cidrs=settings.sandbox_allow_cidrs,
+        ca_bundle=Path(settings.sandbox_ca_bundle) if settings.sandbox_ca_bundle.strip() else None,
     )
     if settings.sandbox_isolation == "none":
         log.warning("sandbox_isolation_disabled", detail="BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host")
@@ -49,6 +58,7 @@ def _proxy_env(settings: Settings) -> dict[str, str]:
 
 
 async def start_sandbox_service(settings: Settings, *, address: str | None = None) -> ServiceHandle:
+    token = internal_token(settings)
     backend, name, isolation = build_backend(settings)
     db = await open_database(settings.database_url("sandbox"), "sandbox", _MIGRATIONS)
     manager = SandboxManager(
@@ -65,7 +75,7 @@ async def start_sandbox_service(settings: Settings, *, address: str | None = Non
 
     def register(server: grpc.aio.Server) -> list[str]:
         sandbox_service_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(manager), server)
-        return [sandbox_service_pb2.DESCRIPTOR.services_by_name["SandboxService"].full_name]
+        return [_SERVICE.full_name]
 
-    running = await start_grpc_server(address or settings.sandbox_addr, register)
+    running = await start_grpc_server(address or settings.sandbox_addr, register, token=token, callers=SANDBOX_CALLERS)
     return ServiceHandle(name="sandbox", grpc=running, closers=[db.dispose, backend.close, manager.close])

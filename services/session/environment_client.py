@@ -11,6 +11,7 @@ import grpc
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
+from services.core.context import PeerCredentials
 from services.core.grpc_server import open_channel
 
 __all__ = ["EnvironmentClient", "SessionOutputs"]
@@ -26,8 +27,10 @@ class SessionOutputs:
 
 
 class EnvironmentClient:
-    def __init__(self, address: str, *, timeout_s: float, setup_timeout_s: float) -> None:
-        self._channel = open_channel(address, timeout_s=timeout_s, idempotent_methods=[(_SERVICE, m) for m in _READS])
+    def __init__(self, address: str, *, credentials: PeerCredentials, timeout_s: float, setup_timeout_s: float) -> None:
+        self._channel = open_channel(
+            address, timeout_s=timeout_s, credentials=credentials, idempotent_methods=[(_SERVICE, m) for m in _READS]
+        )
         self._stub = environment_service_pb2_grpc.EnvironmentServiceStub(self._channel)
         self._setup_timeout_s = setup_timeout_s
 

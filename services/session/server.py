@@ -7,8 +7,10 @@ from pathlib import Path
 import grpc
 
 from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
+from services.core.context import PeerCredentials
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
+from services.core.interceptors import allowed_callers
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.session.artifacts import BlobStore
@@ -20,9 +22,13 @@ from services.session.runner import TurnRunner
 from services.session.servicer import SessionServicer
 from services.session.store import Store
 
-__all__ = ["start_session_service"]
+__all__ = ["start_session_service", "SESSION_CALLERS"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
+_SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
+
+# The Session service answers the gateway alone.
+SESSION_CALLERS = allowed_callers(_SERVICE, {"gateway": [method.name for method in _SERVICE.methods]})
 
 
 async def start_session_service(
@@ -31,10 +37,12 @@ async def start_session_service(
     """Starts the Session service. ``address`` overrides ``settings.session_addr``
     (tests pass ``"127.0.0.1:0"``); ``environment_addr`` overrides the
     Environment service address the harness and session lifecycle call."""
+    credentials = PeerCredentials.from_settings(settings, "session")
     db = await open_database(settings.database_url("session"), "session", _MIGRATIONS)
     store = Store(db)
     env_client = EnvironmentClient(
         environment_addr or settings.environment_addr,
+        credentials=credentials,
         timeout_s=settings.rpc_timeout_s,
         setup_timeout_s=settings.setup_timeout_s,
     )
@@ -46,10 +54,12 @@ async def start_session_service(
 
     def register(server: grpc.aio.Server) -> list[str]:
         session_service_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(domain), server)
-        return [session_service_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name]
+        return [_SERVICE.full_name]
 
     try:
-        running = await start_grpc_server(address or settings.session_addr, register)
+        running = await start_grpc_server(
+            address or settings.session_addr, register, token=credentials.token, callers=SESSION_CALLERS
+        )
     except BaseException:
         await env_client.close()
         await db.dispose()

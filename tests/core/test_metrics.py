@@ -20,6 +20,7 @@ import grpc
 import httpx
 import prometheus_client
 import pytest
+from grpc_support import internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
@@ -67,7 +68,7 @@ async def environment_service(tmp_path: Path) -> AsyncIterator[ServiceHandle]:
 async def test_rpcs_are_counted_by_method_and_code_and_pending_environments_are_gauged(
     environment_service: ServiceHandle,
 ) -> None:
-    async with grpc.aio.insecure_channel(environment_service.address) as channel:
+    async with internal_channel(environment_service.address) as channel:
         stub = environment_service_pb2_grpc.EnvironmentServiceStub(channel)
         created = await stub.CreateEnvironment(
             pb.CreateEnvironmentRequest(config=environment_pb2.EnvironmentConfig()), metadata=ORG
@@ -117,7 +118,7 @@ def _free_port() -> int:
 
 async def _first_rpc(service: str, address: str) -> str:
     """One Berth RPC against the service; returns its full method name."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with internal_channel(address) as channel:
         if service == "environment":
             await environment_service_pb2_grpc.EnvironmentServiceStub(channel).ListEnvironments(
                 pb.ListEnvironmentsRequest(), metadata=ORG, timeout=10, wait_for_ready=True

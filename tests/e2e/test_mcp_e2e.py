@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import openai
 import pytest
 from e2e_stack import Stack, start_stack
@@ -25,21 +24,30 @@ from e2e_support import (
     run_script,
     send_script,
 )
+from hosts_support import TestHost, make_test_host
 from mcp_test_support import COUNT_SERVERS, SANDBOX_MOUNTS, http_mcp_server, require_host_python_mcp, stdio_transport
 from openai.types.beta.agent_mcp_call_item import AgentMcpCallItem
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.sessions.turn import Turn
+from grpc_support import internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
 from services.cli import main as berth_main
 
 
 @pytest.fixture
-async def stack(tmp_path: Path, bwrap_available: None) -> AsyncIterator[Stack]:
+def test_host() -> Iterator[TestHost]:
+    """Where HTTP MCP servers run: sandboxes never reach the Berth host itself."""
+    with make_test_host() as host:
+        yield host
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, bwrap_available: None, test_host: TestHost) -> AsyncIterator[Stack]:
     """The whole stack, with the test MCP server and the venv's site-packages
-    mounted read-only into every sandbox."""
+    mounted read-only into every sandbox, whose network reaches the test host."""
     require_host_python_mcp()
-    s, stop = await start_stack(tmp_path / "berth", sandbox_extra_ro_mounts=SANDBOX_MOUNTS)
+    s, stop = await start_stack(tmp_path / "berth", sandbox_extra_ro_mounts=SANDBOX_MOUNTS, sandbox_allow_cidrs=[test_host.cidr])
     try:
         yield s
     finally:
@@ -78,7 +86,7 @@ async def list_servers(stack: Stack, environment_id: str) -> dict[str, environme
     from gateway.keys import list_keys
 
     org_id = (await list_keys(stack.database, "org-a"))[0].org_id  # type: ignore[arg-type]
-    async with grpc.aio.insecure_channel(stack.settings.environment_addr) as channel:
+    async with internal_channel(stack.settings.environment_addr) as channel:
         stub = environment_service_pb2_grpc.EnvironmentServiceStub(channel)
         response = await stub.ListMcpServers(
             environment_service_pb2.ListMcpServersRequest(environment_id=environment_id), metadata=(("x-berth-org", org_id),)
@@ -180,10 +188,12 @@ async def test_after_a_session_is_deleted_peers_still_reach_its_stdio_server_wit
     assert server.owner_session_id == a.id and list(server.session_ids) == [b.id]
 
 
-async def test_deleting_a_session_closes_the_environment_origin_http_upstream_its_peers_reuse(stack: Stack) -> None:
+async def test_deleting_a_session_closes_the_environment_origin_http_upstream_its_peers_reuse(
+    stack: Stack, test_host: TestHost
+) -> None:
     client = stack.aclient()
     env = await create_environment(client)
-    async with http_mcp_server() as url:
+    async with http_mcp_server(test_host) as url:
         remote = mcp_tool("remote", {"type": "http", "server_url": url, "headers": {"X-Berth-Test": "a"}}, connection_origin="environment")
         a = await session_on(client, env.id, remote)
         b = await session_on(client, env.id, {**remote, "transport": {"type": "http", "server_url": url, "headers": {"X-Berth-Test": "b"}}})

@@ -9,10 +9,10 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
 from environment_fakes import FakeCompute
 from environment_helpers import ORGS, Cluster, EnvService, SandboxNodePool, SandboxService, md
+from grpc_support import internal_channel
 
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
@@ -75,7 +75,7 @@ async def sandbox_service(tmp_path: Path) -> AsyncIterator[SandboxService]:
 
     settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0)
     handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(handle.address)
+    channel = internal_channel(handle.address)
     service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
     try:
         yield service

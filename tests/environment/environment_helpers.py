@@ -14,6 +14,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from grpc_support import internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
@@ -82,7 +83,7 @@ class Cluster:
             **overrides,
         )
         handle = await start_environment_service(settings, address="127.0.0.1:0", compute=compute)
-        channel = grpc.aio.insecure_channel(handle.address)
+        channel = internal_channel(handle.address)
         service = EnvService(handle, channel, environment_service_pb2_grpc.EnvironmentServiceStub(channel), settings)
         self.services.append(service)
         return service
@@ -133,7 +134,7 @@ class SandboxNodePool:
 
         settings = Settings(data_dir=self.data_dir(name), sandbox_idle_pause_s=0)
         handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-        channel = grpc.aio.insecure_channel(handle.address)
+        channel = internal_channel(handle.address)
         service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
         self.running[name] = service
         if name not in self.started:

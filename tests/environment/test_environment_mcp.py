@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,9 @@ import grpc
 import pytest
 from environment_fakes import FakeCompute
 from environment_helpers import Cluster, EnvService, SandboxService, create_env, get_env, md, reason_of, run_command, setup_config, wait_until
+from hosts_support import TestHost, make_test_host
 from mcp_test_support import COUNT_SERVERS, SANDBOX_MOUNTS, http_mcp_server, require_host_python_mcp, stdio_transport
+from grpc_support import internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
@@ -28,16 +30,28 @@ Json = dict[str, Any]
 
 
 @pytest.fixture
-async def mcp_sandbox(tmp_path: Path, bwrap_available: None) -> AsyncIterator[SandboxService]:
+def test_host() -> Iterator[TestHost]:
+    """Where HTTP MCP servers run: sandboxes never reach the Berth host itself."""
+    with make_test_host() as host:
+        yield host
+
+
+@pytest.fixture
+async def mcp_sandbox(tmp_path: Path, bwrap_available: None, test_host: TestHost) -> AsyncIterator[SandboxService]:
     """The real Sandbox service with the test MCP server and the venv's
-    site-packages mounted into every sandbox; its sandboxes are destroyed at
-    teardown."""
+    site-packages mounted into every sandbox, whose network reaches the test
+    host; its sandboxes are destroyed at teardown."""
     require_host_python_mcp()
     from services.sandbox.server import start_sandbox_service
 
-    settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0, sandbox_extra_ro_mounts=SANDBOX_MOUNTS)
+    settings = Settings(
+        data_dir=tmp_path / "sandbox",
+        sandbox_idle_pause_s=0,
+        sandbox_extra_ro_mounts=SANDBOX_MOUNTS,
+        sandbox_allow_cidrs=[test_host.cidr],
+    )
     handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(handle.address)
+    channel = internal_channel(handle.address)
     service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
     try:
         yield service
@@ -170,11 +184,11 @@ async def test_a_dead_server_is_listed_dead_and_not_restarted_by_a_later_configu
 
 
 async def test_detaching_a_session_closes_its_http_upstreams_and_leaves_stdio_servers_running(
-    cluster: Cluster, sqlite_url: str, mcp_sandbox: SandboxService
+    cluster: Cluster, sqlite_url: str, mcp_sandbox: SandboxService, test_host: TestHost
 ) -> None:
     service = await cluster.start(sqlite_url, sandbox_addr=mcp_sandbox.address)
     env_id = await shared_environment(service, SESSION_A, SESSION_B, env={"SANDBOX_TOKEN": "tok-1"})
-    async with http_mcp_server() as url:
+    async with http_mcp_server(test_host) as url:
         http = await start(service, env_id, SESSION_A, "remote", {"type": "http", "server_url": url, "headers": {"X-Berth-Test": "a"}})
         assert http.created and http.server.transport_type == environment_pb2.MCP_TRANSPORT_TYPE_HTTP
         stdio = await start(service, env_id, SESSION_A, "reader", stdio_transport(("SANDBOX_TOKEN",), READER_VALUE="A", SECRET="from-a"))

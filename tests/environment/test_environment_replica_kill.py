@@ -27,6 +27,7 @@ import grpc
 import pytest
 from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2
@@ -128,6 +129,7 @@ class Replicas:
             BERTH_DATA_DIR=str(self.tmp_path / name),
             BERTH_RPC_TIMEOUT_S="10",
             BERTH_LOG_JSON="1",
+            BERTH_INTERNAL_TOKEN=TEST_INTERNAL_TOKEN,
         )
         log_path = self.tmp_path / f"{name}.log"
         with open(log_path, "wb") as log_file:
@@ -139,7 +141,7 @@ class Replicas:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
             )
-        replica = Replica(name, process, address, log_path, grpc.aio.insecure_channel(address))
+        replica = Replica(name, process, address, log_path, internal_channel(address))
         self.started.append(replica)
         return replica
 

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from environment_helpers import Cluster, SandboxService, create_env, md, run_command
+from grpc_support import internal_channel
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
@@ -64,7 +64,7 @@ async def lenient_sandbox_service(tmp_path: Path, local_names_only: list[str], b
 
     settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0, sandbox_egress_allow_private=True)
     handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(handle.address)
+    channel = internal_channel(handle.address)
     service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
     try:
         yield service

@@ -27,6 +27,7 @@ from environment_helpers import (
     run_command,
     wait_until,
 )
+from grpc_support import credentials
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2 as sb
@@ -91,7 +92,9 @@ class Opened:
         """Nodes by name -> address; by default the pool's a and b."""
         clients: dict[str, SandboxClient] = {}
         for name, address in (nodes or {n: self.pool.running[n].address for n in ("a", "b")}).items():
-            channel = open_channel(address, timeout_s=10, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS)
+            channel = open_channel(
+                address, timeout_s=10, credentials=credentials("environment"), idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
+            )
             self.closers.append(channel.close)
             clients[name] = SandboxClient(channel, create_timeout_s=60, node=name)
         return SandboxNodes(clients, placement_timeout_s=5)

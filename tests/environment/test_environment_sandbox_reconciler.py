@@ -13,6 +13,7 @@ import grpc
 import pytest
 from environment_helpers import Cluster, EnvService, SandboxService, create_env, ensure, md, run_command, wait_until
 from prometheus_client import REGISTRY
+from grpc_support import credentials
 
 from berth.environment.v1 import environment_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as sb
@@ -66,7 +67,9 @@ async def make_reconciler(sandbox_service: SandboxService) -> AsyncIterator[Make
         closers.append(db.dispose)
         clients: dict[str, SandboxClient] = {}
         for name, address in (nodes or {"": sandbox_service.address}).items():
-            channel = open_channel(address, timeout_s=10, idempotent_methods=SANDBOX_IDEMPOTENT_METHODS)
+            channel = open_channel(
+                address, timeout_s=10, credentials=credentials("environment"), idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
+            )
             closers.append(channel.close)
             clients[name] = SandboxClient(channel, create_timeout_s=60, node=name)
         inventory = SandboxNodes(clients, placement_timeout_s=5)

@@ -13,6 +13,9 @@ from services.core.errors import NotFound
     ("code", "reason", "status", "error_code"),
     [
         (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", 401, "invalid_api_key"),
+        # The gateway's internal credentials refused: a misconfiguration, not the caller's key.
+        (grpc.StatusCode.UNAUTHENTICATED, "PEER_UNAUTHENTICATED", 500, "internal_error"),
+        (grpc.StatusCode.PERMISSION_DENIED, "PEER_NOT_ALLOWED", 500, "internal_error"),
         (grpc.StatusCode.PERMISSION_DENIED, "INSUFFICIENT_SCOPES", 403, "insufficient_scopes"),
         (grpc.StatusCode.NOT_FOUND, "NOT_FOUND", 404, "not_found"),
         (grpc.StatusCode.INVALID_ARGUMENT, "VALIDATION_ERROR", 400, "validation_error"),

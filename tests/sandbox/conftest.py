@@ -13,6 +13,7 @@ from sandbox_support import Sandbox, SandboxFactory, WaitFor, wait_until
 from services.sandbox.backends.base import NetworkPolicy, SandboxSpec
 from services.sandbox.backends.local import Isolation, LocalBackend
 from services.sandbox.daemon_client import DaemonClient
+from services.sandbox.isolation.sizes import DEFAULT_SIZE, ContainerSize
 
 
 @pytest.fixture
@@ -39,9 +40,11 @@ async def make_sandbox(tmp_path: Path) -> AsyncIterator[SandboxFactory]:
         isolation: Isolation = "bwrap",
         freezer: str = "auto",
         env: dict[str, str] | None = None,
+        size: ContainerSize = DEFAULT_SIZE,
+        allow_cidrs: tuple[str, ...] = (),
     ) -> Sandbox:
-        backend = LocalBackend(tmp_path / "data", isolation, freezer=freezer)  # type: ignore[arg-type]
-        handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, network=network, env=env or {}))
+        backend = LocalBackend(tmp_path / "data", isolation, freezer=freezer, allow_cidrs=allow_cidrs)  # type: ignore[arg-type]
+        handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, network=network, env=env or {}, size=size))
         client = DaemonClient(backend.socket_path(handle))
         await client.connect()
         sandbox = Sandbox(backend, handle, client)

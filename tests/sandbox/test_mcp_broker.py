@@ -17,13 +17,15 @@ import socket
 import subprocess
 import sys
 import sysconfig
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
+from hosts_support import TestHost, free_port_on, make_test_host
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
@@ -33,6 +35,7 @@ from services.core.grpc_server import start_grpc_server
 from services.core.settings import Settings
 from services.sandbox.backends.local import LocalBackend
 from services.sandbox.manager import SandboxManager
+from services.sandbox.server import SANDBOX_CALLERS
 from services.sandbox.servicer import SandboxServicer
 
 ORG_A = (("x-berth-org", "org_a"),)
@@ -80,15 +83,27 @@ class Service:
 
 
 @pytest.fixture
-async def service(tmp_path: Path, bwrap_available: None, host_python_runs_mcp: None) -> AsyncIterator[Service]:
+def test_host() -> Iterator[TestHost]:
+    """The host the HTTP MCP test server runs on: not the Berth host, whose
+    addresses no sandbox reaches."""
+    with make_test_host() as host:
+        yield host
+
+
+@pytest.fixture
+async def service(
+    tmp_path: Path, bwrap_available: None, host_python_runs_mcp: None, test_host: TestHost
+) -> AsyncIterator[Service]:
     """The Sandbox service composed like ``start_sandbox_service``, with a
-    backend that mounts the site-packages and the test server."""
+    backend that mounts the site-packages and the test server, whose enabled
+    sandboxes may reach the test host."""
     settings = Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0)
     db = await open_database(settings.database_url("sandbox"), "sandbox", MIGRATIONS)
     backend = LocalBackend(
         settings.data_dir.resolve(),
         "bwrap",
         extra_ro_mounts={SITE_PACKAGES: SITE_IN_SANDBOX, SERVERS_DIR: os.path.dirname(SERVER_IN_SANDBOX)},
+        allow_cidrs=[test_host.cidr],
     )
     manager = SandboxManager(db, backend, backend_name="local", isolation="bwrap", idle_pause_s=0)
     await manager.start()
@@ -97,9 +112,9 @@ async def service(tmp_path: Path, bwrap_available: None, host_python_runs_mcp: N
         sandbox_service_pb2_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(manager), server)
         return [pb.DESCRIPTOR.services_by_name["SandboxService"].full_name]
 
-    running = await start_grpc_server("127.0.0.1:0", register)
+    running = await start_grpc_server("127.0.0.1:0", register, token=TEST_INTERNAL_TOKEN, callers=SANDBOX_CALLERS)
     address = f"127.0.0.1:{running.port}"
-    channel = grpc.aio.insecure_channel(address)
+    channel = internal_channel(address)
     try:
         yield Service(stub=Stub(channel), address=address)
     finally:
@@ -112,7 +127,7 @@ async def service(tmp_path: Path, bwrap_available: None, host_python_runs_mcp: N
 @pytest.fixture
 async def second_client(service: Service) -> AsyncIterator[Stub]:
     """Another caller with its own channel."""
-    channel = grpc.aio.insecure_channel(service.address)
+    channel = internal_channel(service.address)
     try:
         yield Stub(channel)
     finally:
@@ -126,29 +141,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(params=["sse", "json"])
-async def http_server(request: pytest.FixtureRequest) -> AsyncIterator[str]:
-    """The test server over streamable HTTP on the host's loopback, answering
-    with SSE streams or with plain JSON bodies; yields its URL."""
-    port = _free_port()
+async def http_server(request: pytest.FixtureRequest, test_host: TestHost) -> AsyncIterator[str]:
+    """The test server over streamable HTTP on the test host, answering with
+    SSE streams or with plain JSON bodies; yields its URL."""
+    port = free_port_on(test_host)
     mode = ["json"] if request.param == "json" else []
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER_SCRIPT), "http", str(port), *mode], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or loop.time() > deadline:
-                    pytest.fail("the HTTP MCP test server did not start")
-                await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        server.kill()
-        server.wait()
+    server = test_host.spawn([sys.executable, str(SERVER_SCRIPT), "http", str(port), *mode, "--host", "0.0.0.0"])
+    await asyncio.to_thread(test_host.wait_listening, port, server)
+    yield f"http://{test_host.address}:{port}/mcp"
 
 
 # ---------------------------------------------------------------- helpers

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
+from grpc_support import internal_channel
 
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.service import ServiceHandle
@@ -38,7 +39,7 @@ class Running:
 
     async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
         self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
-        self.channel = grpc.aio.insecure_channel(self.handle.address)
+        self.channel = internal_channel(self.handle.address)
         return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
 
     async def stop(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_support import internal_channel
 
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.settings import Settings
@@ -25,7 +26,7 @@ Stub = sandbox_service_pb2_grpc.SandboxServiceStub
 @pytest.fixture
 async def stub(tmp_path: Path) -> AsyncIterator[Stub]:
     handle = await start_sandbox_service(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0), address="127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(handle.address)
+    channel = internal_channel(handle.address)
     try:
         yield sandbox_service_pb2_grpc.SandboxServiceStub(channel)
     finally:

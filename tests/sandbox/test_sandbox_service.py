@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_support import internal_channel
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
@@ -36,7 +37,7 @@ class Service:
 
     async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
         self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
-        self.channel = grpc.aio.insecure_channel(self.handle.address)
+        self.channel = internal_channel(self.handle.address)
         return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
 
     async def stop(self) -> None:

@@ -20,6 +20,7 @@ import grpc
 import pydantic
 import pytest
 from openai.types.beta.agent_session_event import AgentSessionEvent
+from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
@@ -30,6 +31,7 @@ from services.core.grpc_server import RunningServer, start_grpc_server
 from services.core.ids import new_id
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
+from services.environment.server import ENVIRONMENT_CALLERS
 from services.session.server import start_session_service
 
 ORG = "org_a"
@@ -371,7 +373,7 @@ async def fake_env(tmp_path: Path) -> AsyncIterator[tuple[FakeEnvironmentService
         environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(service, server)
         return [environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name]
 
-    running = await start_grpc_server("127.0.0.1:0", register)
+    running = await start_grpc_server("127.0.0.1:0", register, token=TEST_INTERNAL_TOKEN, callers=ENVIRONMENT_CALLERS)
     yield service, running
     await running.stop(0)
 
@@ -398,7 +400,7 @@ async def client_for() -> AsyncIterator[Callable[[str], Client]]:
     channels: list[grpc.aio.Channel] = []
 
     def make(address: str) -> Client:
-        channel = grpc.aio.insecure_channel(address)
+        channel = internal_channel(address)
         channels.append(channel)
         return Client(session_service_pb2_grpc.SessionServiceStub(channel))
 

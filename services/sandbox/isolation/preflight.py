@@ -18,7 +18,7 @@ from pathlib import Path
 from services.sandbox.isolation.cgroups import CgroupError, detect_cgroups
 from services.sandbox.isolation.seccomp import DENIED_SYSCALLS
 
-__all__ = ["Check", "check_local_host", "missing_packages", "install_missing", "install_command", "TOOLS"]
+__all__ = ["Check", "check_local_host", "missing_packages", "can_install", "install_missing", "install_command", "TOOLS"]
 
 # Each tool the local backend runs, and the Debian package that ships it.
 TOOLS: dict[str, str] = {
@@ -112,13 +112,18 @@ def install_command(packages: list[str]) -> str:
     return f"apt-get update && apt-get install -y {' '.join(packages)}"
 
 
+def can_install() -> bool:
+    """Whether this process can install packages: root, with apt."""
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
 def install_missing() -> bool:
     """Installs the missing packages with apt when this process is root and
     apt exists; False when it cannot (then nothing was tried)."""
     packages = missing_packages()
     if not packages:
         return True
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+    if not can_install():
         return False
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
