@@ -40,16 +40,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 
 from bench.runner import Result, measure, summarize
-from bench.stack import running_stack
+from bench.stack import INTERNAL_TOKEN, internal_channel, running_stack
 from berth.environment.v1 import environment_service_pb2 as env_pb, environment_service_pb2_grpc as env_grpc
 from berth.sandbox.v1 import sandbox_service_pb2 as sbx_pb, sandbox_service_pb2_grpc as sbx_grpc
 from gateway.keys import create_key
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle
+from services.sandbox.isolation.sizes import SIZES
 from services.sandbox.daemon_client import probe
 
 IMAGE = os.environ.get("BERTH_DOCKER_IMAGE", "berth-sandbox:latest")
@@ -57,8 +57,6 @@ COLD_RUNS = 15
 WARM_RUNS = 200
 DOCKER_EXEC_RUNS = 40
 POOL_SIZE = 2
-# The stack's pre-filled pools: restricted sandboxes are served by disabled's.
-STACK_POOLS = ("enabled", "disabled")
 NETWORKS: dict[str, dict[str, object]] = {
     "disabled": {"access": "disabled"},
     "enabled": {},  # no network setting: the default
@@ -110,7 +108,7 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
 
     stack_dir, backend_dir, fresh_dir = tmp / "cold", tmp / "backend", tmp / "backend-no-pool"
     backend = DockerBackend(
-        Settings(data_dir=backend_dir, docker_image=IMAGE, docker_pool_size=POOL_SIZE, docker_pool_networks=["disabled"])
+        Settings(data_dir=backend_dir, docker_image=IMAGE, docker_pool_size=POOL_SIZE, docker_pool_sizes=["small"])
     )
     no_pool = DockerBackend(Settings(data_dir=fresh_dir, docker_image=IMAGE, docker_pool_size=0))
     await backend.start()
@@ -120,11 +118,11 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
             sandbox_backend="docker",
             docker_image=IMAGE,
             docker_pool_size=POOL_SIZE,
-            docker_pool_networks=list(STACK_POOLS),
+            docker_pool_sizes=["medium"],
         ) as stack:
             record, _ = await create_key(stack.gateway.database, "bench", ["tasks:read"])
             org = (("x-berth-org", record.org_id),)
-            channel = grpc.aio.insecure_channel(stack.settings.environment_addr)
+            channel = internal_channel(stack.settings.environment_addr, "session")
             environments = env_grpc.EnvironmentServiceStub(channel)
             try:
                 async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.headers, timeout=120) as http:
@@ -148,7 +146,7 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
                     async def backend_alone(backend: DockerBackend, i: int) -> BackendHandle:
                         # DockerBackend.create (container up, sandboxd answering) and
                         # one exec through sandboxd: the engine's share of a cold start.
-                        handle = await backend.create(SandboxSpec(sandbox_id=f"sbx_cold_{i}", cpu_millis=1000, memory_mib=1024))
+                        handle = await backend.create(SandboxSpec(sandbox_id=f"sbx_cold_{i}", size=SIZES["small"]))
                         daemon = DaemonClient(backend.socket_path(handle))
                         try:
                             if (await daemon.run(argv=["true"])).exit_code != 0:
@@ -163,8 +161,8 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
                     async def pools_full() -> None:
                         loop = asyncio.get_running_loop()
                         deadline = loop.time() + REFILL_TIMEOUT_S
-                        stack_pools = POOL_SIZE * len(STACK_POOLS)
-                        while backend.warm_count() < POOL_SIZE or await _warm_in(stack_dir) < stack_pools:
+                        # The stack's sessions are medium (the default): one pool serves every policy.
+                        while backend.warm_count(SIZES["small"]) < POOL_SIZE or await _warm_in(stack_dir) < POOL_SIZE:
                             if loop.time() > deadline:
                                 raise RuntimeError(f"warm pools not refilled within {REFILL_TIMEOUT_S}s")
                             await asyncio.sleep(0.05)
@@ -230,9 +228,10 @@ async def _warm_exec(tmp: Path, client: Any) -> list[Result]:
         docker_pool_size=0,
         sandbox_idle_pause_s=0,
         log_level="ERROR",
+        internal_token=INTERNAL_TOKEN,
     )
     service = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(service.address)
+    channel = internal_channel(service.address, "environment")
     stub = sbx_grpc.SandboxServiceStub(channel)
     daemon: DaemonClient | None = None
     try:

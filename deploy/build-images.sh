@@ -32,6 +32,8 @@ done
 
 bash deploy/images/build-base.sh berth-base:bookworm
 BERTH_BASE_PACKAGES=python3-venv bash deploy/images/build-base.sh berth-python:bookworm
+# The sandbox service's runtime: what confining sandboxes needs on a node.
+BERTH_BASE_PACKAGES="slirp4netns nftables iproute2 e2fsprogs mount" bash deploy/images/build-base.sh berth-node:bookworm
 
 if ((WHEELS)); then
   # The images run Debian bookworm's CPython 3.11 (glibc 2.36); ask for wheels

@@ -13,7 +13,9 @@
 # Everything above the "sandbox only" line is the same in the four service
 # Dockerfiles, so building them one after another reuses those layers.
 ARG BUILD_IMAGE=berth-python:bookworm
-ARG RUNTIME_IMAGE=berth-base:bookworm
+# The sandbox service runs on berth-node:bookworm: berth-base plus what
+# confining sandboxes needs (slirp4netns, nftables, iproute2, e2fsprogs).
+ARG RUNTIME_IMAGE=berth-node:bookworm
 
 FROM ${BUILD_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_CERT=/etc/ssl/certs/ca-certificates.crt
@@ -44,9 +46,11 @@ ENV PATH=/opt/berth/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/
 
 # ---- sandbox only
 # Runs as root: it drives the Docker engine through /var/run/docker.sock
-# (root-equivalent anyway) and connects to the sandboxd sockets that root
-# creates inside each sandbox container. Mount the data dir at the same path
-# as on the engine's host (see deploy/README.md).
+# (root-equivalent anyway), loop-mounts each sandbox's workspace filesystem
+# and attaches slirp4netns to each sandbox's network namespace. Run it with
+# --privileged --pid=host and the data dir mounted rshared at the same path
+# as on the engine's host (see deploy/README.md); without them sandbox
+# creation fails closed.
 ENV BERTH_SANDBOX_ADDR=0.0.0.0:50053 \
     BERTH_SANDBOX_BACKEND=docker BERTH_DATA_DIR=/var/lib/berth-sandbox
 EXPOSE 50053

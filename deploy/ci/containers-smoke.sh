@@ -38,6 +38,20 @@ SERVICES=(sandbox environment session gateway)
 
 log() { echo "containers-smoke: $*"; }
 
+# The data dir as a shared mount of its own, so mounts the sandbox service
+# makes below it (rshared) reach the host, where the engine resolves binds.
+share_data() {
+  mkdir -p "$DATA"
+  if ! mountpoint -q "$DATA"; then mount --bind "$DATA" "$DATA"; fi
+  mount --make-rshared "$DATA"
+}
+
+unshare_data() {
+  # Deepest first: the workspaces, then the data dir's own bind mount.
+  awk -v d="$DATA" '$2 == d || index($2, d "/") == 1 {print $2}' /proc/self/mounts | sort -r \
+    | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+}
+
 teardown() {
   local status=$?
   if ((status != 0)); then
@@ -56,6 +70,7 @@ teardown() {
   docker ps -aq --filter "label=berth.data_dir=$DATA" | xargs -r docker rm -f >/dev/null 2>&1 || true
   for s in "${SERVICES[@]}"; do docker volume rm "$PREFIX-$s" >/dev/null 2>&1 || true; done
   docker network rm "$NET" >/dev/null 2>&1 || true
+  unshare_data
   rm -rf "$DATA"
   if [[ "$MODE" == "host" ]]; then drop_databases; fi
   exit "$status"
@@ -75,10 +90,15 @@ fi
 
 trap teardown EXIT
 for s in "${SERVICES[@]}"; do docker rm -f "$PREFIX-$s" >/dev/null 2>&1 || true; done
+unshare_data
 rm -rf "$DATA"
 mkdir -p "$DATA"
 
-common=(--detach --restart no --label berth.smoke=1 -e BERTH_LOG_LEVEL=INFO)
+# One internal token for every container, as a deployment has; passed by
+# name (-e VAR), so its value never appears on a command line.
+BERTH_INTERNAL_TOKEN="$("$PY" -c 'import secrets; print(secrets.token_urlsafe(32))')"
+export BERTH_INTERNAL_TOKEN
+common=(--detach --restart no --label berth.smoke=1 -e BERTH_LOG_LEVEL=INFO -e BERTH_INTERNAL_TOKEN)
 declare -A addr db listen
 if [[ "$MODE" == "host" ]]; then
   drop_databases
@@ -105,8 +125,13 @@ named() { [[ "$MODE" == "host" ]] || echo "--network-alias $1"; }
 
 log "starting containers ($MODE network)"
 # shellcheck disable=SC2046
+share_data
+# Privileged in the host's PID namespace, with the data dir propagating back
+# to the host: it loop-mounts each workspace there (the engine binds them from
+# the host) and attaches slirp4netns to each sandbox's network namespace.
 docker run "${common[@]}" "${net[@]}" --name "$PREFIX-sandbox" $(named sandbox) \
-  -v /var/run/docker.sock:/var/run/docker.sock -v "$DATA:$DATA" \
+  --privileged --pid=host \
+  -v /var/run/docker.sock:/var/run/docker.sock -v "$DATA:$DATA:rshared" \
   -e "BERTH_DATA_DIR=$DATA" -e "BERTH_DOCKER_IMAGE=$SANDBOX_IMAGE" \
   -e "BERTH_SANDBOX_ADDR=${listen[sandbox]}" -e "BERTH_SANDBOX_DATABASE_URL=${db[sandbox]}" \
   berth/sandbox:latest >/dev/null

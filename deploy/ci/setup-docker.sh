@@ -3,7 +3,10 @@
 #
 #   deploy/ci/setup-docker.sh
 #
-# 1. installs docker.io and debootstrap if missing (Debian packages);
+# 1. installs docker.io and debootstrap if missing (Debian packages), and
+#    what the docker backend confines sandboxes with on this host:
+#    slirp4netns, nftables, iproute2 and util-linux (the network of a
+#    sandbox with network enabled), e2fsprogs (the workspace quota);
 # 2. starts dockerd unless `docker info` already answers, with
 #    BERTH_DOCKERD_FLAGS (default: --iptables=false --bridge=none
 #    --storage-driver=vfs, which work inside a VM or container without
@@ -12,11 +15,10 @@
 # 4. builds berth-base:bookworm (sandbox image of the tests) and
 #    berth-python:bookworm (build stage of the service images) when missing,
 #    and tags berth-base as berth-sandbox:latest (the default
-#    BERTH_DOCKER_IMAGE) when that is missing;
-# 5. with BERTH_SANDBOX_NAT=1 and dockerd running without its own iptables
-#    rules: creates the `berth-sandbox` network on BERTH_SANDBOX_SUBNET and
-#    masquerades it, so sandboxes with network enabled reach the outside.
-#    Off by default: nothing in the test suite needs it.
+#    BERTH_DOCKER_IMAGE) when that is missing.
+# Sandboxes need no Docker network: every container has network mode
+# `none`, and one with network enabled gets slirp4netns from the Sandbox
+# service (services/sandbox/backends/docker.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export DEBIAN_FRONTEND=noninteractive
@@ -27,6 +29,11 @@ need=()
 # A docker CLI alone (some machines ship one) is not an engine: dockerd is needed.
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v slirp4netns >/dev/null 2>&1 || need+=(slirp4netns)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v nsenter >/dev/null 2>&1 || need+=(util-linux)
+command -v mkfs.ext4 >/dev/null 2>&1 || need+=(e2fsprogs)
 if ((${#need[@]})); then
   apt-get update -qq
   apt-get install -y -qq "${need[@]}" >/dev/null
@@ -59,20 +66,10 @@ done
 
 bash deploy/images/build-base.sh berth-base:bookworm
 BERTH_BASE_PACKAGES=python3-venv bash deploy/images/build-base.sh berth-python:bookworm
+# The sandbox service's runtime: what confining sandboxes needs on a node.
+BERTH_BASE_PACKAGES="slirp4netns nftables iproute2 e2fsprogs mount" bash deploy/images/build-base.sh berth-node:bookworm
 if ! docker image inspect berth-sandbox:latest >/dev/null 2>&1; then
   docker tag berth-base:bookworm berth-sandbox:latest
   echo "setup-docker: tagged berth-base:bookworm as berth-sandbox:latest"
 fi
 
-if [[ "${BERTH_SANDBOX_NAT:-0}" == "1" ]]; then
-  subnet="${BERTH_SANDBOX_SUBNET:-172.30.0.0/16}"
-  if ! docker network inspect berth-sandbox >/dev/null 2>&1; then
-    docker network create --driver bridge --subnet "$subnet" --label berth.managed=1 berth-sandbox >/dev/null
-  fi
-  subnet="$(docker network inspect -f '{{(index .IPAM.Config 0).Subnet}}' berth-sandbox)"
-  if [[ "$DOCKERD_FLAGS" == *"--iptables=false"* ]] && command -v iptables >/dev/null 2>&1; then
-    iptables -t nat -C POSTROUTING -s "$subnet" ! -d "$subnet" -j MASQUERADE 2>/dev/null \
-      || iptables -t nat -A POSTROUTING -s "$subnet" ! -d "$subnet" -j MASQUERADE
-    echo "setup-docker: berth-sandbox ($subnet) is masqueraded"
-  fi
-fi

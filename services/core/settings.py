@@ -8,12 +8,13 @@ address its clients dial.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings", "ServiceName"]
@@ -44,6 +45,17 @@ class Settings(BaseSettings):
     )
     metrics_port: int = Field(default=0, description="Prometheus port of a gRPC service; 0 disables it.")
 
+    # Every internal gRPC call carries this secret (services.core.context);
+    # a service started without one refuses to start.
+    internal_token: SecretStr = Field(
+        default=SecretStr(""),
+        description="Shared secret of the deployment's internal gRPC calls (`berth token create` makes one).",
+    )
+    internal_token_file: Path | None = Field(
+        default=None,
+        description="File holding the internal token (e.g. a mounted secret), used when `internal_token` is empty.",
+    )
+
     gateway_database_url: str = ""
     session_database_url: str = ""
     environment_database_url: str = ""
@@ -58,28 +70,20 @@ class Settings(BaseSettings):
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"
     sandbox_idle_pause_s: float = Field(default=300.0, ge=0)
     docker_image: str = "berth-sandbox:latest"
-    docker_network: str = Field(
-        default="",
-        description=(
-            "Docker network of sandboxes whose network is enabled: empty picks the engine's default "
-            "`bridge`, or else a user-defined bridge `berth-sandbox` created on demand; `host` shares "
-            "the host's network stack (and its loopback services); any other value names a network (created as a bridge if missing)."
-        ),
-    )
     docker_start_timeout_s: float = Field(default=30.0, gt=0, description="Bound on a sandbox container's daemon becoming ready.")
     docker_pool_size: int = Field(
         default=2,
         ge=0,
         description=(
-            "Started containers the docker backend keeps ready per pooled network, so creating a sandbox "
-            "skips `docker create`; 0 disables the pool."
+            "Started containers the docker backend keeps ready per container size in use, so creating a sandbox "
+            "skips `docker create`; 0 disables the pools."
         ),
     )
-    docker_pool_networks: Annotated[list[Literal["enabled", "disabled", "restricted"]], NoDecode] = Field(
-        default=["enabled", "disabled"],
+    docker_pool_sizes: Annotated[list[Literal["small", "medium", "large"]], NoDecode] = Field(
+        default=["medium"],
         description=(
-            "Network policies whose warm pool is filled from start, comma-separated; `disabled` and `restricted` "
-            "share one pool (no network). A policy not listed is kept warm from its first sandbox on; empty "
+            "Container sizes whose warm pool is filled from start, comma-separated (every network policy "
+            "shares a size's pool). A size not listed is kept warm from its first sandbox on; empty "
             "pre-fills nothing."
         ),
     )
@@ -88,6 +92,13 @@ class Settings(BaseSettings):
         description="Host paths bind-mounted read-only into local sandboxes, as JSON {host_path: sandbox_path}.",
     )
     sandbox_ca_bundle: str = Field(default="", description="CA bundle made available to sandboxes; default the host's.")
+    sandbox_allow_cidrs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Destinations (CIDRs, comma-separated) that sandboxes with network enabled may reach although they are "
+            "private, loopback, link-local or the host's own addresses, which are unreachable otherwise."
+        ),
+    )
     sandbox_http_proxy: str = ""
     sandbox_https_proxy: str = ""
     sandbox_no_proxy: str = ""
@@ -138,13 +149,18 @@ class Settings(BaseSettings):
 
     dev_org: str = "dev"
 
-    @field_validator("docker_pool_networks", mode="before")
+    @field_validator("docker_pool_sizes", "sandbox_allow_cidrs", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
-        """``BERTH_DOCKER_POOL_NETWORKS=enabled,disabled`` rather than JSON."""
+        """``BERTH_DOCKER_POOL_SIZES=small,medium`` rather than JSON."""
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("sandbox_allow_cidrs")
+    @classmethod
+    def _cidrs_valid(cls, value: list[str]) -> list[str]:
+        return [str(ipaddress.ip_network(entry, strict=False)) for entry in value]
 
     def database_url(self, service: ServiceName) -> str:
         """The service's own database; SQLite under data_dir unless configured."""

@@ -31,16 +31,16 @@ def test_a_sandbox_node_list_with_a_duplicate_name_or_a_bad_entry_is_refused(
         Settings()
 
 
-def test_the_docker_pool_pre_fills_enabled_and_disabled_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("BERTH_DOCKER_POOL_NETWORKS", raising=False)
-    assert Settings().docker_pool_networks == ["enabled", "disabled"]
-    monkeypatch.setenv("BERTH_DOCKER_POOL_NETWORKS", " restricted,enabled ")
-    assert Settings().docker_pool_networks == ["restricted", "enabled"]
-    monkeypatch.setenv("BERTH_DOCKER_POOL_NETWORKS", "")
-    assert Settings().docker_pool_networks == []
+def test_the_docker_pool_pre_fills_the_default_size_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BERTH_DOCKER_POOL_SIZES", raising=False)
+    assert Settings().docker_pool_sizes == ["medium"]
+    monkeypatch.setenv("BERTH_DOCKER_POOL_SIZES", " small,large ")
+    assert Settings().docker_pool_sizes == ["small", "large"]
+    monkeypatch.setenv("BERTH_DOCKER_POOL_SIZES", "")
+    assert Settings().docker_pool_sizes == []
 
 
-def test_an_unknown_network_policy_in_the_docker_pool_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BERTH_DOCKER_POOL_NETWORKS", "enabled,offline")
+def test_an_unknown_size_in_the_docker_pool_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BERTH_DOCKER_POOL_SIZES", "medium,huge")
     with pytest.raises(ValidationError):
         Settings()

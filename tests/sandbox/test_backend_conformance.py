@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from conftest_docker import docker_engine, docker_test_image, sandbox_host_address  # noqa: F401 (fixtures)
+from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
 from sandbox_support import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxBackend, SandboxSpec
+from services.sandbox.isolation.network import host_addresses
+from services.sandbox.isolation.quota import unmount_under
+from services.sandbox.isolation.sizes import SIZES
 from services.sandbox.backends.docker import DockerBackend
 from services.sandbox.backends.local import LocalBackend
 from services.sandbox.daemon_client import DaemonClient, DaemonError, ExitStatus, OutputChunk
@@ -66,25 +69,19 @@ class Harness:
     started: list[SandboxBackend] = field(default_factory=list)
 
     async def backend(self) -> SandboxBackend:
-        """The module's started backend. The docker one keeps its default
-        warm pools (``enabled`` and ``disabled``, which serves ``restricted``
-        too), filled before the first sandbox, so sandboxes of every policy
-        are claimed pool containers whenever one is ready."""
+        """The module's started backend. The docker one keeps a warm pool
+        of the sandboxes' size (serving every network policy) from the
+        first sandbox on, so later sandboxes are claimed pool containers
+        whenever one is ready."""
         if not self.started:
             backend = self.new_backend()
             await backend.start()
             self.started.append(backend)
-            if isinstance(backend, DockerBackend):
-                await wait_for(
-                    lambda: backend.warm_count("disabled") == backend.warm_count("enabled") == backend.pool_size,
-                    timeout=150,
-                    message="warm pools filled",
-                )
         return self.started[0]
 
     async def make(self, sandbox_id: str, network: NetworkPolicy = "disabled", backend: SandboxBackend | None = None) -> Sandbox:
         backend = backend or await self.backend()
-        handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, network=network, cpu_millis=1000, memory_mib=512))
+        handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, network=network, size=SIZES["small"]))
         self.created.append((backend, handle))
         client = DaemonClient(backend.socket_path(handle))
         await client.connect()
@@ -107,10 +104,11 @@ async def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             pytest.skip("bubblewrap (bwrap) is not installed")
         harness = Harness(kind, data_dir, lambda: LocalBackend(data_dir, "bwrap"), lambda handle: "127.0.0.1")
     else:
-        engine = request.getfixturevalue("docker_engine")
+        request.getfixturevalue("docker_engine")
         image = request.getfixturevalue("docker_test_image")
-        settings = Settings(data_dir=data_dir, docker_image=image)
-        harness = Harness(kind, data_dir, lambda: DockerBackend(settings), lambda handle: sandbox_host_address(engine, handle))
+        # No pool of the default size: the sandboxes here are small.
+        settings = Settings(data_dir=data_dir, docker_image=image, docker_pool_sizes=[])
+        harness = Harness(kind, data_dir, lambda: DockerBackend(settings), lambda handle: host_address())
     yield harness
     for backend in harness.started:
         await backend.close()
@@ -412,21 +410,27 @@ except OSError as exc:
 """
 
 
-@pytest.mark.parametrize("policy", ["disabled", "restricted"])
-async def test_a_sandbox_without_network_cannot_reach_a_host_listener(make_sandbox: Any, harness: Harness, policy: NetworkPolicy) -> None:
-    # The control shows the listener is reachable from a sandbox that has network.
-    control = await make_sandbox(f"net-on-{policy}", network="enabled")
-    address = harness.host_address(control.handle)
-    isolated = await make_sandbox(f"net-off-{policy}", network=policy)
+def _host_ipv4_addresses() -> list[str]:
+    """127.0.0.1 and every IPv4 address of this host's own interfaces."""
+    return ["127.0.0.1", *[a for a in host_addresses() if ":" not in a and not a.startswith("127.")]]
 
-    async with _listener(address) as (port, accepted):
-        reached = await control.client.run(argv=["python3", "-c", _CONNECT, address, str(port)], timeout_s=20)
-        assert (reached.exit_code, reached.stdout) == (0, b"hello from the host\n"), reached.stderr
-        assert len(accepted) == 1
 
-        blocked = await isolated.client.run(argv=["python3", "-c", _CONNECT, address, str(port)], timeout_s=20)
-        assert blocked.exit_code == 7, blocked.stdout
-        assert len(accepted) == 1
+@pytest.mark.parametrize("policy", ["disabled", "restricted", "enabled"])
+async def test_a_sandbox_cannot_reach_a_host_listener_whatever_its_network_policy(
+    make_sandbox: Any, policy: NetworkPolicy
+) -> None:
+    isolated = await make_sandbox(f"net-{policy}", network=policy)
+    addresses = _host_ipv4_addresses()
+    assert len(addresses) >= 2, addresses
+
+    async with _listener("0.0.0.0") as (port, accepted):
+        for address in addresses:
+            # The control: the listener answers on this address from the host.
+            _, writer = await asyncio.open_connection(address, port)
+            writer.close()
+            blocked = await isolated.client.run(argv=["python3", "-c", _CONNECT, address, str(port)], timeout_s=20)
+            assert blocked.exit_code == 7, (address, blocked.stdout)
+        assert len(accepted) == len(addresses)
 
 
 # ---------------------------------------------------------------- docker only
@@ -437,6 +441,8 @@ async def test_docker_adopt_removes_containers_whose_data_dir_is_gone(docker_tes
     backend = DockerBackend(Settings(data_dir=tmp_path / "data", docker_image=docker_test_image))
     handle = await backend.create(SandboxSpec(sandbox_id="orphaned"))
     kept = await backend.create(SandboxSpec(sandbox_id="kept"))
+    # An operator deletes the directory (its workspace filesystem unmounted first).
+    await unmount_under(Path(str(handle.private["home"])))
     shutil.rmtree(Path(str(handle.private["home"])))
 
     adopted = await DockerBackend(Settings(data_dir=tmp_path / "data", docker_image=docker_test_image)).adopt()

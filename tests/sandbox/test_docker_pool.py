@@ -1,5 +1,6 @@
 """The docker backend's warm pool on a real engine: sandboxes of every network
-policy are made of pre-started containers, and nothing shows it from inside."""
+policy are made of pre-started containers of their size, and nothing but
+the uid shows it from inside."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from services.core.settings import Settings
 from services.sandbox.backends.base import EGRESS_SOCKET_IN_SANDBOX, BackendHandle, NetworkPolicy, SandboxSpec, egress_env
 from services.sandbox.backends.docker import DockerBackend, installation_id
 from services.sandbox.daemon_client import DaemonClient
+from services.sandbox.isolation.quota import mounts_under, unmount_under
+from services.sandbox.isolation.sizes import DEFAULT_SIZE, SIZES, ContainerSize
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600)]
 
@@ -46,48 +49,43 @@ class Pools:
     data_dir: Path
     backends: list[DockerBackend] = field(default_factory=list)
     made: list[tuple[DockerBackend, BackendHandle]] = field(default_factory=list)
-    networks: list[str] = field(default_factory=list)
 
     @property
     def installation(self) -> str:
         return installation_id(self.data_dir)
 
-    def backend(
-        self, pool_size: int = 1, networks: tuple[NetworkPolicy, ...] = ("disabled",), docker_network: str = ""
-    ) -> DockerBackend:
-        """A backend of this data dir; by default only its ``disabled`` pool
-        is pre-filled, so most tests wait for one container only."""
+    def backend(self, pool_size: int = 1, prefill: bool = True) -> DockerBackend:
+        """A backend of this data dir; with ``prefill`` the pool of the
+        default size fills from ``start()``, else each size's from its first use."""
         settings = Settings(
             data_dir=self.data_dir,
             docker_image=self.image,
             docker_pool_size=pool_size,
-            docker_pool_networks=list(networks),
-            docker_network=docker_network,
+            docker_pool_sizes=["medium"] if prefill else [],
         )
         backend = DockerBackend(settings)
         self.backends.append(backend)
         return backend
 
-    async def started(
-        self, wait_for: WaitFor, pool_size: int = 1, network: NetworkPolicy = "disabled", docker_network: str = ""
-    ) -> DockerBackend:
-        """A started backend whose pool for ``network`` is pre-filled and full."""
-        backend = self.backend(pool_size, (network,), docker_network)
+    async def started(self, wait_for: WaitFor, pool_size: int = 1) -> DockerBackend:
+        """A started backend whose pool of the default size is full."""
+        backend = self.backend(pool_size)
         await backend.start()
-        await self.full(backend, wait_for, network)
+        await self.full(backend, wait_for)
         return backend
 
-    async def full(self, backend: DockerBackend, wait_for: WaitFor, network: NetworkPolicy = "disabled") -> None:
-        await wait_for(lambda: backend.warm_count(network) == backend.pool_size, timeout=FILL_S, message=f"{network} pool full")
+    async def full(self, backend: DockerBackend, wait_for: WaitFor, size: ContainerSize = DEFAULT_SIZE) -> None:
+        await wait_for(lambda: backend.warm_count(size) == backend.pool_size, timeout=FILL_S, message=f"{size.name} pool full")
 
-    async def create(self, backend: DockerBackend, sandbox_id: str, network: NetworkPolicy = "disabled") -> BackendHandle:
+    async def create(
+        self, backend: DockerBackend, sandbox_id: str, network: NetworkPolicy = "disabled", size: ContainerSize = DEFAULT_SIZE
+    ) -> BackendHandle:
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             network=network,
             env=SPEC_ENV,
             labels={**SPEC_LABELS, "berth.sandbox_id": sandbox_id},
-            cpu_millis=500,
-            memory_mib=256,
+            size=size,
         )
         handle = await backend.create(spec)
         self.made.append((backend, handle))
@@ -101,12 +99,6 @@ class Pools:
     def slot_dirs(self) -> list[Path]:
         root = self.data_dir / "docker" / "pool"
         return sorted(root.iterdir()) if root.is_dir() else []
-
-    def network_name(self, suffix: str) -> str:
-        """A Docker network of this test only, removed after it."""
-        name = f"berth-test-{self.installation}-{suffix}"
-        self.networks.append(name)
-        return name
 
     def networks_of(self, container_id: str) -> tuple[str, list[str]]:
         """The container's network mode and the networks it is attached to now."""
@@ -127,9 +119,7 @@ async def pools(docker_engine: docker.DockerClient, docker_test_image: str, tmp_
     label = f"berth.installation={pools.installation}"
     for container in docker_engine.containers.list(all=True, filters={"label": label}):
         container.remove(force=True)
-    for name in pools.networks:
-        with contextlib.suppress(docker.errors.NotFound):
-            docker_engine.networks.get(name).remove()
+    await unmount_under(pools.data_dir)
 
 
 _PROBE = r"""
@@ -158,6 +148,9 @@ print(json.dumps({
     "cpu": read("/sys/fs/cgroup/cpu.max")
         or "%s %s" % (read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")),
     "pids": read("/sys/fs/cgroup/pids.max", "/sys/fs/cgroup/pids/pids.max"),
+    "workspace_mib": os.statvfs("/workspace").f_blocks * os.statvfs("/workspace").f_frsize >> 20,
+    "tmp_mib": os.statvfs("/tmp").f_blocks * os.statvfs("/tmp").f_frsize >> 20,
+    "resolv_conf": read("/etc/resolv.conf"),
 }))
 """
 
@@ -170,6 +163,15 @@ async def _probe(handle: BackendHandle) -> dict[str, Any]:
     return probed
 
 
+def _without_uid(probed: dict[str, Any]) -> dict[str, Any]:
+    """What a sandbox shows inside, but its uid (a pool container's is its slot's)."""
+    return {k: v for k, v in probed.items() if k != "uid"}
+
+
+def _engine_cpus(engine: docker.DockerClient) -> int:
+    return int(engine.info()["NCPU"])
+
+
 async def test_a_claimed_pool_container_becomes_the_sandbox_with_its_env_limits_and_an_empty_workspace(
     pools: Pools, wait_for: WaitFor
 ) -> None:
@@ -178,25 +180,32 @@ async def test_a_claimed_pool_container_becomes_the_sandbox_with_its_env_limits_
 
     handle = await pools.create(backend, "claimed")
 
+    size = DEFAULT_SIZE
     assert handle.private["container_id"] == warm
     assert pools.engine.containers.get(warm).name == f"berth-{pools.installation}-claimed"
     assert handle.private["labels"] == {**SPEC_LABELS, "berth.sandbox_id": "claimed"}
     assert handle.private["network"] == "disabled"
+    assert handle.private["size"] == size.name
     assert Path(handle.socket_path) == pools.data_dir / "sandboxes" / "claimed" / "run" / "sandboxd.sock"
     probed = await _probe(handle)
+    assert probed["uid"] == handle.private["uid"] != 0
     assert {k: probed["env"].get(k) for k in SPEC_ENV} == SPEC_ENV
+    assert probed["env"]["HOME"] == "/workspace"
     assert probed["workspace"] == []
     assert probed["hostname"] == "sandbox"
     assert probed["interfaces"] == ["lo"]
-    assert probed["memory"] == str(256 * 1024 * 1024)
-    assert probed["cpu"] == "50000 100000"  # 500 millicores
+    assert probed["memory"] == probed["memory_and_swap"] == str(size.memory_mib * 1024 * 1024)
+    cpu_millis = min(size.cpu_millis, 1000 * _engine_cpus(pools.engine))
+    assert probed["cpu"] == f"{cpu_millis * 100} 100000"
+    assert probed["pids"] == str(size.pids)
+    assert 0.9 * size.disk_mib <= probed["workspace_mib"] <= size.disk_mib
+    assert probed["tmp_mib"] == size.tmp_mib
     # What the sandbox writes lands in its own directory, not the slot's.
     async with DaemonClient(handle.socket_path) as client:
         await client.write_file("note.txt", b"mine")
     assert (Path(str(handle.private["workspace_dir"])) / "note.txt").read_bytes() == b"mine"
 
 
-# The IPv4 address of each of the container's interfaces that has one.
 _ADDRESSES = r"""
 import fcntl, os, socket, struct
 for name in sorted(os.listdir("/sys/class/net")):
@@ -219,9 +228,10 @@ with socket.socket(socket.AF_UNIX) as s:
 
 
 @contextlib.asynccontextmanager
-async def _greeting_socket(path: Path, greeting: bytes) -> AsyncIterator[None]:
+async def _greeting_socket(path: Path, greeting: bytes, owner: int) -> AsyncIterator[None]:
     """Serves ``greeting`` on the unix socket ``path``, bound through a short
-    /proc/self/fd alias of its directory (test paths outgrow sun_path)."""
+    /proc/self/fd alias of its directory (test paths outgrow sun_path), and
+    owned by the sandbox's uid ``owner`` as the egress proxy's socket is."""
 
     async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(greeting + b"\n")
@@ -234,6 +244,7 @@ async def _greeting_socket(path: Path, greeting: bytes) -> AsyncIterator[None]:
         sock.bind(f"/proc/self/fd/{directory}/{path.name}")
     finally:
         os.close(directory)
+    os.chown(path, owner, owner)
     server = await asyncio.start_unix_server(greet, sock=sock)
     try:
         yield
@@ -243,8 +254,10 @@ async def _greeting_socket(path: Path, greeting: bytes) -> AsyncIterator[None]:
         path.unlink(missing_ok=True)
 
 
+
+
 def _private_without_identity(handle: BackendHandle) -> Any:
-    private = {k: v for k, v in handle.private.items() if k != "container_id"}
+    private = {k: v for k, v in handle.private.items() if k not in ("container_id", "uid", "gid", "user_network")}
     return json.loads(json.dumps(private).replace(handle.sandbox_id, "<sandbox_id>"))
 
 
@@ -252,11 +265,11 @@ def _private_without_identity(handle: BackendHandle) -> Any:
 async def test_a_claimed_sandbox_looks_the_same_inside_as_a_fresh_one(
     pools: Pools, wait_for: WaitFor, network: NetworkPolicy
 ) -> None:
-    backend = pools.backend(pool_size=1, networks=(network,))
+    backend = pools.backend(pool_size=1)
     # Before start() the pool is empty: this one is a fresh container.
     fresh = await pools.create(backend, "sbx-fresh-1", network=network)
     await backend.start()
-    await pools.full(backend, wait_for, network)
+    await pools.full(backend, wait_for)
     warm = pools.pool_container_ids()
 
     claimed = await pools.create(backend, "sbx-pooled-1", network=network)
@@ -265,8 +278,9 @@ async def test_a_claimed_sandbox_looks_the_same_inside_as_a_fresh_one(
     assert claimed.private["container_id"] in warm
     assert claimed.private["network"] == network
     assert pools.networks_of(str(claimed.private["container_id"])) == pools.networks_of(str(fresh.private["container_id"]))
-    assert await _probe(claimed) == await _probe(fresh)
+    assert _without_uid(await _probe(claimed)) == _without_uid(await _probe(fresh))
     assert _private_without_identity(claimed) == _private_without_identity(fresh)
+    assert ("user_network" in claimed.private) == ("user_network" in fresh.private) == (network == "enabled")
 
 
 async def test_the_pool_refills_after_a_claim(pools: Pools, wait_for: WaitFor) -> None:
@@ -300,28 +314,40 @@ async def test_concurrent_creates_never_share_a_container(pools: Pools, wait_for
         assert listing.stdout == f"{handle.sandbox_id}owner.txt\n".encode()
 
 
-async def test_an_enabled_sandbox_claimed_from_the_pool_is_on_the_enabled_network(pools: Pools, wait_for: WaitFor) -> None:
-    network = pools.network_name("enabled")
-    backend = await pools.started(wait_for, network="enabled", docker_network=network)
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+async def test_an_enabled_sandbox_claimed_from_the_pool_gets_a_user_mode_network_of_its_own(
+    pools: Pools, wait_for: WaitFor
+) -> None:
+    backend = await pools.started(wait_for)
     (warm,) = pools.pool_container_ids()
 
     handle = await pools.create(backend, "online", network="enabled")
 
     assert handle.private["container_id"] == warm
     assert handle.private["network"] == "enabled"
-    assert pools.networks_of(warm) == (network, [network])
-    address = pools.engine.containers.get(warm).attrs["NetworkSettings"]["Networks"][network]["IPAddress"]
-    assert address
+    assert pools.networks_of(warm) == ("none", ["none"])
+    slirp = int(handle.private["user_network"]["pid"])
+    assert "slirp4netns" in _cmdline(slirp)[0]
     async with DaemonClient(handle.socket_path) as client:
         shown = await client.run(argv=["python3", "-c", _ADDRESSES])
-    assert shown.stdout.decode().splitlines() == [f"eth0 {address}", "lo 127.0.0.1"]
+    assert shown.stdout.decode().splitlines() == ["lo 127.0.0.1", "tap0 10.0.2.100"]
+    assert (await _probe(handle))["resolv_conf"] == "nameserver 10.0.2.3"
+
+    await backend.destroy(handle)
+
+    await wait_for(lambda: "slirp4netns" not in "".join(_cmdline(slirp)), message="slirp4netns ended")
 
 
-async def test_a_restricted_sandbox_is_claimed_from_the_disabled_pool_and_gets_the_egress_variables(
+async def test_a_restricted_sandbox_is_claimed_from_the_one_pool_and_gets_the_egress_variables(
     pools: Pools, wait_for: WaitFor
 ) -> None:
-    # Both have no network: one pool serves them.
-    backend = await pools.started(wait_for, network="disabled")
+    backend = await pools.started(wait_for)
     (warm,) = pools.pool_container_ids()
 
     handle = await pools.create(backend, "fenced", network="restricted")
@@ -333,7 +359,8 @@ async def test_a_restricted_sandbox_is_claimed_from_the_disabled_pool_and_gets_t
     # container (whose run/ was the pool slot's) finds it at /run/berth.
     egress = Path(str(backend.egress_socket_path(handle)))
     assert egress == pools.data_dir / "sandboxes" / "fenced" / "run" / "egress.sock"
-    async with _greeting_socket(egress, b"egress served on the host"), DaemonClient(handle.socket_path) as client:
+    greeting = _greeting_socket(egress, b"egress served on the host", int(handle.private["uid"]))
+    async with greeting, DaemonClient(handle.socket_path) as client:
         read = await client.run(argv=["python3", "-c", _READ_SOCKET, EGRESS_SOCKET_IN_SANDBOX])
     assert read.stdout == b"egress served on the host\n", read.stderr
     probed = await _probe(handle)
@@ -342,62 +369,43 @@ async def test_a_restricted_sandbox_is_claimed_from_the_disabled_pool_and_gets_t
     assert {k: probed["env"].get(k) for k in SPEC_ENV} == SPEC_ENV
 
 
-async def test_a_policy_not_pre_filled_is_kept_warm_after_its_first_use(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for, network="disabled")
+async def test_a_size_not_pre_filled_is_kept_warm_after_its_first_use(pools: Pools, wait_for: WaitFor) -> None:
+    small = SIZES["small"]
+    backend = await pools.started(wait_for)
     pre_filled = pools.pool_container_ids()
-    assert backend.warm_count("enabled") == 0
+    assert backend.warm_count(small) == 0
 
-    first = await pools.create(backend, "first-online", network="enabled")
+    first = await pools.create(backend, "first-small", size=small)
 
     assert first.private["container_id"] not in pre_filled
-    await pools.full(backend, wait_for, "enabled")
-    warm_enabled = pools.pool_container_ids() - pre_filled
-    assert len(warm_enabled) == 1
-    second = await pools.create(backend, "second-online", network="enabled")
-    assert {str(second.private["container_id"])} == warm_enabled
-    await pools.full(backend, wait_for, "enabled")  # and it is topped up again
+    await pools.full(backend, wait_for, small)
+    warm_small = pools.pool_container_ids() - pre_filled
+    assert len(warm_small) == 1
+    second = await pools.create(backend, "second-small", size=small)
+    assert {str(second.private["container_id"])} == warm_small
+    probed = await _probe(second)
+    assert probed["memory"] == str(small.memory_mib * 1024 * 1024)
+    assert (probed["pids"], probed["tmp_mib"]) == (str(small.pids), small.tmp_mib)
+    assert 0.9 * small.disk_mib <= probed["workspace_mib"] <= small.disk_mib
+    await pools.full(backend, wait_for, small)  # and it is topped up again
 
 
-async def test_a_pool_container_moved_to_another_network_is_discarded_and_the_sandbox_starts_fresh(
+async def test_a_claimed_sandbox_made_again_after_its_container_died_keeps_its_files_and_uid(
     pools: Pools, wait_for: WaitFor
 ) -> None:
-    network, other = pools.network_name("enabled"), pools.network_name("other")
-    backend = await pools.started(wait_for, network="enabled", docker_network=network)
-    (moved,) = pools.pool_container_ids()
-    pools.engine.networks.create(other, driver="bridge")
-    pools.engine.networks.get(network).disconnect(moved)
-    pools.engine.networks.get(other).connect(moved)
+    backend = await pools.started(wait_for)
+    claimed = await pools.create(backend, "phoenix")
+    async with DaemonClient(claimed.socket_path) as client:
+        await client.write_file("kept.txt", b"kept")
+    pools.engine.containers.get(str(claimed.private["container_id"])).kill()
 
-    handle = await pools.create(backend, "not-moved", network="enabled")
+    again = await pools.create(backend, "phoenix")
 
-    assert handle.private["container_id"] != moved
-    with pytest.raises(docker.errors.NotFound):
-        pools.engine.containers.get(moved)
-    assert pools.networks_of(str(handle.private["container_id"])) == (network, [network])
-    assert (await _probe(handle))["workspace"] == []
-
-
-async def test_after_a_restart_with_another_docker_network_no_container_of_the_old_pool_is_handed_out(
-    pools: Pools, wait_for: WaitFor
-) -> None:
-    old_network, new_network = pools.network_name("old"), pools.network_name("new")
-    before = await pools.started(wait_for, network="enabled", docker_network=old_network)
-    (old,) = pools.pool_container_ids()
-    assert pools.networks_of(old) == (old_network, [old_network]) and before.warm_count("enabled") == 1
-    # The service dies without closing its backend; the next one has another network.
-    after = pools.backend(networks=("enabled",), docker_network=new_network)
-    assert await after.adopt() == []
-    await after.start()
-
-    handle = await pools.create(after, "moved-on", network="enabled")
-
-    assert handle.private["container_id"] != old
-    with pytest.raises(docker.errors.NotFound):
-        pools.engine.containers.get(old)
-    assert pools.networks_of(str(handle.private["container_id"])) == (new_network, [new_network])
-    await pools.full(after, wait_for, "enabled")
-    (refilled,) = pools.pool_container_ids()
-    assert pools.networks_of(refilled) == (new_network, [new_network])
+    assert again.private["container_id"] != claimed.private["container_id"]
+    assert again.private["uid"] == claimed.private["uid"]
+    async with DaemonClient(again.socket_path) as client:
+        result = await client.run(shell="cat kept.txt && echo more >> kept.txt && id -u")
+    assert (result.exit_code, result.stdout) == (0, f"kept{claimed.private['uid']}\n".encode()), result.stderr
 
 
 async def test_adopt_after_a_restart_keeps_a_claimed_sandbox_and_removes_unclaimed_pool_containers(
@@ -417,9 +425,11 @@ async def test_adopt_after_a_restart_keeps_a_claimed_sandbox_and_removes_unclaim
     (handle,) = adopted
     assert handle.private["container_id"] == claimed.private["container_id"]
     assert handle.private["labels"] == {**SPEC_LABELS, "berth.sandbox_id": "survivor"}
+    assert handle.private["uid"] == claimed.private["uid"]
     assert handle.socket_path == claimed.socket_path
     assert pools.pool_container_ids() == set()
     assert pools.slot_dirs() == []
+    assert mounts_under(pools.data_dir / "docker" / "pool") == []
     async with DaemonClient(handle.socket_path) as client:
         result = await client.run(shell='cat kept.txt; echo " $GREETING"')
     assert result.stdout == b"kept hello pool\n"
@@ -428,23 +438,29 @@ async def test_adopt_after_a_restart_keeps_a_claimed_sandbox_and_removes_unclaim
 async def test_adopt_removes_a_claimed_sandbox_whose_directory_is_gone(pools: Pools, wait_for: WaitFor) -> None:
     backend = await pools.started(wait_for)
     handle = await pools.create(backend, "orphaned")
-    await asyncio.to_thread(shutil.rmtree, Path(str(handle.private["home"])))
+    home = Path(str(handle.private["home"]))
+    await unmount_under(home)
+    await asyncio.to_thread(shutil.rmtree, home)
 
     assert await pools.backend().adopt() == []
 
     assert not await backend.is_alive(handle)
 
 
-async def test_destroying_a_pooled_sandbox_removes_its_container_and_directory(pools: Pools, wait_for: WaitFor) -> None:
+async def test_destroying_a_pooled_sandbox_removes_its_container_filesystems_and_directory(
+    pools: Pools, wait_for: WaitFor
+) -> None:
     backend = await pools.started(wait_for)
     handle = await pools.create(backend, "short-lived")
     home = Path(str(handle.private["home"]))
     assert home.is_dir()
+    assert mounts_under(home) == [home / "workspace"]
 
     await backend.destroy(handle)
 
     with pytest.raises(docker.errors.NotFound):
         pools.engine.containers.get(str(handle.private["container_id"]))
+    assert mounts_under(home) == []
     assert not home.exists()
     assert not await backend.is_alive(handle)
 
@@ -486,4 +502,5 @@ async def test_closing_the_backend_removes_unclaimed_pool_containers_but_not_san
 
     assert pools.pool_container_ids() == set()
     assert pools.slot_dirs() == []
+    assert mounts_under(pools.data_dir / "docker" / "pool") == []
     assert await backend.is_alive(handle)

@@ -20,6 +20,7 @@ import pytest_asyncio
 from sandbox_support import wait_until
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 from egress_helpers import CONNECT, DIRECT, FETCH, Target, echo_target, http_target, local_names_only  # noqa: F401 (fixture)
+from grpc_support import internal_channel
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
@@ -70,7 +71,7 @@ def settings(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         return Settings(**common)
     image = request.getfixturevalue("docker_test_image")
     if kind == "docker-pool":
-        pool: dict[str, Any] = {"docker_pool_size": 1, "docker_pool_networks": ["restricted"]}
+        pool: dict[str, Any] = {"docker_pool_size": 1, "docker_pool_sizes": ["medium"]}
     else:
         pool = {"docker_pool_size": 0}
     return Settings(**common, sandbox_backend="docker", docker_image=image, **pool)
@@ -93,7 +94,7 @@ class Service:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(server_module, "build_backend", keep_backend)
             self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
-        self.channel = grpc.aio.insecure_channel(self.handle.address)
+        self.channel = internal_channel(self.handle.address)
         self.stub = sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
         return self.stub
 
@@ -139,7 +140,7 @@ async def service(settings: Settings, request: pytest.FixtureRequest) -> AsyncIt
         pool = svc.backend if isinstance(svc.backend, DockerBackend) and svc.backend.pool_size else None
         if pool is not None:
             warm_count = pool.warm_count
-            await wait_until(lambda: warm_count("restricted") == 1, timeout=180, message="pool warm")
+            await wait_until(lambda: warm_count() == 1, timeout=180, message="pool warm")
         network = common_pb2.NetworkPolicy(
             access=common_pb2.NETWORK_ACCESS_RESTRICTED, allowed_domains=["localhost"], blocked_domains=["blocked.localhost"]
         )

@@ -85,6 +85,7 @@ from services.sandbox.isolation.etc import build_etc
 from services.sandbox.isolation.identity import SANDBOX_GID, SANDBOX_UID, host_uid
 from services.sandbox.isolation.network import (
     NetworkSetupError,
+    UserNetwork,
     apply_filter,
     filter_ruleset,
     host_addresses,
@@ -116,6 +117,7 @@ _JOIN = (
     'exec "$@"'
 )
 _POLL_S = 0.01
+_START_ATTEMPTS = 4
 # Where the staging bwrap puts the mount sources (its own tmpfs, never the host's /tmp).
 _STAGE = "/tmp/berth-stage"
 
@@ -162,14 +164,10 @@ def _signal_all(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def _kill_recorded(pid: object, start_time: object) -> None:
-    """SIGKILLs a helper process recorded in a handle, if it is still that process."""
-    if not isinstance(pid, int) or pid <= 0:
-        return
-    stat = _proc_stat(pid)
-    if stat is not None and stat.start_time == start_time:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+def _stop_user_network(handle: BackendHandle) -> None:
+    user_network = UserNetwork.from_private(handle.private.get("user_network"))
+    if user_network is not None:
+        user_network.stop()
 
 
 def detect_freezers() -> list[FreezerKind]:
@@ -297,16 +295,18 @@ class LocalBackend(SandboxBackend):
                 return existing
             if spec.network == "restricted" and self._isolation == "none":
                 log.warning("sandbox_network_restricted_not_enforced", sandbox_id=spec.sandbox_id, isolation="none")
-            try:
-                return await self._start(spec)
-            except SandboxStartError as exc:
-                # bwrap's setup of the new namespace's loopback fails now and
-                # then (a netlink error it reports with a stale errno); nothing
-                # of the sandbox ran yet, so one more start is safe.
-                if "loopback: Failed" not in str(exc):
-                    raise
-                log.warning("sandbox_start_retried", sandbox_id=spec.sandbox_id, error=str(exc))
-                return await self._start(spec)
+            # bwrap's setup of the new namespace's loopback fails now and then
+            # under load (a netlink error it reports with a stale errno);
+            # nothing of the sandbox ran yet, so starting again is safe.
+            for attempt in range(_START_ATTEMPTS):
+                try:
+                    return await self._start(spec)
+                except SandboxStartError as exc:
+                    if "loopback: Failed" not in str(exc) or attempt == _START_ATTEMPTS - 1:
+                        raise
+                    log.warning("sandbox_start_retried", sandbox_id=spec.sandbox_id, attempt=attempt + 1, error=str(exc))
+                    await asyncio.sleep(0.05 * 4**attempt)
+            raise AssertionError("unreachable")
 
     async def pause(self, handle: BackendHandle) -> None:
         async with self._lock(handle.sandbox_id):
@@ -339,7 +339,7 @@ class LocalBackend(SandboxBackend):
                     _signal_all(_process_tree(int(handle.private["pid"])), signal.SIGKILL)
             if cgroup is not None:
                 cgroup.kill()
-            _kill_recorded(handle.private.get("slirp_pid"), handle.private.get("slirp_start_time"))
+            _stop_user_network(handle)
             if not await self._wait_dead(handle, 10.0):
                 raise BackendError(f"sandbox {handle.sandbox_id} did not stop")
             if cgroup is not None and not await cgroup.remove():
@@ -523,7 +523,7 @@ class LocalBackend(SandboxBackend):
         """Undoes what a failed start left running or mounted; the workspace
         image stays, as ``destroy`` (or the next create) will find it."""
         _signal_all(_process_tree(int(handle.private["pid"])), signal.SIGKILL)
-        _kill_recorded(handle.private.get("slirp_pid"), handle.private.get("slirp_start_time"))
+        _stop_user_network(handle)
         cgroup = SandboxCgroup.from_private(handle.private.get("cgroups"))
         if cgroup is not None:
             cgroup.kill()
@@ -656,11 +656,10 @@ class LocalBackend(SandboxBackend):
             netns = Path(f"/proc/{inner}/ns/net")
             try:
                 await apply_filter(netns, filter_ruleset(self._allow, host_addresses()))
-                slirp = await start_user_network(netns, Path(str(handle.private["run_dir"])) / "slirp.log")
+                user_network = await start_user_network(netns, Path(str(handle.private["run_dir"])) / "slirp.log")
             except NetworkSetupError as exc:
                 raise BackendUnavailable(f"the network of sandbox {handle.sandbox_id} cannot be set up: {exc}") from exc
-            stat = _proc_stat(slirp)
-            private.update(slirp_pid=slirp, slirp_start_time=stat.start_time if stat is not None else 0)
+            private["user_network"] = user_network.to_private()
         handle = BackendHandle(handle.sandbox_id, handle.socket_path, private)
         self._save_handle(handle)
         return handle

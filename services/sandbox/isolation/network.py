@@ -21,12 +21,15 @@ user namespace they might create owns only namespaces of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -38,6 +41,8 @@ __all__ = [
     "filter_ruleset",
     "apply_filter",
     "start_user_network",
+    "UserNetwork",
+    "process_start_time",
     "parse_cidrs",
 ]
 
@@ -153,9 +158,50 @@ async def apply_filter(netns: Path, ruleset: str) -> None:
     await _run(["nsenter", f"--net={netns}", "nft", "-f", "-"], stdin=ruleset.encode())
 
 
-async def start_user_network(netns: Path, log_path: Path) -> int:
-    """Starts slirp4netns for the namespace at ``netns`` and returns its pid
-    once the tap device is configured. It runs in its own session, so it
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks
+    since boot); None when there is no such process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class UserNetwork:
+    """The slirp4netns process serving an ``enabled`` sandbox. With its
+    start time the pid names that one process, never a later one that
+    reuses the pid."""
+
+    pid: int
+    start_time: int
+
+    def to_private(self) -> dict[str, int]:
+        return {"pid": self.pid, "start_time": self.start_time}
+
+    @classmethod
+    def from_private(cls, raw: object) -> UserNetwork | None:
+        if not isinstance(raw, dict):
+            return None
+        try:
+            return cls(pid=int(raw["pid"]), start_time=int(raw["start_time"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        """Kills the process, only while its start time still matches, and
+        reaps it when it is this process's child."""
+        if process_start_time(self.pid) != self.start_time:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+async def start_user_network(netns: Path, log_path: Path) -> UserNetwork:
+    """Starts slirp4netns for the namespace at ``netns`` and returns its
+    process once the tap device is configured. It runs in its own session, so it
     outlives a restart of the Sandbox service as the sandbox does, and ends
     when the namespace goes."""
     binary = shutil.which("slirp4netns")
@@ -200,4 +246,4 @@ async def start_user_network(netns: Path, log_path: Path) -> int:
         popen.wait()
         tail = log_path.read_bytes()[-500:].decode(errors="replace").strip() if log_path.exists() else ""
         raise NetworkSetupError(f"slirp4netns failed to configure the sandbox's network: {tail}")
-    return popen.pid
+    return UserNetwork(pid=popen.pid, start_time=process_start_time(popen.pid) or 0)
