@@ -48,9 +48,10 @@ ENV PATH=/opt/berth/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/
 # Runs as root: it drives the Docker engine through /var/run/docker.sock
 # (root-equivalent anyway), loop-mounts each sandbox's workspace filesystem
 # and attaches slirp4netns to each sandbox's network namespace. Run it with
-# --privileged --pid=host and the data dir mounted rshared at the same path
-# as on the engine's host (see deploy/README.md); without them sandbox
-# creation fails closed.
+# --pid=host, SYS_ADMIN, NET_ADMIN and SYS_PTRACE, the loop and tun devices,
+# and the data dir mounted rshared at the same path as on the engine's host
+# (see deploy/README.md and compose.yaml); without them sandbox creation
+# fails closed.
 ENV BERTH_SANDBOX_ADDR=0.0.0.0:50053 \
     BERTH_SANDBOX_BACKEND=docker BERTH_DATA_DIR=/var/lib/berth-sandbox
 EXPOSE 50053

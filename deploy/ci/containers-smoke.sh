@@ -126,11 +126,16 @@ named() { [[ "$MODE" == "host" ]] || echo "--network-alias $1"; }
 log "starting containers ($MODE network)"
 # shellcheck disable=SC2046
 share_data
-# Privileged in the host's PID namespace, with the data dir propagating back
-# to the host: it loop-mounts each workspace there (the engine binds them from
-# the host) and attaches slirp4netns to each sandbox's network namespace.
+sandbox_node_privileges=(
+  --cap-add SYS_ADMIN --cap-add NET_ADMIN --cap-add SYS_PTRACE -v /dev:/dev
+  --device-cgroup-rule 'b 7:* rwm' --device-cgroup-rule 'c 10:237 rwm' --device-cgroup-rule 'c 10:200 rwm'
+)
+# In the host's PID namespace with the capabilities and devices confining
+# sandboxes needs (deploy/README.md), and the data dir propagating back to the
+# host: it loop-mounts each workspace there (the engine binds them from the
+# host) and attaches slirp4netns to each sandbox's network namespace.
 docker run "${common[@]}" "${net[@]}" --name "$PREFIX-sandbox" $(named sandbox) \
-  --privileged --pid=host \
+  --pid=host "${sandbox_node_privileges[@]}" \
   -v /var/run/docker.sock:/var/run/docker.sock -v "$DATA:$DATA:rshared" \
   -e "BERTH_DATA_DIR=$DATA" -e "BERTH_DOCKER_IMAGE=$SANDBOX_IMAGE" \
   -e "BERTH_SANDBOX_ADDR=${listen[sandbox]}" -e "BERTH_SANDBOX_DATABASE_URL=${db[sandbox]}" \

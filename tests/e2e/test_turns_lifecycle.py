@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from e2e_support import (
     api_error,
@@ -120,6 +121,11 @@ async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) ->
     for queued in (second, third):
         assert (await client.beta.agents.sessions.turns.retrieve(queued, session_id=session.id)).status == "queued"
 
+    # The first turn is in progress from before its sandbox exists (setup).
+    async def sandbox_exists() -> Path | None:
+        return sandbox_dirs(stack.data_dir).get(session.environment.id)  # type: ignore[union-attr]
+
+    await eventually(sandbox_exists, what="the session's sandbox")
     workspace_file(stack.data_dir, session.environment.id, "/workspace/go").touch()  # type: ignore[union-attr]
     turns = [await turn_status(client, session.id, t, TERMINAL) for t in (first, second, third)]
     assert [t.status for t in turns] == ["completed"] * 3

@@ -93,7 +93,9 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait
     assert tail == chunks[later:]
 
     # The first megabyte left the ring, so it was replayed from the log.
-    log_path = sandbox.run_dir / "berth" / "state" / "procs" / f"{proc.process_id}.log"
+    # The log lives on a tmpfs in the sandbox's own mount namespace.
+    inner = int(sandbox.handle.private["inner_pid"])
+    log_path = Path(f"/proc/{inner}/root/run/berth/state/procs/{proc.process_id}.log")
     assert log_path.stat().st_size > 1024 * 1024
     assert [(seq, data) for seq, _, data in _read_log(log_path)] == [(c.seq, c.data) for c in chunks]
     await second_client.close()

@@ -229,6 +229,7 @@ from services.sandbox.isolation.network import (
     filter_ruleset,
     host_addresses,
     parse_cidrs,
+    prepare_user_network,
     start_user_network,
 )
 from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_under
@@ -608,6 +609,7 @@ class DockerBackend(SandboxBackend):
         """Enables the warm pools and starts filling those of
         ``docker_pool_sizes`` (``docker_pool_size`` containers each); every
         other size starts filling after its first create."""
+        await prepare_user_network(self._data_dir / "docker")
         if self._pool.size == 0:
             return
         sandboxes, pool = self._data_dir / "sandboxes", self._data_dir / "docker" / "pool"

@@ -90,6 +90,7 @@ from services.sandbox.isolation.network import (
     filter_ruleset,
     host_addresses,
     parse_cidrs,
+    prepare_user_network,
     start_user_network,
 )
 from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_under, unmount_workspace
@@ -293,6 +294,10 @@ class LocalBackend(SandboxBackend):
             existing = self._load_handle(spec.sandbox_id)
             if existing is not None and self._alive(existing):
                 return existing
+            if existing is not None:
+                # A sandbox that died on its own: slirp4netns outlives the
+                # namespace it served, and the cgroup may hold stragglers.
+                await self._abandon_start(existing)
             if spec.network == "restricted" and self._isolation == "none":
                 log.warning("sandbox_network_restricted_not_enforced", sandbox_id=spec.sandbox_id, isolation="none")
             # bwrap's setup of the new namespace's loopback fails now and then
@@ -389,6 +394,7 @@ class LocalBackend(SandboxBackend):
         except BackendUnavailable as exc:
             log.error("sandbox_isolation_unavailable", error=str(exc))
             return
+        await prepare_user_network(self._data_dir / "isolation")
         log.info("sandbox_isolation_ready", data_dir=self._install)
 
     # ------------------------------------------------------------ isolation assets
@@ -520,9 +526,11 @@ class LocalBackend(SandboxBackend):
         return handle
 
     async def _abandon_start(self, handle: BackendHandle) -> None:
-        """Undoes what a failed start left running or mounted; the workspace
-        image stays, as ``destroy`` (or the next create) will find it."""
-        _signal_all(_process_tree(int(handle.private["pid"])), signal.SIGKILL)
+        """Undoes what a failed start, or a sandbox that died, left running
+        or mounted; the workspace image stays, as ``destroy`` (or the next
+        create) will find it."""
+        if self._alive(handle):  # never a recycled pid's tree
+            _signal_all(_process_tree(int(handle.private["pid"])), signal.SIGKILL)
         _stop_user_network(handle)
         cgroup = SandboxCgroup.from_private(handle.private.get("cgroups"))
         if cgroup is not None:

@@ -28,9 +28,12 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
 
 __all__ = [
     "NetworkSetupError",
@@ -41,6 +44,7 @@ __all__ = [
     "filter_ruleset",
     "apply_filter",
     "start_user_network",
+    "prepare_user_network",
     "UserNetwork",
     "process_start_time",
     "parse_cidrs",
@@ -78,6 +82,9 @@ BLOCKED_V6: tuple[str, ...] = (
     "fe80::/10",
     "ff00::/8",
 )
+
+
+log = structlog.stdlib.get_logger(__name__)
 
 
 class NetworkSetupError(Exception):
@@ -199,14 +206,93 @@ class UserNetwork:
             os.waitpid(self.pid, 0)
 
 
+# Whether slirp4netns's own sandbox (a private mount namespace it pivots
+# into) works on this host; it does not in some containers ("cannot
+# pivot_root"). Found out once per process, on a throwaway namespace.
+_slirp_sandbox_works: bool | None = None
+_PROBE_LOCK = asyncio.Lock()
+
+
 async def start_user_network(netns: Path, log_path: Path) -> UserNetwork:
     """Starts slirp4netns for the namespace at ``netns`` and returns its
-    process once the tap device is configured. It runs in its own session, so it
-    outlives a restart of the Sandbox service as the sandbox does, and ends
-    when the namespace goes."""
+    process once the tap device is configured. It runs in its own session, so
+    it outlives a restart of the Sandbox service as the sandbox does; the
+    backend stops it when it destroys the sandbox.
+
+    slirp runs with ``--enable-seccomp`` always, and with ``--enable-sandbox``
+    (its own mount namespace, capabilities dropped) wherever that works; where
+    it cannot pivot its root, as in some containers, it runs without it and
+    says so once in the log (``slirp_sandbox_unavailable``). Neither changes
+    what the sandbox can reach: the egress filter is inside the sandbox's
+    namespace."""
     binary = shutil.which("slirp4netns")
     if binary is None:
         raise NetworkSetupError("slirp4netns is not installed (apt-get install slirp4netns)")
+    sandboxed = await _slirp_sandbox_usable(binary, log_path)
+    return await _spawn_slirp(binary, netns, log_path, sandboxed=sandboxed)
+
+
+async def prepare_user_network(log_dir: Path) -> None:
+    """Finds out, ahead of the first ``enabled`` sandbox, how slirp4netns can
+    run here (a fraction of a second, once per process)."""
+    binary = shutil.which("slirp4netns")
+    if binary is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        await _slirp_sandbox_usable(binary, log_dir / "slirp-probe.log")
+
+
+async def _slirp_sandbox_usable(binary: str, log_path: Path) -> bool:
+    global _slirp_sandbox_works
+    async with _PROBE_LOCK:
+        if _slirp_sandbox_works is None:
+            _slirp_sandbox_works = await _probe_slirp_sandbox(binary, log_path)
+            if not _slirp_sandbox_works:
+                log.warning("slirp_sandbox_unavailable", detail="slirp4netns runs without --enable-sandbox on this host")
+        return _slirp_sandbox_works
+
+
+async def _probe_slirp_sandbox(binary: str, log_path: Path) -> bool:
+    """Runs a sandboxed slirp4netns on a throwaway network namespace and
+    reports whether it is still running shortly after it signalled ready."""
+    if shutil.which("unshare") is None:
+        return False
+    holder = subprocess.Popen(
+        ["unshare", "--net", "sleep", "30"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _READY_TIMEOUT_S
+        netns = Path(f"/proc/{holder.pid}/ns/net")
+        while os.readlink(netns) == os.readlink("/proc/self/ns/net"):
+            if loop.time() > deadline or holder.poll() is not None:
+                return False
+            await asyncio.sleep(0.005)
+        try:
+            slirp = await _spawn_slirp(binary, netns, log_path.with_name("slirp-probe.log"), sandboxed=True)
+        except NetworkSetupError:
+            return False
+        alive = not await loop.run_in_executor(None, _exited_within, slirp.pid, 0.3)
+        slirp.stop()
+        return alive
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _exited_within(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            waited, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return process_start_time(pid) is None
+        if waited == pid:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+async def _spawn_slirp(binary: str, netns: Path, log_path: Path, *, sandboxed: bool) -> UserNetwork:
     read_end, write_end = os.pipe()
     try:
         with open(log_path, "ab") as log_file:
@@ -216,7 +302,7 @@ async def start_user_network(netns: Path, log_path: Path) -> UserNetwork:
                     "--configure",
                     f"--mtu={_MTU}",
                     "--disable-host-loopback",
-                    "--enable-sandbox",
+                    *(["--enable-sandbox"] if sandboxed else []),
                     "--enable-seccomp",
                     f"--ready-fd={write_end}",
                     "--netns-type=path",
