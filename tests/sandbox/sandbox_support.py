@@ -5,7 +5,9 @@ ambiguous when several test directories run together."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from services.sandbox.backends.base import BackendHandle
 from services.sandbox.backends.local import LocalBackend
 from services.sandbox.daemon_client import DaemonClient
 
-__all__ = ["WaitFor", "wait_until", "Sandbox", "SandboxFactory"]
+__all__ = ["WaitFor", "wait_until", "Sandbox", "SandboxFactory", "host_listener"]
 
 WaitFor = Callable[..., Awaitable[None]]
 
@@ -53,3 +55,25 @@ class Sandbox:
 SandboxFactory = Callable[..., Awaitable[Sandbox]]
 
 
+
+
+@contextlib.asynccontextmanager
+async def host_listener(host: str, greeting: bytes = b"") -> AsyncIterator[tuple[int, list[str]]]:
+    """A TCP listener on the host at ``host`` (port chosen by the kernel)
+    that sends ``greeting`` and closes; yields its port and the peers it
+    accepted, so a test can tell a refused probe from one that got through."""
+    accepted: list[str] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(str(writer.get_extra_info("peername")))
+        if greeting:
+            writer.write(greeting)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, host, 0, family=socket.AF_INET)
+    try:
+        yield server.sockets[0].getsockname()[1], accepted
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -8,7 +8,6 @@ change a sandbox's lifecycle make their own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import shutil
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
-from sandbox_support import wait_until
+from sandbox_support import host_listener, wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxBackend, SandboxSpec
@@ -381,24 +380,6 @@ async def test_sandbox_and_its_processes_survive_a_new_backend_instance(harness:
 # ---------------------------------------------------------------- network
 
 
-@contextlib.asynccontextmanager
-async def _listener(host: str) -> AsyncIterator[tuple[int, list[str]]]:
-    accepted: list[str] = []
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(str(writer.get_extra_info("peername")))
-        writer.write(b"hello from the host\n")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(on_connect, host, 0, family=socket.AF_INET)
-    try:
-        yield server.sockets[0].getsockname()[1], accepted
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
 _CONNECT = """
 import socket, sys
 try:
@@ -423,7 +404,7 @@ async def test_a_sandbox_cannot_reach_a_host_listener_whatever_its_network_polic
     addresses = _host_ipv4_addresses()
     assert len(addresses) >= 2, addresses
 
-    async with _listener("0.0.0.0") as (port, accepted):
+    async with host_listener("0.0.0.0", b"hello from the host\n") as (port, accepted):
         for address in addresses:
             # The control: the listener answers on this address from the host.
             _, writer = await asyncio.open_connection(address, port)

@@ -21,7 +21,7 @@ import docker
 import docker.errors
 import pytest
 from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
-from sandbox_support import WaitFor
+from sandbox_support import WaitFor, host_listener
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxSpec
@@ -112,22 +112,6 @@ async def _connect(client: DaemonClient, host: str, port: int) -> tuple[int, str
     return result.exit_code, result.stdout.decode().strip()
 
 
-@contextlib.asynccontextmanager
-async def _listener(host: str) -> AsyncIterator[tuple[int, list[str]]]:
-    accepted: list[str] = []
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(str(writer.get_extra_info("peername")))
-        writer.close()
-
-    server = await asyncio.start_server(on_connect, host, 0, family=socket.AF_INET)
-    try:
-        yield server.sockets[0].getsockname()[1], accepted
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
 async def _wait_for_exit_code(run: Callable[[], Awaitable[tuple[int, str]]], code: int, timeout: float = 20.0) -> str:
     """Runs ``run`` until it exits with ``code`` (bounded); its output."""
     loop = asyncio.get_running_loop()
@@ -195,7 +179,7 @@ async def test_an_enabled_docker_sandbox_cannot_reach_the_hosts_loopback_address
     client = await sandboxes.make("curious", network="enabled")
     own = host_address()
 
-    async with _listener("127.0.0.1") as (loopback_port, on_loopback), _listener(own) as (own_port, on_own):
+    async with host_listener("127.0.0.1") as (loopback_port, on_loopback), host_listener(own) as (own_port, on_own):
         targets = [
             ("127.0.0.1", loopback_port),
             (own, own_port),
