@@ -263,10 +263,13 @@ async def _probe_slirp_sandbox(binary: str, log_path: Path) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _READY_TIMEOUT_S
         netns = Path(f"/proc/{holder.pid}/ns/net")
-        while os.readlink(netns) == os.readlink("/proc/self/ns/net"):
-            if loop.time() > deadline or holder.poll() is not None:
-                return False
-            await asyncio.sleep(0.005)
+        try:
+            while os.readlink(netns) == os.readlink("/proc/self/ns/net"):
+                if loop.time() > deadline or holder.poll() is not None:
+                    return False
+                await asyncio.sleep(0.005)
+        except OSError:
+            return False
         try:
             slirp = await _spawn_slirp(binary, netns, log_path.with_name("slirp-probe.log"), sandboxed=True)
         except NetworkSetupError:
