@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
+from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 from sandbox_support import host_listener, wait_until
 
 from services.core.settings import Settings
@@ -63,7 +63,6 @@ class Harness:
     kind: str
     data_dir: Path
     new_backend: Callable[[], SandboxBackend]
-    host_address: Callable[[BackendHandle], str]
     created: list[tuple[SandboxBackend, BackendHandle]] = field(default_factory=list)
     started: list[SandboxBackend] = field(default_factory=list)
 
@@ -101,13 +100,13 @@ async def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
                 pytest.fail("bubblewrap is required (BERTH_REQUIRE_BWRAP=1) but bwrap is not installed")
             pytest.skip("bubblewrap (bwrap) is not installed")
-        harness = Harness(kind, data_dir, lambda: LocalBackend(data_dir, "bwrap"), lambda handle: "127.0.0.1")
+        harness = Harness(kind, data_dir, lambda: LocalBackend(data_dir, "bwrap"))
     else:
         request.getfixturevalue("docker_engine")
         image = request.getfixturevalue("docker_test_image")
         # No pool of the default size: the sandboxes here are small.
         settings = Settings(data_dir=data_dir, docker_image=image, docker_pool_sizes=[])
-        harness = Harness(kind, data_dir, lambda: DockerBackend(settings), lambda handle: host_address())
+        harness = Harness(kind, data_dir, lambda: DockerBackend(settings))
     yield harness
     for backend in harness.started:
         await backend.close()
