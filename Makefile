@@ -28,6 +28,7 @@ protos: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/buf lint
+	$(BIN)/buf breaking --against ".git#ref=HEAD~1"
 	$(BIN)/lint-imports
 	$(BIN)/mypy services gateway
 

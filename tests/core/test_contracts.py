@@ -35,10 +35,29 @@ def test_committed_generated_code_matches_a_fresh_generation(tmp_path: Path) -> 
 
 
 def test_protos_pass_buf_lint() -> None:
+    result = subprocess.run([_buf(), "lint"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _buf() -> str:
     buf = shutil.which("buf", path=str(BIN)) or shutil.which("buf")
     if buf is None:
         pytest.fail("buf is not installed (pip install buf-bin)")
-    result = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True)
+    return buf
+
+
+def test_protos_stay_wire_compatible_with_the_previous_commit() -> None:
+    """``buf breaking`` (WIRE_JSON, see buf.yaml) against the first parent:
+    for a merge that is main before the branch, so the branch's whole change
+    is checked. Removed fields must be ``reserved``."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    parent = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD~1"], cwd=ROOT, capture_output=True, text=True)
+    if parent.returncode != 0:
+        pytest.skip("HEAD has no parent commit to compare with")
+    result = subprocess.run(
+        [_buf(), "breaking", "--against", f".git#ref={parent.stdout.strip()}"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
