@@ -34,11 +34,13 @@ from typing import Any, cast
 import grpc
 import structlog
 from sqlalchemy import Table, bindparam, insert, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
 from services.core.ids import new_id
+from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
@@ -367,33 +369,42 @@ class TurnRunner:
         return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
-        """Polls for cancels sent to other replicas (and for the turn having
-        been ended elsewhere, e.g. by a sweeper) and renews the lease."""
-        renewed = time.monotonic()
-        while not task.done():
-            await asyncio.sleep(self.poll_s)
-            try:
-                if await self.store.query(lambda s: self._should_stop(s, turn_id)):
-                    task.cancel()
-                    return
-                if time.monotonic() - renewed > self.lease_s / 3:
-                    await self.store.transact(lambda u: self._renew(u, turn_id))
-                    renewed = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.warning("turn_watch_failed", turn_id=turn_id, exc_info=True)
+        """Renews the turn's lease, and polls for cancels sent to other
+        replicas (and for the turn having been ended elsewhere, e.g. by a
+        sweeper): either cancels the turn."""
+        lease = Lease(
+            lambda: self.store.transact(lambda u: self._renew(u, turn_id)),
+            every_s=self.lease_s / 3,
+            on_lost=task.cancel,
+            failure_event="turn_watch_failed",
+            log_fields={"turn_id": turn_id},
+        )
+        async with lease:
+            await poll_until(
+                lambda: self._should_stop(turn_id, task),
+                every_s=self.poll_s,
+                failure_event="turn_watch_failed",
+                log_fields={"turn_id": turn_id},
+            )
+        if not task.done():
+            task.cancel()
 
-    async def _should_stop(self, s: AsyncSession, turn_id: str) -> bool:
+    async def _should_stop(self, turn_id: str, task: asyncio.Task[None]) -> bool:
+        return task.done() or await self.store.query(lambda s: self._turn_ended(s, turn_id))
+
+    async def _turn_ended(self, s: AsyncSession, turn_id: str) -> bool:
         row = (await s.execute(select(TurnRow.cancel_requested, TurnRow.status).where(TurnRow.id == turn_id))).one_or_none()
         return row is None or bool(row[0]) or row[1] not in ("in_progress", "waiting")
 
-    async def _renew(self, u: Unit, turn_id: str) -> None:
-        await u.session.execute(
+    async def _renew(self, u: Unit, turn_id: str) -> bool:
+        """Extends the lease while this worker owns the turn; False once the
+        turn's row is gone."""
+        result = await u.session.execute(
             update(TurnRow)
             .where(TurnRow.id == turn_id, TurnRow.worker_id == self.worker_id)
             .values(lease_expires_at=time.time() + self.lease_s)
         )
+        return int(cast(CursorResult[Any], result).rowcount) == 1
 
     async def _collect(self, claimed: ClaimedTurn, io: DbTurnIO | None) -> list[OutputFile]:
         if not claimed.environment_id or self.env_client is None:
