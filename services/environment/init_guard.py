@@ -31,6 +31,7 @@ from services.core.context import org_id_var
 from services.core.db import Database
 from services.core.errors import BerthError, InitializationRunning, NotFound, SandboxUnavailable
 from services.core.ids import has_prefix
+from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
 from services.core.metrics import INIT_DURATION
 from services.environment import repository as repo
@@ -233,7 +234,13 @@ class InitGuard:
         setup = asyncio.ensure_future(self._setup(row, fence))
         # Setup may end after this owner stopped awaiting it (lease lost, shutdown).
         setup.add_done_callback(lambda t: t.cancelled() or t.exception())
-        renewer = asyncio.ensure_future(self._renew(fence, setup))
+        lease = Lease(
+            lambda: self._renew(fence),
+            every_s=self._lease_s / 3,
+            on_lost=lambda: self._lease_lost(fence, setup),
+            failure_event="init_lease_renew_failed",
+        )
+        lease.start()
         outcome: tuple[str, str, str] | None = None  # (status, code, message)
         try:
             try:
@@ -273,7 +280,7 @@ class InitGuard:
                 log.exception("environment_setup_crashed")
                 outcome = (STATUS_FAILED, "setup_internal_error", "setup failed with an internal error")
             finally:
-                renewer.cancel()
+                await lease.stop()
                 if not setup.done():
                     setup.cancel()
             if fence.lost or outcome is None:
@@ -323,52 +330,53 @@ class InitGuard:
                 await asyncio.sleep(0.1 * (attempt + 1))
         return False
 
-    async def _renew(self, fence: SetupFence, setup: asyncio.Future[Any]) -> None:
-        while True:
-            await asyncio.sleep(self._lease_s / 3)
-            try:
-                async with self._db.transaction() as s:
-                    ok = await repo.renew_lease(
-                        s, fence.environment_id, version=fence.version, owner=fence.owner,
-                        lease_expires_at=time.time() + self._lease_s,
-                    )
-            except Exception:
-                log.warning("init_lease_renew_failed", exc_info=True)
-                continue
-            if not ok:
-                fence.lost = True
-                setup.cancel()
-                return
+    async def _renew(self, fence: SetupFence) -> bool:
+        async with self._db.transaction() as s:
+            return await repo.renew_lease(
+                s, fence.environment_id, version=fence.version, owner=fence.owner,
+                lease_expires_at=time.time() + self._lease_s,
+            )
+
+    @staticmethod
+    def _lease_lost(fence: SetupFence, setup: asyncio.Future[Any]) -> None:
+        fence.lost = True
+        setup.cancel()
 
     async def _watch(self, op: _Operation) -> None:
         """Polls an operation owned by another process until it settles."""
-        delay = self._poll_min_s
         try:
-            while True:
-                await asyncio.sleep(delay)
-                delay = min(delay * 1.5, self._poll_max_s)
-                try:
-                    async with self._db.transaction() as s:
-                        row = await repo.get_environment_by_id(s, op.environment_id)
-                        if row is None or row.status != STATUS_INITIALIZING or row.init_version != op.version:
-                            return
-                        if row.lease_expires_at < time.time():
-                            failed = await repo.fail_expired_init(
-                                s,
-                                op.environment_id,
-                                version=op.version,
-                                now=time.time(),
-                                error_code=OWNER_LOST_CODE,
-                                error_message="the process running setup stopped; setup is not retried",
-                            )
-                            if failed:
-                                self._on_change()
-                                log.warning("environment_setup_owner_lost", environment_id=op.environment_id)
-                            return
-                except Exception:
-                    log.warning("init_poll_failed", environment_id=op.environment_id, exc_info=True)
+            await poll_until(
+                lambda: self._settled_elsewhere(op),
+                every_s=self._poll_min_s,
+                max_every_s=self._poll_max_s,
+                growth=1.5,
+                failure_event="init_poll_failed",
+                log_fields={"environment_id": op.environment_id},
+            )
         finally:
             self._finish(op)
+
+    async def _settled_elsewhere(self, op: _Operation) -> bool:
+        """Whether the operation ended; an owner whose lease expired is
+        recorded as lost, which ends it."""
+        async with self._db.transaction() as s:
+            row = await repo.get_environment_by_id(s, op.environment_id)
+            if row is None or row.status != STATUS_INITIALIZING or row.init_version != op.version:
+                return True
+            if row.lease_expires_at >= time.time():
+                return False
+            failed = await repo.fail_expired_init(
+                s,
+                op.environment_id,
+                version=op.version,
+                now=time.time(),
+                error_code=OWNER_LOST_CODE,
+                error_message="the process running setup stopped; setup is not retried",
+            )
+        if failed:
+            self._on_change()
+            log.warning("environment_setup_owner_lost", environment_id=op.environment_id)
+        return True
 
 
 def _unavailable(environment_id: str) -> SandboxUnavailable:

@@ -20,12 +20,11 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
-
 from services.core.db import Database
 from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
 from services.core.logging import get_logger
 from services.core.metrics import SANDBOXES
+from services.sandbox import repository as repo
 from services.sandbox.backends.base import (
     EGRESS_PROXY_PORT,
     EGRESS_SOCKET_IN_SANDBOX,
@@ -43,6 +42,10 @@ __all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
 
 # States in which a sandbox holds the node's resources.
 _LIVE_STATES = ("creating", "running", "paused")
+# Every state but the last one: ``destroyed`` is final.
+_UNDESTROYED = (*_LIVE_STATES, "error")
+# A sandbox adopted while it was being created is running but still says so.
+_PAUSABLE = ("creating", "running")
 
 log = get_logger(__name__)
 
@@ -126,12 +129,17 @@ class SandboxManager:
         adopted = {h.sandbox_id: h for h in await self._backend.adopt()}
         networks: list[tuple[str, BackendHandle, dict[str, object]]] = []
         async with self._db.transaction() as s:
-            rows = (await s.execute(select(SandboxRow).where(SandboxRow.state.in_(("running", "paused", "creating"))))).scalars().all()
-            for row in rows:
+            for row in await repo.unsettled_sandboxes(s, _LIVE_STATES):
                 handle = adopted.get(row.sandbox_id)
                 if handle is None:
-                    row.state = "error"
-                    row.error = "sandbox did not survive a restart of its host"
+                    await repo.transition(
+                        s,
+                        row.sandbox_id,
+                        (row.state,),
+                        "error",
+                        error="sandbox did not survive a restart of its host",
+                        now=None,
+                    )
                     continue
                 live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
                 live.paused = row.state == "paused"
@@ -163,27 +171,37 @@ class SandboxManager:
 
     async def _row(self, org_id: str, sandbox_id: str) -> SandboxRecord:
         async with self._db.transaction(read_only=True) as s:
-            row = await s.get(SandboxRow, sandbox_id)
+            row = await repo.get_sandbox(s, sandbox_id)
             if row is None or row.org_id != org_id or row.state == "destroyed":
                 raise NotFound(f"sandbox {sandbox_id} not found")
             return SandboxRecord.from_row(row)
 
-    async def _set_state(self, sandbox_id: str, state: str, *, error: str = "", handle: BackendHandle | None = None) -> None:
+    async def _set_state(
+        self,
+        sandbox_id: str,
+        expected: tuple[str, ...],
+        state: str,
+        *,
+        error: str = "",
+        handle: BackendHandle | None = None,
+    ) -> None:
+        """A compare-and-set from one of the ``expected`` states; raises
+        ``repo.IllegalTransition`` when another operation got there first."""
         async with self._db.transaction() as s:
-            row = await s.get(SandboxRow, sandbox_id)
-            if row is None:
-                return
-            row.state = state
-            row.error = error
-            row.last_active_at = time.time()
-            if handle is not None:
-                row.handle_json = handle.to_json()
+            await repo.transition(
+                s,
+                sandbox_id,
+                expected,
+                state,
+                now=time.time(),
+                error=error,
+                handle_json=handle.to_json() if handle is not None else None,
+            )
         await self._update_gauge()
 
     async def _update_gauge(self) -> None:
         async with self._db.transaction(read_only=True) as s:
-            grouped = await s.execute(select(SandboxRow.state, func.count()).group_by(SandboxRow.state))
-        counts = {str(state): int(count) for state, count in grouped.all()}
+            counts = await repo.count_by_state(s)
         for state in ("creating", "running", "paused", "destroyed", "error"):
             SANDBOXES.labels(state=state).set(counts.get(state, 0))
 
@@ -196,7 +214,7 @@ class SandboxManager:
         async with lock:
             network: dict[str, object] = dict(params.network)
             async with self._db.transaction() as s:
-                row = await s.get(SandboxRow, params.sandbox_id)
+                row = await repo.get_sandbox(s, params.sandbox_id)
                 if row is not None:
                     # A retried create enforces the policy the row reports.
                     network = json.loads(row.network_json)
@@ -223,7 +241,7 @@ class SandboxManager:
                         created_at=now,
                         last_active_at=now,
                     )
-                    s.add(row)
+                    repo.insert_sandbox(s, row)
             egress = _egress_policy(network)
             spec = SandboxSpec(
                 sandbox_id=params.sandbox_id,
@@ -238,7 +256,7 @@ class SandboxManager:
                 handle = await self._backend.create(spec)
             except Exception as exc:
                 log.warning("sandbox_create_failed", sandbox_id=params.sandbox_id, error=str(exc))
-                await self._set_state(params.sandbox_id, "error", error=str(exc))
+                await self._set_state(params.sandbox_id, _UNDESTROYED, "error", error=str(exc))
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
             client = DaemonClient(self._backend.socket_path(handle))
             try:
@@ -249,10 +267,10 @@ class SandboxManager:
                 await client.close()
                 await self._egress.stop(params.sandbox_id)
                 log.warning("sandbox_egress_failed", sandbox_id=params.sandbox_id, error=str(exc))
-                await self._set_state(params.sandbox_id, "error", error=f"egress proxy: {exc}", handle=handle)
+                await self._set_state(params.sandbox_id, _UNDESTROYED, "error", error=f"egress proxy: {exc}", handle=handle)
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not start its egress proxy: {exc}") from exc
             self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id)
-            await self._set_state(params.sandbox_id, "running", handle=handle)
+            await self._set_state(params.sandbox_id, _UNDESTROYED, "running", handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)
 
@@ -265,36 +283,24 @@ class SandboxManager:
         identities behind that label."""
         if not label_key:
             raise InvalidArgument("label_key is required", param="label_key")
-        size = page_size if 0 < page_size <= 1000 else 100
         async with self._db.transaction(read_only=True) as s:
-            q = select(SandboxRow).where(SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
-            if page_token:
-                q = q.where(SandboxRow.sandbox_id > page_token)
-            rows = (await s.execute(q)).scalars().all()
-        records = [r for r in (SandboxRecord.from_row(row) for row in rows) if label_key in r.labels]
-        page = records[:size]
-        token = page[-1].sandbox_id if len(records) > size else ""
-        return page, token
+            page = await repo.list_labeled_sandboxes(
+                s, label_key, exclude_state="destroyed", page_size=_page_size(page_size), page_token=page_token
+            )
+        return [SandboxRecord.from_row(row) for row in page.rows], page.next_page_token
 
     async def count_live(self) -> int:
         """Sandboxes of every organization that hold resources here: the
         load the Environment service places new sandboxes by."""
         async with self._db.transaction(read_only=True) as s:
-            stmt = select(func.count()).select_from(SandboxRow).where(SandboxRow.state.in_(_LIVE_STATES))
-            return int((await s.execute(stmt)).scalar_one())
+            return await repo.count_in_states(s, _LIVE_STATES)
 
     async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
-        size = page_size if 0 < page_size <= 1000 else 100
         async with self._db.transaction(read_only=True) as s:
-            q = select(SandboxRow).where(SandboxRow.org_id == org_id, SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
-            if page_token:
-                q = q.where(SandboxRow.sandbox_id > page_token)
-            rows = (await s.execute(q)).scalars().all()
-        records = [SandboxRecord.from_row(r) for r in rows]
-        records = [r for r in records if all(r.labels.get(k) == v for k, v in selector.items())]
-        page = records[:size]
-        token = page[-1].sandbox_id if len(records) > size else ""
-        return page, token
+            page = await repo.list_sandboxes(
+                s, org_id, selector, exclude_state="destroyed", page_size=_page_size(page_size), page_token=page_token
+            )
+        return [SandboxRecord.from_row(row) for row in page.rows], page.next_page_token
 
     async def pause(self, org_id: str, sandbox_id: str) -> SandboxRecord:
         await self._row(org_id, sandbox_id)
@@ -303,7 +309,7 @@ class SandboxManager:
             if not live.paused:
                 await self._backend.pause(live.handle)
                 live.paused = True
-                await self._set_state(sandbox_id, "paused")
+                await self._set_state(sandbox_id, _PAUSABLE, "paused")
                 log.info("sandbox_paused", sandbox_id=sandbox_id)
         return await self._row(org_id, sandbox_id)
 
@@ -322,7 +328,7 @@ class SandboxManager:
 
     async def _destroy(self, org_id: str, sandbox_id: str) -> None:
         async with self._db.transaction() as s:
-            row = await s.get(SandboxRow, sandbox_id)
+            row = await repo.get_sandbox(s, sandbox_id)
             if row is None or row.org_id != org_id:
                 raise NotFound(f"sandbox {sandbox_id} not found")
             if row.state == "destroyed":
@@ -344,7 +350,7 @@ class SandboxManager:
                 except Exception as exc:
                     log.warning("sandbox_destroy_failed", sandbox_id=sandbox_id, error=str(exc))
                     raise SandboxUnavailable(f"sandbox {sandbox_id} could not be destroyed: {exc}") from exc
-        await self._set_state(sandbox_id, "destroyed")
+        await self._set_state(sandbox_id, _UNDESTROYED, "destroyed")
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
     async def _start_egress(
@@ -378,7 +384,7 @@ class SandboxManager:
             if live.paused:
                 await self._backend.resume(live.handle)
                 live.paused = False
-                await self._set_state(sandbox_id, "running")
+                await self._set_state(sandbox_id, ("paused",), "running")
                 log.info("sandbox_resumed", sandbox_id=sandbox_id)
 
     @asynccontextmanager
@@ -423,10 +429,15 @@ class SandboxManager:
                             continue
                         await self._backend.pause(live.handle)
                         live.paused = True
-                    await self._set_state(sandbox_id, "paused")
+                        # Under the lock, as in pause(): a resume waits for the row to say paused.
+                        await self._set_state(sandbox_id, _PAUSABLE, "paused")
                     log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
                 except Exception as exc:  # one broken sandbox must not stop the reaper
                     log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))
+
+
+def _page_size(requested: int) -> int:
+    return requested if 0 < requested <= 1000 else 100
 
 
 def _network_policy(network: Mapping[str, object]) -> NetworkPolicy:

@@ -34,11 +34,13 @@ from typing import Any, cast
 import grpc
 import structlog
 from sqlalchemy import Table, bindparam, insert, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
 from services.core.ids import new_id
+from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
@@ -86,6 +88,26 @@ class ClaimedTurn:
     transcript: list[tuple[str, list[Entry]]] = field(default_factory=list)
     # The session's usage when the turn started.
     usage_json: str = ""
+
+
+@dataclass
+class _Ending:
+    """What ending one turn works with. ``io`` is None when the turn is
+    ended by a sweeper rather than by its worker."""
+
+    claimed: ClaimedTurn
+    io: DbTurnIO | None
+    outcome: Outcome
+    files: list[OutputFile]
+    # Whether ``files`` were recorded as the turn's artifacts.
+    recorded: bool = False
+    # As the turn left them (it has settled).
+    environment: environment_pb2.Environment | None = field(init=False)
+    usage: dict[str, Any] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.environment = self.io.environment if self.io is not None else self.claimed.environment
+        self.usage = self.io.usage if self.io is not None else None
 
 
 class TurnRunner:
@@ -367,33 +389,42 @@ class TurnRunner:
         return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
-        """Polls for cancels sent to other replicas (and for the turn having
-        been ended elsewhere, e.g. by a sweeper) and renews the lease."""
-        renewed = time.monotonic()
-        while not task.done():
-            await asyncio.sleep(self.poll_s)
-            try:
-                if await self.store.query(lambda s: self._should_stop(s, turn_id)):
-                    task.cancel()
-                    return
-                if time.monotonic() - renewed > self.lease_s / 3:
-                    await self.store.transact(lambda u: self._renew(u, turn_id))
-                    renewed = time.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.warning("turn_watch_failed", turn_id=turn_id, exc_info=True)
+        """Renews the turn's lease, and polls for cancels sent to other
+        replicas (and for the turn having been ended elsewhere, e.g. by a
+        sweeper): either cancels the turn."""
+        lease = Lease(
+            lambda: self.store.transact(lambda u: self._renew(u, turn_id)),
+            every_s=self.lease_s / 3,
+            on_lost=task.cancel,
+            failure_event="turn_watch_failed",
+            log_fields={"turn_id": turn_id},
+        )
+        async with lease:
+            await poll_until(
+                lambda: self._should_stop(turn_id, task),
+                every_s=self.poll_s,
+                failure_event="turn_watch_failed",
+                log_fields={"turn_id": turn_id},
+            )
+        if not task.done():
+            task.cancel()
 
-    async def _should_stop(self, s: AsyncSession, turn_id: str) -> bool:
+    async def _should_stop(self, turn_id: str, task: asyncio.Task[None]) -> bool:
+        return task.done() or await self.store.query(lambda s: self._turn_ended(s, turn_id))
+
+    async def _turn_ended(self, s: AsyncSession, turn_id: str) -> bool:
         row = (await s.execute(select(TurnRow.cancel_requested, TurnRow.status).where(TurnRow.id == turn_id))).one_or_none()
         return row is None or bool(row[0]) or row[1] not in ("in_progress", "waiting")
 
-    async def _renew(self, u: Unit, turn_id: str) -> None:
-        await u.session.execute(
+    async def _renew(self, u: Unit, turn_id: str) -> bool:
+        """Extends the lease while this worker owns the turn; False once the
+        turn's row is gone."""
+        result = await u.session.execute(
             update(TurnRow)
             .where(TurnRow.id == turn_id, TurnRow.worker_id == self.worker_id)
             .values(lease_expires_at=time.time() + self.lease_s)
         )
+        return int(cast(CursorResult[Any], result).rowcount) == 1
 
     async def _collect(self, claimed: ClaimedTurn, io: DbTurnIO | None) -> list[OutputFile]:
         if not claimed.environment_id or self.env_client is None:
@@ -420,109 +451,160 @@ class TurnRunner:
         """Ends the turn in one transaction; returns whether the session may
         have another queued turn. ``collecting`` holds the task that reads
         the turn's outputs when it was started early."""
-        files: list[OutputFile] = []
+        outcome, files = await self._read_outputs(claimed, io, outcome, collecting)
+        ending = _Ending(claimed, io, outcome, files)
+        try:
+            more = await self.store.transact(lambda u: self._end_turn(u, ending))
+        finally:
+            await self._drop_unpublished(ending)
+        self._remember_environment(claimed, io, outcome)
+        log.info("turn_finished", session_id=claimed.session_id, turn_id=claimed.turn_id, status=outcome.status, code=outcome.code)
+        return more
+
+    async def _read_outputs(
+        self,
+        claimed: ClaimedTurn,
+        io: DbTurnIO | None,
+        outcome: Outcome,
+        collecting: list[asyncio.Task[list[OutputFile]]] | None,
+    ) -> tuple[Outcome, list[OutputFile]]:
+        """The output files a completed turn publishes, read now unless their
+        reading already started. A turn whose outputs cannot be read fails.
+        A turn that ended otherwise after its outputs were read publishes
+        nothing, and the blobs read are removed once it ended."""
         if outcome.status == "completed":
             try:
-                files = await (collecting[0] if collecting else self._collect(claimed, io))
+                return outcome, await (collecting[0] if collecting else self._collect(claimed, io))
             except grpc.aio.AioRpcError as exc:
                 failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
-                outcome = Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}")
-        elif collecting:
-            # The turn ended otherwise after its outputs were read: nothing is
-            # published, and the blobs read are removed below.
+                return Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}"), []
+        if collecting:
             try:
-                files = await collecting[0]
+                return outcome, await collecting[0]
             except Exception:
                 log.warning("turn_outputs_dropped", session_id=claimed.session_id, turn_id=claimed.turn_id, exc_info=True)
-        environment = io.environment if io is not None else claimed.environment
-        usage = io.usage if io is not None else None
-        recorded = False
+        return outcome, []
 
-        async def finish(u: Unit) -> bool:
-            nonlocal recorded
-            now = time.time()
-            values: dict[str, Any] = {}
-            if io is not None:
-                values["next_output_index"] = io.next_output_index
-            turn = await repo.transition_turn(
-                u.session,
-                claimed.turn_id,
-                ("in_progress", "waiting"),
-                status=outcome.status,
-                completed_at=now,
-                error_code=outcome.code,
-                error_message=outcome.message,
-                usage_json=json.dumps(usage) if usage is not None else "",
-                **values,
-            )
-            if turn is None:
-                # Ended elsewhere (a sweeper); whoever did that restarts the queue too.
-                return True
-            if io is not None and outcome.status != "completed":
-                await io.close_open_items(u)
-            if io is None or io.made_function_calls:
-                await u.session.execute(
-                    update(FunctionCallRow)
-                    .where(FunctionCallRow.turn_id == claimed.turn_id, FunctionCallRow.state.in_(("pending", "answered")))
-                    .values(state="cancelled")
-                )
-            if outcome.status == "completed" and files:
-                await record_publication(
-                    u.session,
-                    files,
-                    org_id=claimed.org_id,
-                    session_id=claimed.session_id,
-                    turn_id=claimed.turn_id,
-                    environment_id=str(claimed.environment_id),
-                )
-                recorded = True
-            session_usage = None
-            if usage is not None:
-                # Only the turn holding the mutex changes the session's usage,
-                # so what the claim read is still current.
-                session_usage = wire.add_usage(wire.parse_usage(claimed.usage_json), usage)
-            events_count = 3 if outcome.status == "failed" else 2
-            released = await repo.release_active_turn(
-                u.session,
-                claimed.session_id,
-                claimed.turn_id,
-                now,
-                events=events_count,
-                usage_json=json.dumps(session_usage) if session_usage is not None else None,
-            )
-            if released is None:
-                row, more = await repo.get_session(u.session, claimed.org_id, claimed.session_id), True
-                status = "failed" if row.error else "idle"
-            else:
-                row, more = released
-                status = row.status
-            # The turn's function calls were cancelled above, so none is required.
-            view = await views.session_view(u.session, row, environment, status=status, actions=[])
-            events = []
-            if outcome.status == "failed":
-                events.append(wire.error_event(claimed.session_id, outcome.code, outcome.code, outcome.message))
-            events.append(wire.turn_event(f"agent.session.turn.{outcome.status}", views.turn_json(turn), with_usage=True))
-            events.append(wire.session_event(f"agent.session.{status}", view.wire))
-            if released is not None:
-                u.append(claimed.session_id, row.event_seq, *events)
-            else:
-                await u.emit(claimed.session_id, *events)
-            u.wake_key(f"calls:{claimed.turn_id}")
-            return more
+    async def _end_turn(self, u: Unit, ending: _Ending) -> bool:
+        """The ending transaction: the turn's terminal status, its open items
+        and function calls, its published outputs, the session's release and
+        the events telling followers. Returns whether the session may have
+        another queued turn."""
+        now = time.time()
+        turn = await self._write_outcome(u, ending, now)
+        if turn is None:
+            # Ended elsewhere (a sweeper); whoever did that restarts the queue too.
+            return True
+        await self._close_turn_work(u, ending)
+        await self._publish_outputs(u, ending)
+        released = await self._release_session(u, ending, now)
+        if released is None:
+            row, more = await repo.get_session(u.session, ending.claimed.org_id, ending.claimed.session_id), True
+            status = "failed" if row.error else "idle"
+        else:
+            row, more = released
+            status = row.status
+        events = await self._ending_events(u, ending, turn, row, status)
+        if released is not None:
+            u.append(ending.claimed.session_id, row.event_seq, *events)
+        else:
+            await u.emit(ending.claimed.session_id, *events)
+        u.wake_key(f"calls:{ending.claimed.turn_id}")
+        return more
 
-        try:
-            more = await self.store.transact(finish)
-        finally:
-            if files and not recorded:
-                shas = sorted({f.sha256 for f in files})
-                self.blobs.delete(await self.store.query(lambda s: repo.unreferenced_blobs(s, shas)))
+    async def _write_outcome(self, u: Unit, ending: _Ending, now: float) -> TurnRow | None:
+        """Moves the turn from ``in_progress``/``waiting`` to its outcome;
+        None when it had already ended."""
+        io, outcome = ending.io, ending.outcome
+        values: dict[str, Any] = {}
+        if io is not None:
+            values["next_output_index"] = io.next_output_index
+        return await repo.transition_turn(
+            u.session,
+            ending.claimed.turn_id,
+            ("in_progress", "waiting"),
+            status=outcome.status,
+            completed_at=now,
+            error_code=outcome.code,
+            error_message=outcome.message,
+            usage_json=json.dumps(ending.usage) if ending.usage is not None else "",
+            **values,
+        )
+
+    async def _close_turn_work(self, u: Unit, ending: _Ending) -> None:
+        """Closes the items a turn that did not complete left open, and
+        cancels the function calls still waiting for results."""
+        io = ending.io
+        if io is not None and ending.outcome.status != "completed":
+            await io.close_open_items(u)
+        if io is None or io.made_function_calls:
+            await u.session.execute(
+                update(FunctionCallRow)
+                .where(FunctionCallRow.turn_id == ending.claimed.turn_id, FunctionCallRow.state.in_(("pending", "answered")))
+                .values(state="cancelled")
+            )
+
+    async def _publish_outputs(self, u: Unit, ending: _Ending) -> None:
+        """Records the output files of a completed turn as its artifacts."""
+        if ending.outcome.status != "completed" or not ending.files:
+            return
+        claimed = ending.claimed
+        await record_publication(
+            u.session,
+            ending.files,
+            org_id=claimed.org_id,
+            session_id=claimed.session_id,
+            turn_id=claimed.turn_id,
+            environment_id=str(claimed.environment_id),
+        )
+        ending.recorded = True
+
+    async def _release_session(self, u: Unit, ending: _Ending, now: float) -> tuple[SessionRow, bool] | None:
+        """Releases the session's mutex, adding the turn's usage to the
+        session's and allocating the ending events' sequence numbers."""
+        claimed, usage = ending.claimed, ending.usage
+        session_usage = None
+        if usage is not None:
+            # Only the turn holding the mutex changes the session's usage,
+            # so what the claim read is still current.
+            session_usage = wire.add_usage(wire.parse_usage(claimed.usage_json), usage)
+        return await repo.release_active_turn(
+            u.session,
+            claimed.session_id,
+            claimed.turn_id,
+            now,
+            events=3 if ending.outcome.status == "failed" else 2,
+            usage_json=json.dumps(session_usage) if session_usage is not None else None,
+        )
+
+    async def _ending_events(
+        self, u: Unit, ending: _Ending, turn: TurnRow, row: SessionRow, status: str
+    ) -> list[dict[str, Any]]:
+        """The error (of a failed turn), turn and session events that end the turn."""
+        outcome = ending.outcome
+        # The turn's function calls were cancelled, so none is required.
+        view = await views.session_view(u.session, row, ending.environment, status=status, actions=[])
+        events = []
+        if outcome.status == "failed":
+            events.append(wire.error_event(ending.claimed.session_id, outcome.code, outcome.code, outcome.message))
+        events.append(wire.turn_event(f"agent.session.turn.{outcome.status}", views.turn_json(turn), with_usage=True))
+        events.append(wire.session_event(f"agent.session.{status}", view.wire))
+        return events
+
+    async def _drop_unpublished(self, ending: _Ending) -> None:
+        """Removes the blobs of output files read but not recorded (the turn
+        did not complete, or its ending transaction failed)."""
+        if ending.files and not ending.recorded:
+            shas = sorted({f.sha256 for f in ending.files})
+            self.blobs.delete(await self.store.query(lambda s: repo.unreferenced_blobs(s, shas)))
+
+    def _remember_environment(self, claimed: ClaimedTurn, io: DbTurnIO | None, outcome: Outcome) -> None:
+        """Keeps what the turn learnt about its environment for the next turn."""
         if outcome.code == "sandbox_error":
             self.environments.forget(claimed.session_id)
         elif io is not None and io.environment is not claimed.environment:
             # The turn read the environment itself (e.g. it waited for setup).
             self.environments.remember(claimed.session_id, claimed.environment_id, io.environment)
-        log.info("turn_finished", session_id=claimed.session_id, turn_id=claimed.turn_id, status=outcome.status, code=outcome.code)
-        return more
 
     # ----- recovery ---------------------------------------------------------------
     async def _sweep_loop(self) -> None:
