@@ -3,7 +3,8 @@
 One persistent unix-socket connection carries every request, multiplexed by
 request id, so a warm exec costs a round trip rather than a connect. The
 connection is opened lazily and reopened after it drops. The wire protocol is
-described in ``services/sandbox/daemon/sandboxd.py``.
+described in ``services/sandbox/daemon/sandboxd/__init__.py``; frames are
+read and written by the daemon's own ``protocol`` module.
 
 Streaming calls (``exec``, ``attach_process``, ``read_file``) are async
 generators: closing one early (``aclose()``, ``contextlib.aclosing``, or
@@ -17,13 +18,13 @@ import asyncio
 import base64
 import contextlib
 import itertools
-import json
 import os
-import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
+
+from services.sandbox.daemon.sandboxd.protocol import MAX_FRAME_BYTES, MAX_WRITE_BYTES, PROTOCOL_VERSION, ProtocolError, encode_frame, read_frame
 
 __all__ = [
     "probe",
@@ -44,11 +45,6 @@ __all__ = [
     "DaemonClient",
 ]
 
-PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 96 * 1024 * 1024
-MAX_WRITE_BYTES = 64 * 1024 * 1024
-
-_LENGTH = struct.Struct(">I")
 # Leaves room under the ~108-byte sun_path limit for the NUL terminator.
 _MAX_SOCKET_PATH = 100
 
@@ -193,19 +189,14 @@ def _broker_info(raw: Mapping[str, Any]) -> McpBrokerInfo:
     )
 
 
-def _encode(frame: _Frame) -> bytes:
-    body = json.dumps(frame, separators=(",", ":")).encode()
-    return _LENGTH.pack(len(body)) + body
-
-
 async def _read_frame(reader: asyncio.StreamReader) -> _Frame:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise DaemonUnavailable(f"daemon sent a {length} byte frame, over the {MAX_FRAME_BYTES} byte limit")
-    frame = json.loads(await reader.readexactly(length))
-    if not isinstance(frame, dict):
-        raise DaemonUnavailable("daemon sent a frame that is not a JSON object")
-    return cast(_Frame, frame)
+    try:
+        frame = await read_frame(reader)
+    except ProtocolError as exc:
+        raise DaemonUnavailable(f"daemon sent a bad frame: {exc}") from exc
+    if frame is None:
+        raise DaemonUnavailable("the sandbox daemon closed the connection")
+    return frame
 
 
 def _raise_for_error(frame: _Frame) -> None:
@@ -306,7 +297,7 @@ class _Connection:
         if self.closed:
             raise DaemonUnavailable("connection to the sandbox daemon is closed")
         try:
-            self.writer.write(_encode(frame))
+            self.writer.write(encode_frame(frame))
             async with self._drain_lock:
                 await self.writer.drain()
         except (ConnectionError, RuntimeError) as exc:
@@ -316,7 +307,7 @@ class _Connection:
     def send_nowait(self, frame: _Frame) -> None:
         """For cancellation from finalizers, where awaiting is not possible."""
         if not self.closed and not self.writer.is_closing():
-            self.writer.write(_encode(frame))
+            self.writer.write(encode_frame(frame))
 
     async def _route(self) -> None:
         try:
@@ -407,7 +398,7 @@ class DaemonClient:
     async def _handshake(self) -> _Connection:
         reader, writer = await _open_unix(self.socket_path)
         try:
-            writer.write(_encode({"op": "hello", "v": PROTOCOL_VERSION}))
+            writer.write(encode_frame({"op": "hello", "v": PROTOCOL_VERSION}))
             await writer.drain()
             hello = await _read_frame(reader)
             if not hello.get("ok"):

@@ -11,16 +11,16 @@ Layout of one sandbox on the host (``<data_dir>`` resolved to an absolute path):
         slirp4netns.log   its log
         pool-claim.json   only for a sandbox made of a warm pool container (see below)
     <data_dir>/docker/
-        sandboxd-<hash>.py          bind-mounted read-only at /opt/berth/sandboxd.py
+        sandboxd-<hash>.pyz         bind-mounted read-only at /opt/berth/sandboxd.pyz (``daemon/bundle.py``)
         ca-bundle-<hash>.crt        bind-mounted read-only at /opt/berth/ca-certificates.crt
         pool/<slot>/                a warm pool container's directory, laid out as above
 
 The workspace is a host directory rather than a named volume: the service
 reads it while a sandbox is frozen, it survives the container (and the
 engine) like the ``local`` backend's, and ``destroy`` deletes exactly what
-``create`` made. sandboxd and the CA bundle are copied into the data dir
-(named by content, so a running container's file is never replaced) because
-the engine resolves bind sources on *its* host.
+``create`` made. sandboxd (built as one zipapp) and the CA bundle are
+written into the data dir (named by content, so a running container's file
+is never replaced) because the engine resolves bind sources on *its* host.
 
 Where the service runs: as root, on the engine's host, in the host's PID,
 mount and network namespaces. It loop-mounts each workspace (the engine must
@@ -219,6 +219,7 @@ from services.sandbox.backends.base import (
     proxy_env,
 )
 from services.sandbox.backends._warm_pool import WarmPool
+from services.sandbox.daemon import bundle
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
 from services.sandbox.isolation.identity import host_uid
 from services.sandbox.isolation.network import (
@@ -240,9 +241,8 @@ __all__ = ["DockerBackend", "installation_id"]
 log = structlog.stdlib.get_logger(__name__)
 
 _SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-_DAEMON_SOURCE = Path(__file__).resolve().parent.parent / "daemon" / "sandboxd.py"
 _HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-_DAEMON_IN_SANDBOX = "/opt/berth/sandboxd.py"
+_DAEMON_IN_SANDBOX = "/opt/berth/sandboxd.pyz"
 _CA_IN_SANDBOX = "/opt/berth/ca-certificates.crt"
 _RUN_IN_SANDBOX = "/run/berth"
 _WORKSPACE_IN_SANDBOX = "/workspace"
@@ -1067,7 +1067,7 @@ class DockerBackend(SandboxBackend):
         (blocking: may read and copy the files)."""
         shared = self._data_dir / "docker"
         ca_source = self._ca_bundle()
-        daemon = _copy_by_content(_DAEMON_SOURCE, shared, "sandboxd", ".py", self._copies)
+        daemon = bundle.build(shared)
         ca = None if ca_source is None else _copy_by_content(ca_source, shared, "ca-bundle", ".crt", self._copies)
         return daemon, ca
 

@@ -11,7 +11,7 @@ Layout of one sandbox::
                           state/ (process logs) is a sized tmpfs inside the sandbox
     <data_dir>/isolation/                       shared by every sandbox, read-only to them
         etc-<hash>/       the minimal /etc (``isolation/etc.py``)
-        sandboxd-<hash>.py, seccomp-<hash>.bpf
+        sandboxd-<hash>.pyz, seccomp-<hash>.bpf  (the daemon's zipapp: ``daemon/bundle.py``)
 
 Host-side bookkeeping stays out of the mounted directory so nothing inside the
 sandbox can make the service signal an arbitrary host pid.
@@ -79,6 +79,7 @@ from services.sandbox.backends.base import (
     SandboxStartError,
     egress_env,
 )
+from services.sandbox.daemon import bundle
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
 from services.sandbox.isolation.cgroups import CgroupError, CgroupHost, SandboxCgroup, detect_cgroups
 from services.sandbox.isolation.etc import build_etc
@@ -104,8 +105,7 @@ FreezerKind = Literal["cgroup_v2", "cgroup_v1", "signal"]
 log = structlog.stdlib.get_logger(__name__)
 
 _SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-_DEFAULT_DAEMON = Path(__file__).resolve().parent.parent / "daemon" / "sandboxd.py"
-_DAEMON_IN_SANDBOX = "/opt/berth/sandboxd.py"
+_DAEMON_IN_SANDBOX = "/opt/berth/sandboxd.pyz"
 _RUN_IN_SANDBOX = "/run/berth"
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # bwrap and the daemon must not inherit the service's environment (API keys,
@@ -244,7 +244,6 @@ class LocalBackend(SandboxBackend):
         self,
         data_dir: Path,
         isolation: Isolation = "bwrap",
-        daemon_path: Path | None = None,
         extra_env: Mapping[str, str] | None = None,
         *,
         freezer: FreezerKind | Literal["auto"] = "auto",
@@ -264,7 +263,6 @@ class LocalBackend(SandboxBackend):
         ``/etc/ssl/certs/ca-certificates.crt`` (default: the host's)."""
         self._data_dir = Path(data_dir).resolve()
         self._isolation: Isolation = isolation
-        self._daemon_path = (daemon_path or _DEFAULT_DAEMON).resolve()
         self._extra_env = dict(extra_env or {})
         self._freezer_choice = freezer
         self._python = python or ("python3" if isolation == "bwrap" else sys.executable)
@@ -418,7 +416,7 @@ class LocalBackend(SandboxBackend):
             seccomp = directory / "seccomp.bpf"
             write_filter(seccomp)
             seccomp = _copy_by_content(seccomp, directory, "seccomp", ".bpf")
-            daemon = _copy_by_content(self._daemon_path, directory, "sandboxd", ".py")
+            daemon = bundle.build(directory)
             etc = build_etc(directory, ca_bundle=self._ca_bundle)
         except CgroupError as exc:
             raise BackendUnavailable(f"sandbox limits cannot be enforced: {exc}") from exc
@@ -566,7 +564,7 @@ class LocalBackend(SandboxBackend):
             "workspace": str(paths.workspace),
             "run": str(paths.mounted),
             "etc": str(assets.etc),
-            "sandboxd.py": str(assets.daemon),
+            "sandboxd.pyz": str(assets.daemon),
             **{f"ro{i}": host for i, (host, _) in enumerate(self._extra_ro_mounts)},
         }
         stage = {name: f"{_STAGE}/{name}" for name in sources}
@@ -613,7 +611,7 @@ class LocalBackend(SandboxBackend):
             # sandboxd's process logs: bounded and charged to the sandbox's
             # memory, never to the host's disk outside the quota.
             "--size", str(spec.size.tmp_mib * 1024 * 1024), "--tmpfs", f"{_RUN_IN_SANDBOX}/state",
-            "--ro-bind", stage["sandboxd.py"], _DAEMON_IN_SANDBOX,
+            "--ro-bind", stage["sandboxd.pyz"], _DAEMON_IN_SANDBOX,
             *[arg for i, (_, target) in enumerate(self._extra_ro_mounts) for arg in ("--ro-bind", stage[f"ro{i}"], target)],
             "--seccomp", str(seccomp_fd),
             "--chdir", "/workspace",
@@ -630,7 +628,7 @@ class LocalBackend(SandboxBackend):
     def _unconfined_argv(self, paths: _Paths) -> list[str]:
         return [
             self._python,
-            str(self._daemon_path),
+            str(bundle.build(self._data_dir / "isolation")),
             "--socket", str(paths.socket),
             "--workspace", str(paths.workspace),
             "--state-dir", str(paths.mounted / "state"),

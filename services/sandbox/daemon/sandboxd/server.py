@@ -1,0 +1,266 @@
+"""The daemon: its socket, its connections, and the ops no concern owns
+(``ping``, ``shutdown``, ``env.reload``)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import socket
+import stat
+from typing import Any, Callable, Dict, Optional, Set
+
+from .files import Files
+from .mcp import Mcp
+from .processes import Processes, Reaper
+from .protocol import PROTOCOL_VERSION, Handler, Json, OpError, ProtocolError, Sender, encode_frame, log, read_frame
+from .relay import Relays
+from .workspace import VIRTUAL_ROOT, Workspace
+
+
+class Connection:
+    """One client connection: the handshake, then concurrent requests."""
+
+    def __init__(self, daemon: "Daemon", reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.reader = reader
+        self.writer = writer
+        self.tasks: Dict[int, "asyncio.Task[None]"] = {}
+        # Python 3.9 asserts on concurrent drain() calls, so drains take turns.
+        self._drain_lock = asyncio.Lock()
+
+    async def send(self, frame: Json) -> None:
+        if self.writer.is_closing():
+            raise ConnectionResetError("client went away")
+        # One write() call per frame keeps concurrent senders from interleaving.
+        self.writer.write(encode_frame(frame))
+        async with self._drain_lock:
+            await self.writer.drain()
+
+    async def serve(self) -> None:
+        try:
+            if await self._handshake():
+                await self._read_requests()
+        except (ProtocolError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ProtocolError):
+                try:
+                    await self.send({"id": None, "final": True, "error": {"code": "invalid_argument", "message": str(exc)}})
+                except ConnectionError:
+                    pass
+        finally:
+            for task in list(self.tasks.values()):
+                task.cancel()
+            if self.tasks:
+                await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            self.writer.close()
+
+    async def _handshake(self) -> bool:
+        hello = await asyncio.wait_for(read_frame(self.reader), timeout=30)
+        if hello is None:
+            return False
+        version = hello.get("v")
+        if hello.get("op") != "hello" or isinstance(version, bool) or not isinstance(version, int):
+            await self.send({"ok": False, "error": {"code": "invalid_argument", "message": "expected hello"}})
+            return False
+        if version != PROTOCOL_VERSION:
+            await self.send(
+                {
+                    "ok": False,
+                    "v": PROTOCOL_VERSION,
+                    "error": {
+                        "code": "failed_precondition",
+                        "message": "unsupported protocol version %d; this daemon speaks %d" % (version, PROTOCOL_VERSION),
+                    },
+                }
+            )
+            return False
+        await self.send(
+            {
+                "ok": True,
+                "v": PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "workspace": VIRTUAL_ROOT,
+                "root": self.daemon.root,
+                "isolation": self.daemon.isolation,
+            }
+        )
+        return True
+
+    async def _read_requests(self) -> None:
+        while True:
+            frame = await read_frame(self.reader)
+            if frame is None:
+                return
+            rid = frame.get("id")
+            op = frame.get("op")
+            if op == "cancel":
+                target_id = frame.get("target")
+                target = self.tasks.get(target_id) if isinstance(target_id, int) else None
+                if target is not None:
+                    target.cancel()
+                if rid is not None:
+                    await self.send({"id": rid, "final": True, "cancelled": target is not None})
+                continue
+            if isinstance(rid, bool) or not isinstance(rid, int):
+                await self.send({"id": None, "final": True, "error": {"code": "invalid_argument", "message": "request id must be an integer"}})
+                continue
+            if rid in self.tasks:
+                await self.send({"id": rid, "final": True, "error": {"code": "invalid_argument", "message": "request id %d is in use" % rid}})
+                continue
+            task = asyncio.ensure_future(self._run(rid, op, frame))
+            self.tasks[rid] = task
+            task.add_done_callback(functools.partial(self._forget, rid))
+
+    def _forget(self, rid: int, task: "asyncio.Task[None]") -> None:
+        if self.tasks.get(rid) is task:
+            del self.tasks[rid]
+
+    async def _run(self, rid: int, op: Any, req: Json) -> None:
+        handler = self.daemon.handlers.get(op) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise OpError("invalid_argument", "unknown op %r" % (op,))
+            result = await handler(self, rid, req)
+            final: Json = {"id": rid, "final": True}
+            final.update(result)
+            await self.send(final)
+        except OpError as exc:
+            await self._send_quietly({"id": rid, "final": True, "error": exc.frame()})
+        except ConnectionError:
+            # The client is gone; the connection's reader notices and cleans up.
+            pass
+        except Exception as exc:  # a bug in one op must not take the connection down
+            log("op %r failed: %r" % (op, exc))
+            await self._send_quietly({"id": rid, "final": True, "error": {"code": "internal", "message": repr(exc)}})
+
+    async def _send_quietly(self, frame: Json) -> None:
+        try:
+            await self.send(frame)
+        except ConnectionError:
+            pass
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+class Daemon:
+    """One unix socket serving the ops of every concern (processes, files,
+    MCP brokers, the egress relay) over the sandbox's workspace."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        workspace: str,
+        state_dir: str,
+        isolation: str,
+        extra_env: Dict[str, str],
+        ring_bytes: int,
+        env_loader: Optional[Callable[[], Dict[str, str]]] = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.workspace = Workspace(workspace, extra_env, env_loader)
+        self.root = self.workspace.root
+        self.state_dir = state_dir
+        self.isolation = isolation
+        self.connections: Set[Connection] = set()
+        self._stop: Optional[asyncio.Event] = None
+        self.reaper = Reaper()
+        self.processes = Processes(self.workspace, self.reaper, os.path.join(state_dir, "procs"), ring_bytes)
+        self.files = Files(self.workspace)
+        self.mcp = Mcp(self.workspace, self.reaper)
+        self.relays = Relays()
+        self.handlers: Dict[str, Handler] = {
+            "ping": self._op_ping,
+            "shutdown": self._op_shutdown,
+            "env.reload": self._op_env_reload,
+            **self.processes.handlers(),
+            **self.files.handlers(),
+            **self.mcp.handlers(),
+            **self.relays.handlers(),
+        }
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.reaper.install(loop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        os.makedirs(self.processes.procs_dir, exist_ok=True)
+        os.makedirs(self.root, exist_ok=True)
+        sock = _bind_unix_socket(self.socket_path)
+        server = await asyncio.start_unix_server(self._on_connection, sock=sock, limit=1024 * 1024)
+        pid_file = os.path.join(self.state_dir, "sandboxd.pid")
+        with open(pid_file, "w") as handle:
+            handle.write("%d\n" % os.getpid())
+        log("listening on %s (workspace %s, isolation %s)" % (self.socket_path, self.root, self.isolation))
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            self.relays.close()
+            self._kill_all()
+            for conn in list(self.connections):
+                conn.writer.close()
+            for path in (pid_file, self.socket_path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(self, reader, writer)
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
+
+    def _kill_all(self) -> None:
+        self.mcp.kill_all()
+        self.processes.kill_all()
+
+    # ------------------------------------------------------------ misc ops
+
+    async def _op_ping(self, conn: Sender, rid: int, req: Json) -> Json:
+        return {"ok": True, "pid": os.getpid(), "processes": self.processes.running()}
+
+    async def _op_env_reload(self, conn: Sender, rid: int, req: Json) -> Json:
+        return {"ok": True, "variables": self.workspace.reload()}
+
+    async def _op_shutdown(self, conn: Sender, rid: int, req: Json) -> Json:
+        self._kill_all()
+        assert self._stop is not None
+        # Let the final frame go out before the server stops.
+        asyncio.get_running_loop().call_soon(self._stop.set)
+        return {"ok": True}
+
+
+def _bind_unix_socket(path: str) -> socket.socket:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd: Optional[int] = None
+    bind_path = path
+    if len(os.fsencode(path)) > 100:
+        # sun_path holds about 108 bytes; a long host path is reached through
+        # a short /proc/self/fd alias of its directory.
+        dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        bind_path = "/proc/self/fd/%d/%s" % (dir_fd, os.path.basename(path))
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(bind_path)
+    finally:
+        os.umask(old_umask)
+        if dir_fd is not None:
+            os.close(dir_fd)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock

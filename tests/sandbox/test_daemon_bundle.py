@@ -1,0 +1,61 @@
+"""sandboxd ships into sandboxes as one zipapp built from its package
+(``services/sandbox/daemon/bundle.py``)."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from services.sandbox.daemon import bundle
+
+
+def test_the_same_sources_build_the_same_bytes_under_the_same_name(tmp_path: Path) -> None:
+    first = bundle.build(tmp_path / "one")
+    second = bundle.build(tmp_path / "two")
+
+    assert first.name == second.name
+    assert first.name.startswith("sandboxd-") and first.suffix == ".pyz"
+    assert first.read_bytes() == second.read_bytes()
+    assert stat.S_IMODE(first.stat().st_mode) == 0o444
+
+
+def test_building_again_keeps_the_file_a_sandbox_may_have_mounted(tmp_path: Path) -> None:
+    built = bundle.build(tmp_path)
+    inode = built.stat().st_ino
+
+    assert bundle.build(tmp_path) == built
+    assert built.stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == [built.name]
+
+
+def test_a_changed_source_builds_under_a_new_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "sandboxd"
+    shutil.copytree(bundle.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(bundle, "PACKAGE", package)
+    before = bundle.build(tmp_path / "out")
+
+    with (package / "relay.py").open("a") as source:
+        source.write("# changed\n")
+
+    after = bundle.build(tmp_path / "out")
+    assert after != before
+    assert b"# changed\n" in after.read_bytes()
+
+
+def test_the_archive_holds_the_package_sources_and_runs_with_a_plain_python(tmp_path: Path) -> None:
+    built = bundle.build(tmp_path)
+    with zipfile.ZipFile(built) as archive:
+        names = archive.namelist()
+    expected = {f"sandboxd/{p.relative_to(bundle.PACKAGE).as_posix()}" for p in bundle.PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+
+    assert set(names) == expected | {"__main__.py"}
+    # -I: nothing but the archive itself on the path, as in a sandbox image.
+    result = subprocess.run([sys.executable, "-I", str(built), "--help"], capture_output=True, timeout=30)
+    assert result.returncode == 0
+    assert result.stdout.startswith(b"usage: sandboxd")
