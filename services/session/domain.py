@@ -39,8 +39,9 @@ from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
 from services.session.models import AgentRow, ArtifactRow, EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
-from services.session.repository import ACTIVE_TURN_STATUSES, Page
+from services.session.repository import Page
 from services.session.runner import ClaimedTurn, TurnRunner
+from services.session.states import ACTIVE_TURN_STATUSES, RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 
 __all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall", "parse_body"]
@@ -353,7 +354,7 @@ class SessionDomain:
             "session_id": row.id,
             "org_id": row.org_id,
             "agent_id": row.agent_id,
-            "status": "queued",
+            "status": TurnStatus.QUEUED,
             "created_at": now,
             "started_at": None,
             "completed_at": None,
@@ -408,7 +409,7 @@ class SessionDomain:
             agent_config_json=json.dumps({"id": agent_id, "name": name, "config": config}),
             environment_kind=kind,
             environment_id=environment_id,
-            status="idle",
+            status=SessionStatus.IDLE,
             error="",
             metadata_json=json.dumps(metadata),
             vault_ids_json=json.dumps(vault_ids),
@@ -453,7 +454,7 @@ class SessionDomain:
         return await self.store.query(lambda s: views.session_view(s, row, environment))
 
     async def list_sessions(self, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
-        scope = [SessionRow.org_id == current_org(), SessionRow.status != "deleting"]
+        scope = [SessionRow.org_id == current_org(), SessionRow.status != SessionStatus.DELETING]
         if agent_id:
             scope.append(SessionRow.agent_id == agent_id)
         rows, more = await self.store.query(lambda s: repo.paginate(s, SessionRow, scope, page))
@@ -499,7 +500,7 @@ class SessionDomain:
                 raise SessionActive(f"session {session_id} has a turn in progress; cancel it first", param="session_id")
             previous = row.status
             # New input is refused from here on (the session reads as absent).
-            row.status = "deleting"
+            row.status = SessionStatus.DELETING
             return row, previous
 
         row, previous_status = await self.store.transact(mark)
@@ -592,7 +593,7 @@ class SessionDomain:
             return ""
         await u.session.execute(
             update(TurnRow)
-            .where(TurnRow.id == turn_id, TurnRow.status.in_(("in_progress", "waiting")))
+            .where(TurnRow.id == turn_id, TurnRow.status.in_(RUNNING_TURN_STATUSES))
             .values(cancel_requested=True)
         )
         return turn_id
@@ -750,7 +751,7 @@ class SessionDomain:
             alive = (
                 await s.execute(
                     select(SessionRow.id).where(
-                        SessionRow.id == session_id, SessionRow.org_id == org, SessionRow.status != "deleting"
+                        SessionRow.id == session_id, SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING
                     )
                 )
             ).scalar_one_or_none()

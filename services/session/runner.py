@@ -51,6 +51,7 @@ from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry
 from services.session.mcp_connections import McpConnections
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
+from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
 
@@ -66,7 +67,7 @@ _INSERT_ITEMS = insert(_ITEMS)
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # completed | failed | cancelled
+    status: TurnStatus  # COMPLETED, FAILED or CANCELLED
     code: str = ""
     message: str = ""
 
@@ -249,19 +250,19 @@ class TurnRunner:
         if row is None:
             return None
         started = {
-            "status": "in_progress",
+            "status": TurnStatus.IN_PROGRESS,
             "started_at": now,
             "worker_id": self.worker_id,
             "lease_expires_at": now + self.lease_s,
         }
-        await repo.set_turn_status(u.session, turn.id, ("queued",), **started)
+        await repo.set_turn_status(u.session, turn.id, (TurnStatus.QUEUED,), **started)
         for key, value in started.items():
             setattr(turn, key, value)
         # Items are only added by the active turn, so this is the whole history.
         history = await u.session.execute(_HISTORY, {"session_id": session_id})
         transcript: list[tuple[str, list[Entry]]] = [(item_id, json.loads(model_json)) for item_id, model_json in history]
         # No turn is waiting for function results: there are no required actions.
-        view = await views.session_view(u.session, row, environment, status="in_progress", actions=[])
+        view = await views.session_view(u.session, row, environment, status=SessionStatus.IN_PROGRESS, actions=[])
         events = [
             wire.turn_event("agent.session.turn.in_progress", views.turn_json(turn)),
             wire.session_event("agent.session.in_progress", view.wire),
@@ -345,7 +346,7 @@ class TurnRunner:
                 await io.settle()
                 await asyncio.shield(
                     self._finalize(
-                        claimed, io, Outcome("failed", "internal_error", "the session service stopped"), collecting
+                        claimed, io, Outcome(TurnStatus.FAILED, "internal_error", "the session service stopped"), collecting
                     )
                 )
                 raise
@@ -354,16 +355,16 @@ class TurnRunner:
             self._turns.pop(claimed.turn_id, None)
         await io.settle()
         if task.cancelled():
-            outcome = Outcome("cancelled")
+            outcome = Outcome(TurnStatus.CANCELLED)
         elif isinstance(task.exception(), TurnFailure):
             failure = task.exception()
             assert isinstance(failure, TurnFailure)
-            outcome = Outcome("failed", failure.code, failure.message)
+            outcome = Outcome(TurnStatus.FAILED, failure.code, failure.message)
         elif task.exception() is not None:
             log.error("turn_crashed", turn_id=claimed.turn_id, exc_info=task.exception())
-            outcome = Outcome("failed", "internal_error", "an internal error ended the turn")
+            outcome = Outcome(TurnStatus.FAILED, "internal_error", "an internal error ended the turn")
         else:
-            outcome = Outcome("completed")
+            outcome = Outcome(TurnStatus.COMPLETED)
         return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
@@ -386,7 +387,7 @@ class TurnRunner:
 
     async def _should_stop(self, s: AsyncSession, turn_id: str) -> bool:
         row = (await s.execute(select(TurnRow.cancel_requested, TurnRow.status).where(TurnRow.id == turn_id))).one_or_none()
-        return row is None or bool(row[0]) or row[1] not in ("in_progress", "waiting")
+        return row is None or bool(row[0]) or row[1] not in RUNNING_TURN_STATUSES
 
     async def _renew(self, u: Unit, turn_id: str) -> None:
         await u.session.execute(
@@ -421,12 +422,12 @@ class TurnRunner:
         have another queued turn. ``collecting`` holds the task that reads
         the turn's outputs when it was started early."""
         files: list[OutputFile] = []
-        if outcome.status == "completed":
+        if outcome.status == TurnStatus.COMPLETED:
             try:
                 files = await (collecting[0] if collecting else self._collect(claimed, io))
             except grpc.aio.AioRpcError as exc:
                 failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
-                outcome = Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}")
+                outcome = Outcome(TurnStatus.FAILED, "sandbox_error", f"publishing outputs failed: {failure.message}")
         elif collecting:
             # The turn ended otherwise after its outputs were read: nothing is
             # published, and the blobs read are removed below.
@@ -447,7 +448,7 @@ class TurnRunner:
             turn = await repo.transition_turn(
                 u.session,
                 claimed.turn_id,
-                ("in_progress", "waiting"),
+                RUNNING_TURN_STATUSES,
                 status=outcome.status,
                 completed_at=now,
                 error_code=outcome.code,
@@ -458,7 +459,7 @@ class TurnRunner:
             if turn is None:
                 # Ended elsewhere (a sweeper); whoever did that restarts the queue too.
                 return True
-            if io is not None and outcome.status != "completed":
+            if io is not None and outcome.status != TurnStatus.COMPLETED:
                 await io.close_open_items(u)
             if io is None or io.made_function_calls:
                 await u.session.execute(
@@ -466,7 +467,7 @@ class TurnRunner:
                     .where(FunctionCallRow.turn_id == claimed.turn_id, FunctionCallRow.state.in_(("pending", "answered")))
                     .values(state="cancelled")
                 )
-            if outcome.status == "completed" and files:
+            if outcome.status == TurnStatus.COMPLETED and files:
                 await record_publication(
                     u.session,
                     files,
@@ -481,7 +482,7 @@ class TurnRunner:
                 # Only the turn holding the mutex changes the session's usage,
                 # so what the claim read is still current.
                 session_usage = wire.add_usage(wire.parse_usage(claimed.usage_json), usage)
-            events_count = 3 if outcome.status == "failed" else 2
+            events_count = 3 if outcome.status == TurnStatus.FAILED else 2
             released = await repo.release_active_turn(
                 u.session,
                 claimed.session_id,
@@ -492,14 +493,14 @@ class TurnRunner:
             )
             if released is None:
                 row, more = await repo.get_session(u.session, claimed.org_id, claimed.session_id), True
-                status = "failed" if row.error else "idle"
+                status = SessionStatus.FAILED if row.error else SessionStatus.IDLE
             else:
                 row, more = released
-                status = row.status
+                status = SessionStatus(row.status)
             # The turn's function calls were cancelled above, so none is required.
             view = await views.session_view(u.session, row, environment, status=status, actions=[])
             events = []
-            if outcome.status == "failed":
+            if outcome.status == TurnStatus.FAILED:
                 events.append(wire.error_event(claimed.session_id, outcome.code, outcome.code, outcome.message))
             events.append(wire.turn_event(f"agent.session.turn.{outcome.status}", views.turn_json(turn), with_usage=True))
             events.append(wire.session_event(f"agent.session.{status}", view.wire))
@@ -544,7 +545,7 @@ class TurnRunner:
             expired = list(
                 (
                     await s.execute(
-                        select(TurnRow).where(TurnRow.status.in_(("in_progress", "waiting")), TurnRow.lease_expires_at < now)
+                        select(TurnRow).where(TurnRow.status.in_(RUNNING_TURN_STATUSES), TurnRow.lease_expires_at < now)
                     )
                 ).scalars()
             )
@@ -553,7 +554,7 @@ class TurnRunner:
                     await s.execute(
                         select(SessionRow.id, SessionRow.org_id)
                         .where(SessionRow.active_turn_id.is_(None))
-                        .where(SessionRow.id.in_(select(TurnRow.session_id).where(TurnRow.status == "queued")))
+                        .where(SessionRow.id.in_(select(TurnRow.session_id).where(TurnRow.status == TurnStatus.QUEUED)))
                     )
                 ).all()
             )
@@ -574,7 +575,7 @@ class TurnRunner:
             org_id_var.set(turn.org_id)
             claimed = ClaimedTurn(turn.org_id, turn.session_id, turn.id, env_id, await self._environment(env_id))
             log.warning("turn_lease_expired", session_id=turn.session_id, turn_id=turn.id, worker_id=turn.worker_id)
-            await self._finalize(claimed, None, Outcome("failed", "internal_error", "the worker running this turn stopped"))
+            await self._finalize(claimed, None, Outcome(TurnStatus.FAILED, "internal_error", "the worker running this turn stopped"))
             self.kick(turn.session_id, turn.org_id)
         for session_id, org_id in stranded:
             self.kick(session_id, org_id)

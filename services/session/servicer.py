@@ -15,23 +15,9 @@ from services.session import views
 from services.session.domain import AgentView, SessionDomain, parse_body
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
+from services.session.states import session_status_to_proto, turn_status_to_proto
 
 __all__ = ["SessionServicer"]
-
-_SESSION_STATUS = {
-    "idle": session_pb2.SESSION_STATUS_IDLE,
-    "in_progress": session_pb2.SESSION_STATUS_IN_PROGRESS,
-    "requires_action": session_pb2.SESSION_STATUS_REQUIRES_ACTION,
-    "failed": session_pb2.SESSION_STATUS_FAILED,
-}
-_TURN_STATUS = {
-    "queued": session_pb2.TURN_STATUS_QUEUED,
-    "in_progress": session_pb2.TURN_STATUS_IN_PROGRESS,
-    "waiting": session_pb2.TURN_STATUS_WAITING,
-    "completed": session_pb2.TURN_STATUS_COMPLETED,
-    "failed": session_pb2.TURN_STATUS_FAILED,
-    "cancelled": session_pb2.TURN_STATUS_CANCELLED,
-}
 
 
 def _ts(seconds: float) -> Timestamp:
@@ -73,7 +59,7 @@ def _session(view: views.SessionView) -> session_pb2.Session:
             session_pb2.ENVIRONMENT_KIND_HOSTED if row.environment_kind == "hosted" else session_pb2.ENVIRONMENT_KIND_NONE
         ),
         environment_id=row.environment_id,
-        status=_SESSION_STATUS.get(view.status, session_pb2.SESSION_STATUS_UNSPECIFIED),
+        status=session_status_to_proto(view.status),
         error=view.error,
         required_actions_json=_dumps(view.required_actions),
         metadata=json.loads(row.metadata_json),
@@ -92,7 +78,7 @@ def _turn(row: TurnRow) -> session_pb2.Turn:
     return session_pb2.Turn(
         id=row.id,
         session_id=row.session_id,
-        status=_TURN_STATUS.get(row.status, session_pb2.TURN_STATUS_UNSPECIFIED),
+        status=turn_status_to_proto(row.status),
         turn_json=_dumps(views.turn_json(row)),
     )
 
