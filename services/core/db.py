@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -125,22 +125,12 @@ class Database:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    @asynccontextmanager
-    async def transaction(self, *, read_only: bool = False) -> AsyncIterator[AsyncSession]:
+    def transaction(self, *, read_only: bool = False) -> AbstractAsyncContextManager[AsyncSession]:
         """One unit of work. ``read_only`` transactions must not write; on
         SQLite they do not take the write lock. The body runs in the caller's
         task: cancelled there, the transaction rolls back; a body that
         finished commits, however its caller is cancelled meanwhile."""
-        lock = None if read_only else self._write_lock
-        if lock is not None:
-            await lock.acquire()
-        session = (self._read_sessions if read_only else self._sessions)()
-        try:
-            yield session
-        except BaseException:
-            await _shielded(self._end(session, lock, commit=False))
-            raise
-        await _shielded(self._end(session, lock, commit=True))
+        return self._unit(read_only, shield_end=True)
 
     async def run(
         self,
@@ -156,13 +146,29 @@ class Database:
         the transaction has committed, in the same task."""
 
         async def work() -> T:
-            async with self.transaction(read_only=read_only) as session:
+            # This task is shielded already: its ending needs no task of its own.
+            async with self._unit(read_only, shield_end=False) as session:
                 result = await fn(session)
             if after_commit is not None:
                 after_commit(result)
             return result
 
         return await _shielded(work(), inflight)
+
+    @asynccontextmanager
+    async def _unit(self, read_only: bool, *, shield_end: bool) -> AsyncIterator[AsyncSession]:
+        lock = None if read_only else self._write_lock
+        if lock is not None:
+            await lock.acquire()
+        session = (self._read_sessions if read_only else self._sessions)()
+        try:
+            yield session
+        except BaseException:
+            end = self._end(session, lock, commit=False)
+            await (_shielded(end) if shield_end else end)
+            raise
+        end = self._end(session, lock, commit=True)
+        await (_shielded(end) if shield_end else end)
 
     @staticmethod
     async def _end(session: AsyncSession, lock: asyncio.Lock | None, *, commit: bool) -> None:
