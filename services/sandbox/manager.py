@@ -38,11 +38,9 @@ from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnav
 from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
 from services.sandbox.isolation.sizes import size_for
 from services.sandbox.models import SandboxRow
+from services.sandbox.states import LIVE_STATES, SandboxState
 
 __all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
-
-# States in which a sandbox holds the node's resources.
-_LIVE_STATES = ("creating", "running", "paused")
 
 log = get_logger(__name__)
 
@@ -126,15 +124,15 @@ class SandboxManager:
         adopted = {h.sandbox_id: h for h in await self._backend.adopt()}
         networks: list[tuple[str, BackendHandle, dict[str, object]]] = []
         async with self._db.transaction() as s:
-            rows = (await s.execute(select(SandboxRow).where(SandboxRow.state.in_(("running", "paused", "creating"))))).scalars().all()
+            rows = (await s.execute(select(SandboxRow).where(SandboxRow.state.in_(LIVE_STATES)))).scalars().all()
             for row in rows:
                 handle = adopted.get(row.sandbox_id)
                 if handle is None:
-                    row.state = "error"
+                    row.state = SandboxState.ERROR
                     row.error = "sandbox did not survive a restart of its host"
                     continue
                 live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
-                live.paused = row.state == "paused"
+                live.paused = row.state == SandboxState.PAUSED
                 self._live[row.sandbox_id] = live
                 networks.append((row.sandbox_id, handle, json.loads(row.network_json)))
                 log.info("sandbox_adopted", sandbox_id=row.sandbox_id, state=row.state)
@@ -164,11 +162,11 @@ class SandboxManager:
     async def _row(self, org_id: str, sandbox_id: str) -> SandboxRecord:
         async with self._db.transaction(read_only=True) as s:
             row = await s.get(SandboxRow, sandbox_id)
-            if row is None or row.org_id != org_id or row.state == "destroyed":
+            if row is None or row.org_id != org_id or row.state == SandboxState.DESTROYED:
                 raise NotFound(f"sandbox {sandbox_id} not found")
             return SandboxRecord.from_row(row)
 
-    async def _set_state(self, sandbox_id: str, state: str, *, error: str = "", handle: BackendHandle | None = None) -> None:
+    async def _set_state(self, sandbox_id: str, state: SandboxState, *, error: str = "", handle: BackendHandle | None = None) -> None:
         async with self._db.transaction() as s:
             row = await s.get(SandboxRow, sandbox_id)
             if row is None:
@@ -184,7 +182,7 @@ class SandboxManager:
         async with self._db.transaction(read_only=True) as s:
             grouped = await s.execute(select(SandboxRow.state, func.count()).group_by(SandboxRow.state))
         counts = {str(state): int(count) for state, count in grouped.all()}
-        for state in ("creating", "running", "paused", "destroyed", "error"):
+        for state in SandboxState:
             SANDBOXES.labels(state=state).set(counts.get(state, 0))
 
     # --- transitions --------------------------------------------------------------------
@@ -202,16 +200,16 @@ class SandboxManager:
                     network = json.loads(row.network_json)
                     if row.org_id != org_id:
                         raise Conflict(f"sandbox {params.sandbox_id} already exists")
-                    if row.state in ("running", "paused") and params.sandbox_id in self._live:
+                    if row.state in (SandboxState.RUNNING, SandboxState.PAUSED) and params.sandbox_id in self._live:
                         return SandboxRecord.from_row(row)
-                    if row.state == "destroyed":
+                    if row.state == SandboxState.DESTROYED:
                         raise Conflict(f"sandbox {params.sandbox_id} was destroyed; identities are not reused")
                 now = time.time()
                 if row is None:
                     row = SandboxRow(
                         sandbox_id=params.sandbox_id,
                         org_id=org_id,
-                        state="creating",
+                        state=SandboxState.CREATING,
                         backend=self._backend_name,
                         isolation=self._isolation,
                         labels_json=json.dumps(dict(params.labels)),
@@ -238,7 +236,7 @@ class SandboxManager:
                 handle = await self._backend.create(spec)
             except Exception as exc:
                 log.warning("sandbox_create_failed", sandbox_id=params.sandbox_id, error=str(exc))
-                await self._set_state(params.sandbox_id, "error", error=str(exc))
+                await self._set_state(params.sandbox_id, SandboxState.ERROR, error=str(exc))
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
             client = DaemonClient(self._backend.socket_path(handle))
             try:
@@ -249,10 +247,10 @@ class SandboxManager:
                 await client.close()
                 await self._egress.stop(params.sandbox_id)
                 log.warning("sandbox_egress_failed", sandbox_id=params.sandbox_id, error=str(exc))
-                await self._set_state(params.sandbox_id, "error", error=f"egress proxy: {exc}", handle=handle)
+                await self._set_state(params.sandbox_id, SandboxState.ERROR, error=f"egress proxy: {exc}", handle=handle)
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not start its egress proxy: {exc}") from exc
             self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id)
-            await self._set_state(params.sandbox_id, "running", handle=handle)
+            await self._set_state(params.sandbox_id, SandboxState.RUNNING, handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)
 
@@ -267,7 +265,7 @@ class SandboxManager:
             raise InvalidArgument("label_key is required", param="label_key")
         size = page_size if 0 < page_size <= 1000 else 100
         async with self._db.transaction(read_only=True) as s:
-            q = select(SandboxRow).where(SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
+            q = select(SandboxRow).where(SandboxRow.state != SandboxState.DESTROYED).order_by(SandboxRow.sandbox_id)
             if page_token:
                 q = q.where(SandboxRow.sandbox_id > page_token)
             rows = (await s.execute(q)).scalars().all()
@@ -280,13 +278,13 @@ class SandboxManager:
         """Sandboxes of every organization that hold resources here: the
         load the Environment service places new sandboxes by."""
         async with self._db.transaction(read_only=True) as s:
-            stmt = select(func.count()).select_from(SandboxRow).where(SandboxRow.state.in_(_LIVE_STATES))
+            stmt = select(func.count()).select_from(SandboxRow).where(SandboxRow.state.in_(LIVE_STATES))
             return int((await s.execute(stmt)).scalar_one())
 
     async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
         size = page_size if 0 < page_size <= 1000 else 100
         async with self._db.transaction(read_only=True) as s:
-            q = select(SandboxRow).where(SandboxRow.org_id == org_id, SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
+            q = select(SandboxRow).where(SandboxRow.org_id == org_id, SandboxRow.state != SandboxState.DESTROYED).order_by(SandboxRow.sandbox_id)
             if page_token:
                 q = q.where(SandboxRow.sandbox_id > page_token)
             rows = (await s.execute(q)).scalars().all()
@@ -303,7 +301,7 @@ class SandboxManager:
             if not live.paused:
                 await self._backend.pause(live.handle)
                 live.paused = True
-                await self._set_state(sandbox_id, "paused")
+                await self._set_state(sandbox_id, SandboxState.PAUSED)
                 log.info("sandbox_paused", sandbox_id=sandbox_id)
         return await self._row(org_id, sandbox_id)
 
@@ -325,7 +323,7 @@ class SandboxManager:
             row = await s.get(SandboxRow, sandbox_id)
             if row is None or row.org_id != org_id:
                 raise NotFound(f"sandbox {sandbox_id} not found")
-            if row.state == "destroyed":
+            if row.state == SandboxState.DESTROYED:
                 return
             handle_json = row.handle_json
         await self._egress.stop(sandbox_id)
@@ -344,7 +342,7 @@ class SandboxManager:
                 except Exception as exc:
                     log.warning("sandbox_destroy_failed", sandbox_id=sandbox_id, error=str(exc))
                     raise SandboxUnavailable(f"sandbox {sandbox_id} could not be destroyed: {exc}") from exc
-        await self._set_state(sandbox_id, "destroyed")
+        await self._set_state(sandbox_id, SandboxState.DESTROYED)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
     async def _start_egress(
@@ -378,7 +376,7 @@ class SandboxManager:
             if live.paused:
                 await self._backend.resume(live.handle)
                 live.paused = False
-                await self._set_state(sandbox_id, "running")
+                await self._set_state(sandbox_id, SandboxState.RUNNING)
                 log.info("sandbox_resumed", sandbox_id=sandbox_id)
 
     @asynccontextmanager
@@ -423,7 +421,7 @@ class SandboxManager:
                             continue
                         await self._backend.pause(live.handle)
                         live.paused = True
-                    await self._set_state(sandbox_id, "paused")
+                    await self._set_state(sandbox_id, SandboxState.PAUSED)
                     log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
                 except Exception as exc:  # one broken sandbox must not stop the reaper
                     log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))
