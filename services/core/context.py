@@ -91,7 +91,14 @@ class PeerCredentials:
 
 def current_org() -> str:
     """The organization of the RPC being served. The interceptor has already
-    rejected calls without one, so an empty value here is a programming error."""
+    rejected calls without one, so an empty value here is a programming error.
+
+    Servicers alone call this, once per RPC, and hand the organization to
+    the domain as an argument: service code takes ``org_id`` explicitly (a
+    required parameter cannot be forgotten) and repositories filter by it in
+    SQL. Background work that serves no request passes the organization of
+    the rows it handles, and sets ``org_id_var`` to it only so that its
+    outbound calls carry it (the client interceptor reads the variable)."""
     org = org_id_var.get()
     if not org:
         raise RuntimeError("no organization in context")

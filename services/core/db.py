@@ -9,10 +9,10 @@ event loop, waits for locks are asynchronous); PostgreSQL runs through asyncpg.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -24,6 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from services.core import sqlite_inline
 
 __all__ = ["Database", "create_engine", "migrate"]
+
+T = TypeVar("T")
 
 _ALEMBIC_DIR = Path(__file__).parent / "alembic"
 
@@ -86,10 +88,30 @@ async def migrate(engine: AsyncEngine, service: str, versions: Path) -> None:
         await conn.run_sync(_upgrade)
 
 
+async def _shielded(work: Awaitable[T], inflight: set[asyncio.Future[Any]] | None = None) -> T:
+    """Runs ``work`` to its end in a task of its own. A cancelled caller
+    stops waiting; the work goes on. ``inflight`` collects the task while it
+    runs, so a cancelled caller can wait for it to settle."""
+    task = asyncio.ensure_future(work)
+    # Retrieve a late failure of work whose caller went away.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    if inflight is not None:
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+    return await asyncio.shield(task)
+
+
 class Database:
     """An engine plus a session factory. The caller owns the unit of work:
-    ``async with db.transaction() as s`` is one transaction; repositories
-    never commit."""
+    ``async with db.transaction() as s`` or ``await db.run(fn)`` is one
+    transaction; repositories never commit.
+
+    Transactions are shielded from their caller's cancellation (a client
+    disconnect, a turn cancel, a timeout): once begun, a commit or rollback
+    runs to its end in a task of its own and then returns the connection
+    and SQLite's write lock. An interrupted ending would leave the
+    connection checked out inside an open transaction, holding SQLite's
+    write lock. ``run`` shields the whole unit of work as well."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -103,17 +125,63 @@ class Database:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    @asynccontextmanager
-    async def transaction(self, *, read_only: bool = False) -> AsyncIterator[AsyncSession]:
+    def transaction(self, *, read_only: bool = False) -> AbstractAsyncContextManager[AsyncSession]:
         """One unit of work. ``read_only`` transactions must not write; on
-        SQLite they do not take the write lock."""
-        if read_only or self._write_lock is None:
-            factory = self._read_sessions if read_only else self._sessions
-            async with factory() as session, session.begin():
-                yield session
-            return
-        async with self._write_lock, self._sessions() as session, session.begin():
+        SQLite they do not take the write lock. The body runs in the caller's
+        task: cancelled there, the transaction rolls back; a body that
+        finished commits, however its caller is cancelled meanwhile."""
+        return self._unit(read_only, shield_end=True)
+
+    async def run(
+        self,
+        fn: Callable[[AsyncSession], Awaitable[T]],
+        *,
+        read_only: bool = False,
+        inflight: set[asyncio.Future[Any]] | None = None,
+        after_commit: Callable[[T], None] | None = None,
+    ) -> T:
+        """``fn`` as one unit of work in a task of its own: a cancelled caller
+        stops waiting, and the transaction still runs to its end (see
+        ``_shielded`` on ``inflight``). ``after_commit`` sees the result once
+        the transaction has committed, in the same task."""
+
+        async def work() -> T:
+            # This task is shielded already: its ending needs no task of its own.
+            async with self._unit(read_only, shield_end=False) as session:
+                result = await fn(session)
+            if after_commit is not None:
+                after_commit(result)
+            return result
+
+        return await _shielded(work(), inflight)
+
+    @asynccontextmanager
+    async def _unit(self, read_only: bool, *, shield_end: bool) -> AsyncIterator[AsyncSession]:
+        lock = None if read_only else self._write_lock
+        if lock is not None:
+            await lock.acquire()
+        session = (self._read_sessions if read_only else self._sessions)()
+        try:
             yield session
+        except BaseException:
+            end = self._end(session, lock, commit=False)
+            await (_shielded(end) if shield_end else end)
+            raise
+        end = self._end(session, lock, commit=True)
+        await (_shielded(end) if shield_end else end)
+
+    @staticmethod
+    async def _end(session: AsyncSession, lock: asyncio.Lock | None, *, commit: bool) -> None:
+        try:
+            if commit:
+                await session.commit()
+        finally:
+            try:
+                # Rolls back what is left open and returns the connection.
+                await session.close()
+            finally:
+                if lock is not None:
+                    lock.release()
 
     async def dispose(self) -> None:
         await self.engine.dispose()

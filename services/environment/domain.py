@@ -44,16 +44,13 @@ from services.environment.models import (
     MCP_ORIGIN_ENVIRONMENT,
     ROLE_OWNER,
     ROLE_REFERENCE,
-    STATUS_FAILED,
-    STATUS_INITIALIZING,
-    STATUS_PENDING,
-    STATUS_READY,
     BindingRow,
     EnvironmentRow,
     McpServerRow,
     RegisteredFileRow,
 )
 from services.environment.setup_steps import parse_capabilities
+from services.environment.states import EnvironmentStatus
 from services.environment.workspace_paths import (
     OWNER_OUTPUT_DIR,
     SESSIONS_OUTPUT_DIR,
@@ -171,7 +168,7 @@ class EnvironmentDomain:
         row = EnvironmentRow(
             id=new_id("env"),
             org_id=org_id,
-            status=STATUS_PENDING,
+            status=EnvironmentStatus.PENDING,
             lifetime=LIFETIME_PRIVATE,
             ever_shared=False,
             deleting=False,
@@ -283,7 +280,7 @@ class EnvironmentDomain:
         if not marked:
             if row.session_count > 0:
                 raise EnvironmentInUse(f"environment {environment_id} has attached sessions", environment_id=environment_id)
-            if row.status == STATUS_INITIALIZING:
+            if row.status == EnvironmentStatus.INITIALIZING:
                 raise InitializationRunning(f"environment {environment_id} is initializing", environment_id=environment_id)
             raise _not_found(environment_id)
         await self._teardown(row)
@@ -321,7 +318,7 @@ class EnvironmentDomain:
                     now = time.time()
                     if not await repo.attach_reference(s, environment_id, org_id, now=now):
                         current = await repo.get_environment(s, environment_id, org_id)
-                        if current is not None and current.status == STATUS_INITIALIZING:
+                        if current is not None and current.status == EnvironmentStatus.INITIALIZING:
                             raise InitializationRunning(
                                 f"environment {environment_id} is initializing; attach after setup ends",
                                 environment_id=environment_id,
@@ -397,7 +394,7 @@ class EnvironmentDomain:
                 await self._teardown(doomed, session_id)
                 log.info("environment_deleted", environment_id=environment_id, reason="owner_detached")
                 return True
-            if row.status == STATUS_INITIALIZING:
+            if row.status == EnvironmentStatus.INITIALIZING:
                 # Setup of a private environment ends before it is deleted.
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -418,7 +415,7 @@ class EnvironmentDomain:
         _require_env_id(environment_id)
         with _sandbox_errors(environment_id, session_id):
             row = await self._guard.ensure_ready(environment_id, org_id)
-        if row.status == STATUS_FAILED:
+        if row.status == EnvironmentStatus.FAILED:
             raise EnvironmentFailed(
                 f"environment {environment_id} failed to initialize: {row.error_message}",
                 environment_id=environment_id,
@@ -450,7 +447,7 @@ class EnvironmentDomain:
             binding, row = await self._binding_and_environment(org_id, environment_id, session_id)
             # Config variables were given to the sandbox at creation; these win over them.
             command_env.update(output_env(session_id, binding.output_dir))
-        if row is None or row.status != STATUS_READY:
+        if row is None or row.status != EnvironmentStatus.READY:
             # Not known to be ready: through the init guard (which may start setup).
             row = await self._ready(org_id, environment_id, session_id)
         with _sandbox_errors(environment_id, session_id):
@@ -513,9 +510,9 @@ class EnvironmentDomain:
         if found is None:
             raise _not_found(environment_id)
         row = found
-        if row.status == STATUS_INITIALIZING:
+        if row.status == EnvironmentStatus.INITIALIZING:
             row = await self._guard.wait_settled(environment_id, org_id, timeout_s=self._settings.setup_timeout_s)
-        if row.status != STATUS_READY:
+        if row.status != EnvironmentStatus.READY:
             # Never initialized (or failed before anything could run): nothing to publish.
             return binding.output_dir, []
         entries = [
@@ -602,7 +599,7 @@ class EnvironmentDomain:
             rows = await repo.list_mcp_servers(s, environment_id)
             uses = await repo.list_mcp_uses(s, environment_id)
         brokers = []
-        if row.status == STATUS_READY and row.sandbox_requested:
+        if row.status == EnvironmentStatus.READY and row.sandbox_requested:
             with _sandbox_errors(environment_id):
                 brokers = await self._compute.list_mcp_brokers(_sandbox(row))
         return merge_servers(environment_id, rows, uses, brokers)
@@ -612,7 +609,7 @@ class EnvironmentDomain:
         upstream session its peers share on the same broker: their next
         request opens a fresh one. Stdio servers keep running. Best effort:
         the session is gone either way."""
-        if not labels or row.status != STATUS_READY:
+        if not labels or row.status != EnvironmentStatus.READY:
             return
         for label in labels:
             try:
@@ -628,7 +625,7 @@ class EnvironmentDomain:
         """Stops every broker before the sandbox goes, so no MCP server
         outlives its environment even if destroying the sandbox is slow or
         fails. Best effort: destroying the sandbox ends them anyway."""
-        if row.status != STATUS_READY:
+        if row.status != EnvironmentStatus.READY:
             return
         try:
             brokers = await self._compute.list_mcp_brokers(_sandbox(row))

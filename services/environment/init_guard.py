@@ -36,12 +36,9 @@ from services.core.logging import get_logger
 from services.core.metrics import INIT_DURATION
 from services.environment import repository as repo
 from services.environment.models import (
-    STATUS_FAILED,
-    STATUS_INITIALIZING,
-    STATUS_PENDING,
-    STATUS_READY,
     EnvironmentRow,
 )
+from services.environment.states import SETTLED_STATUSES, EnvironmentStatus
 
 __all__ = [
     "InitGuard",
@@ -144,9 +141,9 @@ class InitGuard:
         waited: _Operation | None = None
         while True:
             row = await self._load(environment_id, org_id)
-            if row.status in (STATUS_READY, STATUS_FAILED):
+            if row.status in SETTLED_STATUSES:
                 return row
-            if row.status == STATUS_PENDING:
+            if row.status == EnvironmentStatus.PENDING:
                 if waited is not None:
                     # The operation we waited for went back to pending.
                     raise waited.error or _unavailable(environment_id)
@@ -169,7 +166,7 @@ class InitGuard:
             async with asyncio.timeout(timeout_s):
                 while True:
                     row = await self._load(environment_id, org_id)
-                    if row.status != STATUS_INITIALIZING:
+                    if row.status != EnvironmentStatus.INITIALIZING:
                         return row
                     await self._join(row).done.wait()
         except TimeoutError:
@@ -246,9 +243,9 @@ class InitGuard:
             try:
                 async with asyncio.timeout(self._setup_timeout_s):
                     await setup
-                outcome = (STATUS_READY, "", "")
+                outcome = (EnvironmentStatus.READY, "", "")
             except SetupFailed as exc:
-                outcome = (STATUS_FAILED, exc.code, exc.message)
+                outcome = (EnvironmentStatus.FAILED, exc.code, exc.message)
             except SetupUnavailable:
                 op.error = _unavailable(row.id)
                 await self._write(
@@ -258,7 +255,7 @@ class InitGuard:
                 log.warning("environment_setup_deferred", reason="sandbox_unavailable")
                 return
             except TimeoutError:
-                outcome = (STATUS_FAILED, "setup_timeout", f"setup did not finish in {self._setup_timeout_s:g} seconds")
+                outcome = (EnvironmentStatus.FAILED, "setup_timeout", f"setup did not finish in {self._setup_timeout_s:g} seconds")
             except LeaseLost:
                 fence.lost = True
             except asyncio.CancelledError:
@@ -271,14 +268,14 @@ class InitGuard:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(
                             self._settle(
-                                op, STATUS_FAILED, OWNER_LOST_CODE, "setup was interrupted because its service stopped"
+                                op, EnvironmentStatus.FAILED, OWNER_LOST_CODE, "setup was interrupted because its service stopped"
                             ),
                             timeout=5,
                         )
                     raise
             except Exception:
                 log.exception("environment_setup_crashed")
-                outcome = (STATUS_FAILED, "setup_internal_error", "setup failed with an internal error")
+                outcome = (EnvironmentStatus.FAILED, "setup_internal_error", "setup failed with an internal error")
             finally:
                 await lease.stop()
                 if not setup.done():
@@ -292,7 +289,7 @@ class InitGuard:
             INIT_DURATION.observe(time.perf_counter() - started)
             if not settled:
                 log.warning("environment_setup_lease_lost")
-            elif status == STATUS_READY:
+            elif status == EnvironmentStatus.READY:
                 log.info("environment_initialized", duration_s=round(time.perf_counter() - started, 3))
             else:
                 log.warning("environment_setup_failed", code=code, error=message)
@@ -361,7 +358,7 @@ class InitGuard:
         recorded as lost, which ends it."""
         async with self._db.transaction() as s:
             row = await repo.get_environment_by_id(s, op.environment_id)
-            if row is None or row.status != STATUS_INITIALIZING or row.init_version != op.version:
+            if row is None or row.status != EnvironmentStatus.INITIALIZING or row.init_version != op.version:
                 return True
             if row.lease_expires_at >= time.time():
                 return False

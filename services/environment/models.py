@@ -20,20 +20,11 @@ __all__ = [
     "McpServerRow",
     "McpServerUseRow",
     "MCP_ORIGIN_ENVIRONMENT",
-    "STATUS_PENDING",
-    "STATUS_INITIALIZING",
-    "STATUS_READY",
-    "STATUS_FAILED",
     "LIFETIME_PRIVATE",
     "LIFETIME_SHARED",
     "ROLE_OWNER",
     "ROLE_REFERENCE",
 ]
-
-STATUS_PENDING = "pending"
-STATUS_INITIALIZING = "initializing"
-STATUS_READY = "ready"
-STATUS_FAILED = "failed"
 
 LIFETIME_PRIVATE = "private"
 LIFETIME_SHARED = "shared"

@@ -20,9 +20,6 @@ from sqlalchemy.orm import defer
 
 from services.environment.models import (
     LIFETIME_SHARED,
-    STATUS_FAILED,
-    STATUS_INITIALIZING,
-    STATUS_PENDING,
     BindingRow,
     EnvironmentRow,
     McpServerRow,
@@ -31,6 +28,7 @@ from services.environment.models import (
     StoredBlobRow,
     StoredFileRow,
 )
+from services.environment.states import EnvironmentStatus
 
 __all__ = [
     "get_environment",
@@ -171,12 +169,12 @@ async def start_init(
         update(EnvironmentRow)
         .where(
             EnvironmentRow.id == environment_id,
-            EnvironmentRow.status == STATUS_PENDING,
+            EnvironmentRow.status == EnvironmentStatus.PENDING,
             EnvironmentRow.init_version == version,
             EnvironmentRow.deleting == false(),
         )
         .values(
-            status=STATUS_INITIALIZING,
+            status=EnvironmentStatus.INITIALIZING,
             init_version=version + 1,
             lease_owner=owner,
             lease_expires_at=lease_expires_at,
@@ -189,7 +187,7 @@ async def start_init(
 def _fenced(environment_id: str, version: int, owner: str) -> Any:
     return (
         EnvironmentRow.id == environment_id,
-        EnvironmentRow.status == STATUS_INITIALIZING,
+        EnvironmentRow.status == EnvironmentStatus.INITIALIZING,
         EnvironmentRow.init_version == version,
         EnvironmentRow.lease_owner == owner,
     )
@@ -250,7 +248,7 @@ async def revert_init(session: AsyncSession, environment_id: str, *, version: in
     result = await session.execute(
         update(EnvironmentRow)
         .where(*_fenced(environment_id, version, owner))
-        .values(status=STATUS_PENDING, init_version=version + 1, lease_owner="", lease_expires_at=0.0, update_time=now)
+        .values(status=EnvironmentStatus.PENDING, init_version=version + 1, lease_owner="", lease_expires_at=0.0, update_time=now)
     )
     return _rowcount(result) == 1
 
@@ -263,12 +261,12 @@ async def fail_expired_init(
         update(EnvironmentRow)
         .where(
             EnvironmentRow.id == environment_id,
-            EnvironmentRow.status == STATUS_INITIALIZING,
+            EnvironmentRow.status == EnvironmentStatus.INITIALIZING,
             EnvironmentRow.init_version == version,
             EnvironmentRow.lease_expires_at < now,
         )
         .values(
-            status=STATUS_FAILED,
+            status=EnvironmentStatus.FAILED,
             init_version=version + 1,
             error_code=error_code,
             error_message=error_message,
@@ -288,7 +286,7 @@ async def attach_reference(session: AsyncSession, environment_id: str, org_id: s
         .where(
             EnvironmentRow.id == environment_id,
             EnvironmentRow.org_id == org_id,
-            EnvironmentRow.status != STATUS_INITIALIZING,
+            EnvironmentRow.status != EnvironmentStatus.INITIALIZING,
             EnvironmentRow.deleting == false(),
         )
         .values(
@@ -307,7 +305,7 @@ async def mark_deleting(
     conditions: list[Any] = [
         EnvironmentRow.id == environment_id,
         EnvironmentRow.org_id == org_id,
-        EnvironmentRow.status != STATUS_INITIALIZING,
+        EnvironmentRow.status != EnvironmentStatus.INITIALIZING,
         EnvironmentRow.deleting == false(),
     ]
     if require_unbound:

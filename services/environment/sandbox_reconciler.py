@@ -66,7 +66,7 @@ from services.core.logging import get_logger
 from services.core.metrics import ORPHAN_SANDBOXES_REAPED
 from services.environment import repository as repo
 from services.environment.compute import EnvironmentSandbox, SandboxInventory, SandboxRef
-from services.environment.models import STATUS_FAILED, STATUS_READY
+from services.environment.states import SETTLED_STATUSES
 
 __all__ = [
     "SandboxReconciler",
@@ -86,8 +86,6 @@ REASON_ORGANIZATION_MISMATCH = "organization_mismatch"
 # The environment exists and its sandbox is on the node its row records;
 # this one is a copy on another node.
 REASON_NODE_MISMATCH = "node_mismatch"
-
-_SETTLED = (STATUS_READY, STATUS_FAILED)
 
 # Up to this many orphans a pass always reaps, whatever their fraction.
 MASS_REAP_FLOOR = 10
@@ -237,6 +235,6 @@ class _PassView:
         if record.org_id != sandbox.org_id:
             return REASON_ORGANIZATION_MISMATCH
         node = record.sandbox_node
-        if node != sandbox.node and record.status in _SETTLED and (node, record.sandbox_id) in self.held:
+        if node != sandbox.node and record.status in SETTLED_STATUSES and (node, record.sandbox_id) in self.held:
             return REASON_NODE_MISMATCH
         return None

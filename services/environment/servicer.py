@@ -19,26 +19,16 @@ from services.environment.mcp_registry import McpServerInfo
 from services.environment.models import (
     LIFETIME_SHARED,
     ROLE_OWNER,
-    STATUS_FAILED,
-    STATUS_INITIALIZING,
-    STATUS_PENDING,
-    STATUS_READY,
     BindingRow,
     EnvironmentRow,
     RegisteredFileRow,
     StoredFileRow,
 )
+from services.environment.states import EnvironmentStatus, environment_status_to_proto
 
 __all__ = ["EnvironmentServicer", "environment_to_proto"]
 
 _Context: TypeAlias = grpc.aio.ServicerContext
-
-_STATUS = {
-    STATUS_PENDING: environment_pb2.ENVIRONMENT_STATUS_PENDING,
-    STATUS_INITIALIZING: environment_pb2.ENVIRONMENT_STATUS_INITIALIZING,
-    STATUS_READY: environment_pb2.ENVIRONMENT_STATUS_READY,
-    STATUS_FAILED: environment_pb2.ENVIRONMENT_STATUS_FAILED,
-}
 
 
 def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
@@ -51,7 +41,7 @@ def environment_to_proto(row: EnvironmentRow, *, with_config: bool = True) -> en
     env = environment_pb2.Environment(
         id=row.id,
         org_id=row.org_id,
-        status=_STATUS[row.status],
+        status=environment_status_to_proto(row.status),
         lifetime=environment_pb2.LIFETIME_SHARED if row.lifetime == LIFETIME_SHARED else environment_pb2.LIFETIME_PRIVATE,
         sandbox_id=row.sandbox_id,
         vault_ids=json.loads(row.vault_ids_json),
@@ -66,7 +56,7 @@ def environment_to_proto(row: EnvironmentRow, *, with_config: bool = True) -> en
         env.config.ParseFromString(row.config)
         for command in env.config.setup_commands:
             command.command = ""  # confidential: bodies never leave the service
-    if row.status == STATUS_FAILED:
+    if row.status == EnvironmentStatus.FAILED:
         env.error.code = row.error_code
         env.error.message = row.error_message
     return env

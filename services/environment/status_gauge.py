@@ -16,14 +16,11 @@ from services.core.db import Database
 from services.core.logging import get_logger
 from services.core.metrics import ENVIRONMENTS
 from services.environment import repository as repo
-from services.environment.models import STATUS_FAILED, STATUS_INITIALIZING, STATUS_PENDING, STATUS_READY
+from services.environment.states import EnvironmentStatus
 
 __all__ = ["EnvironmentStatusGauge"]
 
 log = get_logger(__name__)
-
-_STATUSES = (STATUS_PENDING, STATUS_INITIALIZING, STATUS_READY, STATUS_FAILED)
-
 
 class EnvironmentStatusGauge:
     def __init__(self, db: Database, *, interval_s: float = 15.0, min_interval_s: float = 0.5) -> None:
@@ -43,7 +40,7 @@ class EnvironmentStatusGauge:
     async def refresh(self) -> None:
         async with self._db.transaction(read_only=True) as s:
             counts = await repo.count_environments_by_status(s)
-        for status in _STATUSES:
+        for status in EnvironmentStatus:
             ENVIRONMENTS.labels(status=status).set(counts.get(status, 0))
 
     async def close(self) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from services.sandbox.daemon.sandboxd.protocol import MAX_FRAME_BYTES, MAX_WRITE_BYTES, PROTOCOL_VERSION, ProtocolError, encode_frame, read_frame
+from services.sandbox.states import McpBrokerState
 
 __all__ = [
     "probe",
@@ -163,7 +164,7 @@ class McpBrokerInfo:
 
     label: str
     transport: Literal["stdio", "http"]
-    state: Literal["running", "dead"]
+    state: McpBrokerState
     pid: int | None
     started_at: float
     exit_code: int | None
@@ -178,7 +179,7 @@ def _broker_info(raw: Mapping[str, Any]) -> McpBrokerInfo:
     return McpBrokerInfo(
         label=str(raw["label"]),
         transport="http" if raw.get("transport") == "http" else "stdio",
-        state="dead" if raw.get("state") == "dead" else "running",
+        state=McpBrokerState.DEAD if raw.get("state") == McpBrokerState.DEAD else McpBrokerState.RUNNING,
         pid=None if pid is None else int(pid),
         started_at=float(raw.get("started_at", 0.0)),
         exit_code=None if exit_code is None else int(exit_code),

@@ -37,15 +37,14 @@ from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnav
 from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
 from services.sandbox.isolation.sizes import size_for
 from services.sandbox.models import SandboxRow
+from services.sandbox.states import LIVE_STATES, SandboxState
 
 __all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
 
-# States in which a sandbox holds the node's resources.
-_LIVE_STATES = ("creating", "running", "paused")
 # Every state but the last one: ``destroyed`` is final.
-_UNDESTROYED = (*_LIVE_STATES, "error")
+_UNDESTROYED = (*LIVE_STATES, SandboxState.ERROR)
 # A sandbox adopted while it was being created is running but still says so.
-_PAUSABLE = ("creating", "running")
+_PAUSABLE = (SandboxState.CREATING, SandboxState.RUNNING)
 
 log = get_logger(__name__)
 
@@ -129,20 +128,20 @@ class SandboxManager:
         adopted = {h.sandbox_id: h for h in await self._backend.adopt()}
         networks: list[tuple[str, BackendHandle, dict[str, object]]] = []
         async with self._db.transaction() as s:
-            for row in await repo.unsettled_sandboxes(s, _LIVE_STATES):
+            for row in await repo.unsettled_sandboxes(s, LIVE_STATES):
                 handle = adopted.get(row.sandbox_id)
                 if handle is None:
                     await repo.transition(
                         s,
                         row.sandbox_id,
                         (row.state,),
-                        "error",
+                        SandboxState.ERROR,
                         error="sandbox did not survive a restart of its host",
                         now=None,
                     )
                     continue
                 live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
-                live.paused = row.state == "paused"
+                live.paused = row.state == SandboxState.PAUSED
                 self._live[row.sandbox_id] = live
                 networks.append((row.sandbox_id, handle, json.loads(row.network_json)))
                 log.info("sandbox_adopted", sandbox_id=row.sandbox_id, state=row.state)
@@ -172,7 +171,7 @@ class SandboxManager:
     async def _row(self, org_id: str, sandbox_id: str) -> SandboxRecord:
         async with self._db.transaction(read_only=True) as s:
             row = await repo.get_sandbox(s, sandbox_id)
-            if row is None or row.org_id != org_id or row.state == "destroyed":
+            if row is None or row.org_id != org_id or row.state == SandboxState.DESTROYED:
                 raise NotFound(f"sandbox {sandbox_id} not found")
             return SandboxRecord.from_row(row)
 
@@ -202,7 +201,7 @@ class SandboxManager:
     async def _update_gauge(self) -> None:
         async with self._db.transaction(read_only=True) as s:
             counts = await repo.count_by_state(s)
-        for state in ("creating", "running", "paused", "destroyed", "error"):
+        for state in SandboxState:
             SANDBOXES.labels(state=state).set(counts.get(state, 0))
 
     # --- transitions --------------------------------------------------------------------
@@ -220,16 +219,16 @@ class SandboxManager:
                     network = json.loads(row.network_json)
                     if row.org_id != org_id:
                         raise Conflict(f"sandbox {params.sandbox_id} already exists")
-                    if row.state in ("running", "paused") and params.sandbox_id in self._live:
+                    if row.state in (SandboxState.RUNNING, SandboxState.PAUSED) and params.sandbox_id in self._live:
                         return SandboxRecord.from_row(row)
-                    if row.state == "destroyed":
+                    if row.state == SandboxState.DESTROYED:
                         raise Conflict(f"sandbox {params.sandbox_id} was destroyed; identities are not reused")
                 now = time.time()
                 if row is None:
                     row = SandboxRow(
                         sandbox_id=params.sandbox_id,
                         org_id=org_id,
-                        state="creating",
+                        state=SandboxState.CREATING,
                         backend=self._backend_name,
                         isolation=self._isolation,
                         labels_json=json.dumps(dict(params.labels)),
@@ -256,7 +255,7 @@ class SandboxManager:
                 handle = await self._backend.create(spec)
             except Exception as exc:
                 log.warning("sandbox_create_failed", sandbox_id=params.sandbox_id, error=str(exc))
-                await self._set_state(params.sandbox_id, _UNDESTROYED, "error", error=str(exc))
+                await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.ERROR, error=str(exc))
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
             client = DaemonClient(self._backend.socket_path(handle))
             try:
@@ -267,10 +266,10 @@ class SandboxManager:
                 await client.close()
                 await self._egress.stop(params.sandbox_id)
                 log.warning("sandbox_egress_failed", sandbox_id=params.sandbox_id, error=str(exc))
-                await self._set_state(params.sandbox_id, _UNDESTROYED, "error", error=f"egress proxy: {exc}", handle=handle)
+                await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.ERROR, error=f"egress proxy: {exc}", handle=handle)
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not start its egress proxy: {exc}") from exc
             self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id)
-            await self._set_state(params.sandbox_id, _UNDESTROYED, "running", handle=handle)
+            await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.RUNNING, handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)
 
@@ -285,7 +284,7 @@ class SandboxManager:
             raise InvalidArgument("label_key is required", param="label_key")
         async with self._db.transaction(read_only=True) as s:
             page = await repo.list_labeled_sandboxes(
-                s, label_key, exclude_state="destroyed", page_size=_page_size(page_size), page_token=page_token
+                s, label_key, exclude_state=SandboxState.DESTROYED, page_size=_page_size(page_size), page_token=page_token
             )
         return [SandboxRecord.from_row(row) for row in page.rows], page.next_page_token
 
@@ -293,12 +292,12 @@ class SandboxManager:
         """Sandboxes of every organization that hold resources here: the
         load the Environment service places new sandboxes by."""
         async with self._db.transaction(read_only=True) as s:
-            return await repo.count_in_states(s, _LIVE_STATES)
+            return await repo.count_in_states(s, LIVE_STATES)
 
     async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
         async with self._db.transaction(read_only=True) as s:
             page = await repo.list_sandboxes(
-                s, org_id, selector, exclude_state="destroyed", page_size=_page_size(page_size), page_token=page_token
+                s, org_id, selector, exclude_state=SandboxState.DESTROYED, page_size=_page_size(page_size), page_token=page_token
             )
         return [SandboxRecord.from_row(row) for row in page.rows], page.next_page_token
 
@@ -309,7 +308,7 @@ class SandboxManager:
             if not live.paused:
                 await self._backend.pause(live.handle)
                 live.paused = True
-                await self._set_state(sandbox_id, _PAUSABLE, "paused")
+                await self._set_state(sandbox_id, _PAUSABLE, SandboxState.PAUSED)
                 log.info("sandbox_paused", sandbox_id=sandbox_id)
         return await self._row(org_id, sandbox_id)
 
@@ -331,7 +330,7 @@ class SandboxManager:
             row = await repo.get_sandbox(s, sandbox_id)
             if row is None or row.org_id != org_id:
                 raise NotFound(f"sandbox {sandbox_id} not found")
-            if row.state == "destroyed":
+            if row.state == SandboxState.DESTROYED:
                 return
             handle_json = row.handle_json
         await self._egress.stop(sandbox_id)
@@ -350,7 +349,7 @@ class SandboxManager:
                 except Exception as exc:
                     log.warning("sandbox_destroy_failed", sandbox_id=sandbox_id, error=str(exc))
                     raise SandboxUnavailable(f"sandbox {sandbox_id} could not be destroyed: {exc}") from exc
-        await self._set_state(sandbox_id, _UNDESTROYED, "destroyed")
+        await self._set_state(sandbox_id, _UNDESTROYED, SandboxState.DESTROYED)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
     async def _start_egress(
@@ -384,7 +383,7 @@ class SandboxManager:
             if live.paused:
                 await self._backend.resume(live.handle)
                 live.paused = False
-                await self._set_state(sandbox_id, ("paused",), "running")
+                await self._set_state(sandbox_id, (SandboxState.PAUSED,), SandboxState.RUNNING)
                 log.info("sandbox_resumed", sandbox_id=sandbox_id)
 
     @asynccontextmanager
@@ -430,7 +429,7 @@ class SandboxManager:
                         await self._backend.pause(live.handle)
                         live.paused = True
                         # Under the lock, as in pause(): a resume waits for the row to say paused.
-                        await self._set_state(sandbox_id, _PAUSABLE, "paused")
+                        await self._set_state(sandbox_id, _PAUSABLE, SandboxState.PAUSED)
                     log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
                 except Exception as exc:  # one broken sandbox must not stop the reaper
                     log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))

@@ -24,16 +24,10 @@ from services.sandbox.daemon_client import (
     ProcessInfo,
 )
 from services.sandbox.manager import CreateParams, SandboxManager, SandboxRecord
+from services.sandbox.states import McpBrokerState, mcp_broker_state_to_proto, sandbox_state_to_proto
 
 __all__ = ["SandboxServicer"]
 
-_STATES = {
-    "creating": sandbox_pb2.SANDBOX_STATE_CREATING,
-    "running": sandbox_pb2.SANDBOX_STATE_RUNNING,
-    "paused": sandbox_pb2.SANDBOX_STATE_PAUSED,
-    "destroyed": sandbox_pb2.SANDBOX_STATE_DESTROYED,
-    "error": sandbox_pb2.SANDBOX_STATE_ERROR,
-}
 _ACCESS = {
     common_pb2.NETWORK_ACCESS_UNSPECIFIED: "enabled",
     common_pb2.NETWORK_ACCESS_ENABLED: "enabled",
@@ -44,7 +38,6 @@ _ACCESS_BACK = {v: k for k, v in _ACCESS.items() if k != common_pb2.NETWORK_ACCE
 _FILE_TYPES = {"file": common_pb2.FILE_TYPE_FILE, "dir": common_pb2.FILE_TYPE_DIRECTORY, "symlink": common_pb2.FILE_TYPE_SYMLINK}
 _STREAMS = {"stdout": common_pb2.OUTPUT_STREAM_STDOUT, "stderr": common_pb2.OUTPUT_STREAM_STDERR}
 _READ_CHUNK = 1024 * 1024
-_MCP_STATES = {"running": sandbox_pb2.MCP_BROKER_STATE_RUNNING, "dead": sandbox_pb2.MCP_BROKER_STATE_DEAD}
 _MCP_TRANSPORTS = {"stdio": sandbox_pb2.MCP_TRANSPORT_TYPE_STDIO, "http": sandbox_pb2.MCP_TRANSPORT_TYPE_HTTP}
 # Without a caller deadline a tool call may run long; the gRPC deadline, when
 # set, fires first and cancels the request upstream.
@@ -65,7 +58,7 @@ def _sandbox(rec: SandboxRecord) -> sandbox_pb2.Sandbox:
     network = rec.network
     return sandbox_pb2.Sandbox(
         sandbox_id=rec.sandbox_id,
-        state=_STATES.get(rec.state, sandbox_pb2.SANDBOX_STATE_UNSPECIFIED),
+        state=sandbox_state_to_proto(rec.state),
         backend=rec.backend,
         labels=rec.labels,
         network=common_pb2.NetworkPolicy(
@@ -86,7 +79,7 @@ def _labeled(rec: SandboxRecord, label_key: str) -> sandbox_pb2.LabeledSandbox:
         sandbox_id=rec.sandbox_id,
         org_id=rec.org_id,
         label_value=rec.labels.get(label_key, ""),
-        state=_STATES.get(rec.state, sandbox_pb2.SANDBOX_STATE_UNSPECIFIED),
+        state=sandbox_state_to_proto(rec.state),
         create_time=_ts(rec.created_at),
     )
 
@@ -130,14 +123,14 @@ def _mcp_broker(b: McpBrokerInfo) -> sandbox_pb2.McpBroker:
     broker = sandbox_pb2.McpBroker(
         label=b.label,
         transport_type=_MCP_TRANSPORTS.get(b.transport, sandbox_pb2.MCP_TRANSPORT_TYPE_UNSPECIFIED),
-        state=_MCP_STATES.get(b.state, sandbox_pb2.MCP_BROKER_STATE_UNSPECIFIED),
+        state=mcp_broker_state_to_proto(b.state),
         pid=b.pid or 0,
         start_time=_ts(b.started_at),
         clients=b.clients,
         in_flight=b.in_flight,
         stderr_tail=b.stderr_tail,
     )
-    if b.state == "dead" and b.exit_code is not None:
+    if b.state == McpBrokerState.DEAD and b.exit_code is not None:
         broker.exit.CopyFrom(common_pb2.ExitStatus(exit_code=b.exit_code))
     return broker
 

@@ -1,7 +1,8 @@
 """The Session service's logic: saved agents, sessions, input events, turns,
 items and artifacts. Plain async methods, testable without gRPC; every method
-scopes by the caller's organization (``current_org()``), and another
-organization's resource is ``NotFound``.
+takes the caller's organization explicitly (the servicer reads it from the
+request, ``current_org()``) and scopes by it in SQL; another organization's
+resource is ``NotFound``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
-from services.core.context import current_org
 from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, SessionActive
 from services.core.ids import new_id
 from services.core.logging import get_logger
@@ -39,8 +39,9 @@ from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
 from services.session.models import AgentRow, ArtifactRow, EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
-from services.session.repository import ACTIVE_TURN_STATUSES, Page
+from services.session.repository import Page
 from services.session.runner import ClaimedTurn, TurnRunner
+from services.session.states import ACTIVE_TURN_STATUSES, RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 
 __all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall", "parse_body"]
@@ -247,8 +248,7 @@ class SessionDomain:
         self.poll_s = poll_s
 
     # ===== agents =====================================================================
-    async def create_agent(self, body: dict[str, Any]) -> AgentView:
-        org = current_org()
+    async def create_agent(self, org: str, body: dict[str, Any]) -> AgentView:
         name, metadata, config = normalize_agent_create(body)
         now = time.time()
         row = AgentRow(
@@ -267,19 +267,16 @@ class SessionDomain:
         await self.store.transact(insert)
         return _agent_view(row)
 
-    async def get_agent(self, agent_id: str) -> AgentView:
-        org = current_org()
+    async def get_agent(self, org: str, agent_id: str) -> AgentView:
         row = await self.store.query(lambda s: repo.get_agent(s, org, agent_id))
         return _agent_view(row)
 
-    async def list_agents(self, page: Page) -> tuple[list[AgentView], bool]:
-        scope = [AgentRow.org_id == current_org()]
+    async def list_agents(self, org: str, page: Page) -> tuple[list[AgentView], bool]:
+        scope = [AgentRow.org_id == org]
         rows, more = await self.store.query(lambda s: repo.paginate(s, AgentRow, scope, page))
         return [_agent_view(r) for r in rows], more
 
-    async def update_agent(self, agent_id: str, body: dict[str, Any]) -> AgentView:
-        org = current_org()
-
+    async def update_agent(self, org: str, agent_id: str, body: dict[str, Any]) -> AgentView:
         async def update(u: Unit) -> AgentView:
             row = await repo.get_agent(u.session, org, agent_id)
             name, metadata, config = apply_agent_update(
@@ -294,10 +291,8 @@ class SessionDomain:
 
         return await self.store.transact(update)
 
-    async def delete_agent(self, agent_id: str) -> str:
+    async def delete_agent(self, org: str, agent_id: str) -> str:
         """Sessions created from the agent keep their snapshot."""
-        org = current_org()
-
         async def delete_row(u: Unit) -> None:
             await u.session.delete(await repo.get_agent(u.session, org, agent_id))
 
@@ -353,7 +348,7 @@ class SessionDomain:
             "session_id": row.id,
             "org_id": row.org_id,
             "agent_id": row.agent_id,
-            "status": "queued",
+            "status": TurnStatus.QUEUED,
             "created_at": now,
             "started_at": None,
             "completed_at": None,
@@ -372,8 +367,7 @@ class SessionDomain:
         await u.emit(row.id, wire.turn_event("agent.session.turn.created", views.turn_json(turn)), touch={"last_active_at": now})
         return turn.id
 
-    async def create_session(self, body: dict[str, Any]) -> CreatedSession:
-        org = current_org()
+    async def create_session(self, org: str, body: dict[str, Any]) -> CreatedSession:
         agent_param = body.get("agent")
         agent_id = body.get("agent_id")
         if isinstance(agent_param, str):
@@ -408,7 +402,7 @@ class SessionDomain:
             agent_config_json=json.dumps({"id": agent_id, "name": name, "config": config}),
             environment_kind=kind,
             environment_id=environment_id,
-            status="idle",
+            status=SessionStatus.IDLE,
             error="",
             metadata_json=json.dumps(metadata),
             vault_ids_json=json.dumps(vault_ids),
@@ -446,14 +440,13 @@ class SessionDomain:
         except Exception:
             log.warning("environment_detach_failed", environment_id=environment_id, session_id=session_id, exc_info=True)
 
-    async def get_session(self, session_id: str) -> views.SessionView:
-        org = current_org()
+    async def get_session(self, org: str, session_id: str) -> views.SessionView:
         row = await self.store.query(lambda s: repo.get_session(s, org, session_id))
         environment = await self._environment(row)
         return await self.store.query(lambda s: views.session_view(s, row, environment))
 
-    async def list_sessions(self, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
-        scope = [SessionRow.org_id == current_org(), SessionRow.status != "deleting"]
+    async def list_sessions(self, org: str, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
+        scope = [SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING]
         if agent_id:
             scope.append(SessionRow.agent_id == agent_id)
         rows, more = await self.store.query(lambda s: repo.paginate(s, SessionRow, scope, page))
@@ -464,9 +457,7 @@ class SessionDomain:
 
         return await self.store.query(render), more
 
-    async def update_session(self, session_id: str, body: dict[str, Any]) -> views.SessionView:
-        org = current_org()
-
+    async def update_session(self, org: str, session_id: str, body: dict[str, Any]) -> views.SessionView:
         async def update_row(u: Unit) -> None:
             row = await repo.get_session(u.session, org, session_id)
             if "metadata" in body:
@@ -477,17 +468,15 @@ class SessionDomain:
                 row.agent_config_json = json.dumps(snap)
 
         await self.store.transact(update_row)
-        return await self.get_session(session_id)
+        return await self.get_session(org, session_id)
 
-    async def delete_session(self, session_id: str) -> str:
+    async def delete_session(self, org: str, session_id: str) -> str:
         """Refuses while a turn is queued or running. Detaches the environment
         (a never-shared private one is deleted with its sandbox by the
         Environment service; a shared one closes the upstream of every HTTP
         MCP label the session used, even though peers share it), closes the
         session's own MCP connections, then deletes turns, items, events and
         artifacts. Stdio MCP servers keep running."""
-        org = current_org()
-
         async def mark(u: Unit) -> tuple[SessionRow, str]:
             row = await repo.get_session(u.session, org, session_id)
             busy = (
@@ -499,7 +488,7 @@ class SessionDomain:
                 raise SessionActive(f"session {session_id} has a turn in progress; cancel it first", param="session_id")
             previous = row.status
             # New input is refused from here on (the session reads as absent).
-            row.status = "deleting"
+            row.status = SessionStatus.DELETING
             return row, previous
 
         row, previous_status = await self.store.transact(mark)
@@ -530,10 +519,9 @@ class SessionDomain:
         return session_id
 
     # ===== input ======================================================================
-    async def submit_events(self, session_id: str, events: Any) -> SubmitResult:
+    async def submit_events(self, org: str, session_id: str, events: Any) -> SubmitResult:
         if not isinstance(events, list) or not events:
             raise InvalidArgument("events must be a non-empty list", param="events")
-        org = current_org()
         turn_ids: list[str] = []
         kick = False
         cancel: list[str] = []
@@ -592,7 +580,7 @@ class SessionDomain:
             return ""
         await u.session.execute(
             update(TurnRow)
-            .where(TurnRow.id == turn_id, TurnRow.status.in_(("in_progress", "waiting")))
+            .where(TurnRow.id == turn_id, TurnRow.status.in_(RUNNING_TURN_STATUSES))
             .values(cancel_requested=True)
         )
         return turn_id
@@ -646,27 +634,21 @@ class SessionDomain:
         return turn_id
 
     # ===== turns and items ============================================================
-    async def list_turns(self, session_id: str, page: Page) -> tuple[list[TurnRow], bool]:
-        org = current_org()
-
+    async def list_turns(self, org: str, session_id: str, page: Page) -> tuple[list[TurnRow], bool]:
         async def run(s: AsyncSession) -> tuple[list[TurnRow], bool]:
             await repo.get_session(s, org, session_id)
             return await repo.paginate(s, TurnRow, [TurnRow.session_id == session_id], page)
 
         return await self.store.query(run)
 
-    async def get_turn(self, session_id: str, turn_id: str) -> TurnRow:
-        org = current_org()
-
+    async def get_turn(self, org: str, session_id: str, turn_id: str) -> TurnRow:
         async def run(s: AsyncSession) -> TurnRow:
             await repo.get_session(s, org, session_id)
             return await repo.get_turn(s, session_id, turn_id)
 
         return await self.store.query(run)
 
-    async def list_items(self, session_id: str, turn_id: str, page: Page) -> tuple[list[ItemRow], bool]:
-        org = current_org()
-
+    async def list_items(self, org: str, session_id: str, turn_id: str, page: Page) -> tuple[list[ItemRow], bool]:
         async def run(s: AsyncSession) -> tuple[list[ItemRow], bool]:
             await repo.get_session(s, org, session_id)
             scope = [ItemRow.session_id == session_id, ItemRow.visible.is_(True)]
@@ -678,9 +660,7 @@ class SessionDomain:
         return await self.store.query(run)
 
     # ===== artifacts ==================================================================
-    async def list_artifacts(self, session_id: str, turn_id: str, page: Page) -> tuple[list[ArtifactRow], bool]:
-        org = current_org()
-
+    async def list_artifacts(self, org: str, session_id: str, turn_id: str, page: Page) -> tuple[list[ArtifactRow], bool]:
         async def run(s: AsyncSession) -> tuple[list[ArtifactRow], bool]:
             await repo.get_session(s, org, session_id)
             scope = [ArtifactRow.session_id == session_id]
@@ -690,24 +670,20 @@ class SessionDomain:
 
         return await self.store.query(run)
 
-    async def get_artifact(self, session_id: str, artifact_id: str) -> ArtifactRow:
-        org = current_org()
-
+    async def get_artifact(self, org: str, session_id: str, artifact_id: str) -> ArtifactRow:
         async def run(s: AsyncSession) -> ArtifactRow:
             await repo.get_session(s, org, session_id)
             return await repo.get_artifact(s, session_id, artifact_id)
 
         return await self.store.query(run)
 
-    async def artifact_content(self, session_id: str, artifact_id: str) -> AsyncIterator[bytes]:
-        row = await self.get_artifact(session_id, artifact_id)
+    async def artifact_content(self, org: str, session_id: str, artifact_id: str) -> AsyncIterator[bytes]:
+        row = await self.get_artifact(org, session_id, artifact_id)
         if not self.blobs.path(row.sha256).exists():
             raise NotFound(f"the content of artifact {artifact_id} is missing", param="artifact_id")
         return self.blobs.read(row.sha256)
 
-    async def delete_artifact(self, session_id: str, artifact_id: str) -> str:
-        org = current_org()
-
+    async def delete_artifact(self, org: str, session_id: str, artifact_id: str) -> str:
         async def remove(u: Unit) -> list[str]:
             await repo.get_session(u.session, org, session_id)
             row = await repo.get_artifact(u.session, session_id, artifact_id)
@@ -719,7 +695,7 @@ class SessionDomain:
 
     # ===== events =====================================================================
     async def stream_events(
-        self, session_id: str, after_sequence: int, *, follow: bool, keepalive_ms: int
+        self, org: str, session_id: str, after_sequence: int, *, follow: bool, keepalive_ms: int
     ) -> AsyncIterator[list[tuple[int, str, str]] | int]:
         """Yields batches of (sequence, type, event_json) for persisted events
         after the sequence, then live ones when following, and the current
@@ -731,7 +707,6 @@ class SessionDomain:
             raise InvalidArgument("after_sequence must not be negative", param="after_sequence")
         if keepalive_ms < 0:
             raise InvalidArgument("keepalive_ms must not be negative", param="keepalive_ms")
-        org = current_org()
         await self.store.query(lambda s: repo.get_session(s, org, session_id))
         return self._follow(session_id, org, after_sequence, follow, keepalive_ms)
 
@@ -750,7 +725,7 @@ class SessionDomain:
             alive = (
                 await s.execute(
                     select(SessionRow.id).where(
-                        SessionRow.id == session_id, SessionRow.org_id == org, SessionRow.status != "deleting"
+                        SessionRow.id == session_id, SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING
                     )
                 )
             ).scalar_one_or_none()

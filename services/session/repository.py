@@ -22,6 +22,7 @@ from services.session.models import (
     SessionRow,
     TurnRow,
 )
+from services.session.states import SessionStatus, TurnStatus
 
 __all__ = [
     "Page",
@@ -34,10 +35,7 @@ __all__ = [
     "queued_turn",
     "events_after",
     "delete_session_rows",
-    "ACTIVE_TURN_STATUSES",
 ]
-
-ACTIVE_TURN_STATUSES = ("queued", "in_progress", "waiting")
 
 Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
 
@@ -52,22 +50,22 @@ _TURNS = cast(Table, TurnRow.__table__)
 _GET_SESSION = select(SessionRow).where(
     SessionRow.id == bindparam("session_id"),
     SessionRow.org_id == bindparam("org_id"),
-    SessionRow.status != "deleting",
+    SessionRow.status != SessionStatus.DELETING,
 )
 _QUEUED_TURN = (
     select(_TURNS)
-    .where(_TURNS.c.session_id == bindparam("session_id"), _TURNS.c.status == "queued")
+    .where(_TURNS.c.session_id == bindparam("session_id"), _TURNS.c.status == TurnStatus.QUEUED)
     .order_by(_TURNS.c.pk)
     .limit(1)
 )
 _CLAIM_ACTIVE_TURN = (
     update(_SESSIONS)
     .where(
-        _SESSIONS.c.id == bindparam("session_id"), _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status != "deleting"
+        _SESSIONS.c.id == bindparam("session_id"), _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status != SessionStatus.DELETING
     )
     .values(
         active_turn_id=bindparam("v_turn_id"),
-        status="in_progress",
+        status=SessionStatus.IN_PROGRESS,
         last_active_at=bindparam("v_now"),
         event_seq=_SESSIONS.c.event_seq + bindparam("v_events"),
     )
@@ -89,13 +87,13 @@ def _update_turn(keys: tuple[str, ...], expected: tuple[str, ...], returning: bo
 def _release_active_turn(with_usage: bool) -> Any:
     values: dict[str, Any] = {
         "active_turn_id": None,
-        "status": case((_SESSIONS.c.error != "", "failed"), else_="idle"),
+        "status": case((_SESSIONS.c.error != "", SessionStatus.FAILED.value), else_=SessionStatus.IDLE.value),
         "last_active_at": bindparam("v_now"),
         "event_seq": _SESSIONS.c.event_seq + bindparam("v_events"),
     }
     if with_usage:
         values["usage_json"] = bindparam("v_usage_json")
-    queued = exists().where(_TURNS.c.session_id == bindparam("session_id"), _TURNS.c.status == "queued")
+    queued = exists().where(_TURNS.c.session_id == bindparam("session_id"), _TURNS.c.status == TurnStatus.QUEUED)
     return (
         update(_SESSIONS)
         .where(_SESSIONS.c.id == bindparam("session_id"), _SESSIONS.c.active_turn_id == bindparam("turn_id"))
@@ -264,7 +262,7 @@ async def release_active_turn(
 
 
 async def has_queued_turn(s: AsyncSession, session_id: str) -> bool:
-    found = await s.execute(select(TurnRow.pk).where(TurnRow.session_id == session_id, TurnRow.status == "queued").limit(1))
+    found = await s.execute(select(TurnRow.pk).where(TurnRow.session_id == session_id, TurnRow.status == TurnStatus.QUEUED).limit(1))
     return found.first() is not None
 
 

@@ -53,6 +53,7 @@ from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry
 from services.session.mcp_connections import McpConnections
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
+from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
 
@@ -68,7 +69,7 @@ _INSERT_ITEMS = insert(_ITEMS)
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # completed | failed | cancelled
+    status: TurnStatus  # COMPLETED, FAILED or CANCELLED
     code: str = ""
     message: str = ""
 
@@ -271,19 +272,19 @@ class TurnRunner:
         if row is None:
             return None
         started = {
-            "status": "in_progress",
+            "status": TurnStatus.IN_PROGRESS,
             "started_at": now,
             "worker_id": self.worker_id,
             "lease_expires_at": now + self.lease_s,
         }
-        await repo.set_turn_status(u.session, turn.id, ("queued",), **started)
+        await repo.set_turn_status(u.session, turn.id, (TurnStatus.QUEUED,), **started)
         for key, value in started.items():
             setattr(turn, key, value)
         # Items are only added by the active turn, so this is the whole history.
         history = await u.session.execute(_HISTORY, {"session_id": session_id})
         transcript: list[tuple[str, list[Entry]]] = [(item_id, json.loads(model_json)) for item_id, model_json in history]
         # No turn is waiting for function results: there are no required actions.
-        view = await views.session_view(u.session, row, environment, status="in_progress", actions=[])
+        view = await views.session_view(u.session, row, environment, status=SessionStatus.IN_PROGRESS, actions=[])
         events = [
             wire.turn_event("agent.session.turn.in_progress", views.turn_json(turn)),
             wire.session_event("agent.session.in_progress", view.wire),
@@ -367,7 +368,7 @@ class TurnRunner:
                 await io.settle()
                 await asyncio.shield(
                     self._finalize(
-                        claimed, io, Outcome("failed", "internal_error", "the session service stopped"), collecting
+                        claimed, io, Outcome(TurnStatus.FAILED, "internal_error", "the session service stopped"), collecting
                     )
                 )
                 raise
@@ -376,16 +377,16 @@ class TurnRunner:
             self._turns.pop(claimed.turn_id, None)
         await io.settle()
         if task.cancelled():
-            outcome = Outcome("cancelled")
+            outcome = Outcome(TurnStatus.CANCELLED)
         elif isinstance(task.exception(), TurnFailure):
             failure = task.exception()
             assert isinstance(failure, TurnFailure)
-            outcome = Outcome("failed", failure.code, failure.message)
+            outcome = Outcome(TurnStatus.FAILED, failure.code, failure.message)
         elif task.exception() is not None:
             log.error("turn_crashed", turn_id=claimed.turn_id, exc_info=task.exception())
-            outcome = Outcome("failed", "internal_error", "an internal error ended the turn")
+            outcome = Outcome(TurnStatus.FAILED, "internal_error", "an internal error ended the turn")
         else:
-            outcome = Outcome("completed")
+            outcome = Outcome(TurnStatus.COMPLETED)
         return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
@@ -414,7 +415,7 @@ class TurnRunner:
 
     async def _turn_ended(self, s: AsyncSession, turn_id: str) -> bool:
         row = (await s.execute(select(TurnRow.cancel_requested, TurnRow.status).where(TurnRow.id == turn_id))).one_or_none()
-        return row is None or bool(row[0]) or row[1] not in ("in_progress", "waiting")
+        return row is None or bool(row[0]) or row[1] not in RUNNING_TURN_STATUSES
 
     async def _renew(self, u: Unit, turn_id: str) -> bool:
         """Extends the lease while this worker owns the turn; False once the
@@ -472,12 +473,12 @@ class TurnRunner:
         reading already started. A turn whose outputs cannot be read fails.
         A turn that ended otherwise after its outputs were read publishes
         nothing, and the blobs read are removed once it ended."""
-        if outcome.status == "completed":
+        if outcome.status == TurnStatus.COMPLETED:
             try:
                 return outcome, await (collecting[0] if collecting else self._collect(claimed, io))
             except grpc.aio.AioRpcError as exc:
                 failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
-                return Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}"), []
+                return Outcome(TurnStatus.FAILED, "sandbox_error", f"publishing outputs failed: {failure.message}"), []
         if collecting:
             try:
                 return outcome, await collecting[0]
@@ -500,10 +501,10 @@ class TurnRunner:
         released = await self._release_session(u, ending, now)
         if released is None:
             row, more = await repo.get_session(u.session, ending.claimed.org_id, ending.claimed.session_id), True
-            status = "failed" if row.error else "idle"
+            status = SessionStatus.FAILED if row.error else SessionStatus.IDLE
         else:
             row, more = released
-            status = row.status
+            status = SessionStatus(row.status)
         events = await self._ending_events(u, ending, turn, row, status)
         if released is not None:
             u.append(ending.claimed.session_id, row.event_seq, *events)
@@ -522,7 +523,7 @@ class TurnRunner:
         return await repo.transition_turn(
             u.session,
             ending.claimed.turn_id,
-            ("in_progress", "waiting"),
+            RUNNING_TURN_STATUSES,
             status=outcome.status,
             completed_at=now,
             error_code=outcome.code,
@@ -535,7 +536,7 @@ class TurnRunner:
         """Closes the items a turn that did not complete left open, and
         cancels the function calls still waiting for results."""
         io = ending.io
-        if io is not None and ending.outcome.status != "completed":
+        if io is not None and ending.outcome.status != TurnStatus.COMPLETED:
             await io.close_open_items(u)
         if io is None or io.made_function_calls:
             await u.session.execute(
@@ -546,7 +547,7 @@ class TurnRunner:
 
     async def _publish_outputs(self, u: Unit, ending: _Ending) -> None:
         """Records the output files of a completed turn as its artifacts."""
-        if ending.outcome.status != "completed" or not ending.files:
+        if ending.outcome.status != TurnStatus.COMPLETED or not ending.files:
             return
         claimed = ending.claimed
         await record_publication(
@@ -573,7 +574,7 @@ class TurnRunner:
             claimed.session_id,
             claimed.turn_id,
             now,
-            events=3 if ending.outcome.status == "failed" else 2,
+            events=3 if ending.outcome.status == TurnStatus.FAILED else 2,
             usage_json=json.dumps(session_usage) if session_usage is not None else None,
         )
 
@@ -585,7 +586,7 @@ class TurnRunner:
         # The turn's function calls were cancelled, so none is required.
         view = await views.session_view(u.session, row, ending.environment, status=status, actions=[])
         events = []
-        if outcome.status == "failed":
+        if outcome.status == TurnStatus.FAILED:
             events.append(wire.error_event(ending.claimed.session_id, outcome.code, outcome.code, outcome.message))
         events.append(wire.turn_event(f"agent.session.turn.{outcome.status}", views.turn_json(turn), with_usage=True))
         events.append(wire.session_event(f"agent.session.{status}", view.wire))
@@ -626,7 +627,7 @@ class TurnRunner:
             expired = list(
                 (
                     await s.execute(
-                        select(TurnRow).where(TurnRow.status.in_(("in_progress", "waiting")), TurnRow.lease_expires_at < now)
+                        select(TurnRow).where(TurnRow.status.in_(RUNNING_TURN_STATUSES), TurnRow.lease_expires_at < now)
                     )
                 ).scalars()
             )
@@ -635,7 +636,7 @@ class TurnRunner:
                     await s.execute(
                         select(SessionRow.id, SessionRow.org_id)
                         .where(SessionRow.active_turn_id.is_(None))
-                        .where(SessionRow.id.in_(select(TurnRow.session_id).where(TurnRow.status == "queued")))
+                        .where(SessionRow.id.in_(select(TurnRow.session_id).where(TurnRow.status == TurnStatus.QUEUED)))
                     )
                 ).all()
             )
@@ -656,7 +657,7 @@ class TurnRunner:
             org_id_var.set(turn.org_id)
             claimed = ClaimedTurn(turn.org_id, turn.session_id, turn.id, env_id, await self._environment(env_id))
             log.warning("turn_lease_expired", session_id=turn.session_id, turn_id=turn.id, worker_id=turn.worker_id)
-            await self._finalize(claimed, None, Outcome("failed", "internal_error", "the worker running this turn stopped"))
+            await self._finalize(claimed, None, Outcome(TurnStatus.FAILED, "internal_error", "the worker running this turn stopped"))
             self.kick(turn.session_id, turn.org_id)
         for session_id, org_id in stranded:
             self.kick(session_id, org_id)

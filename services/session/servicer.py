@@ -11,27 +11,14 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
+from services.core.context import current_org
 from services.session import views
 from services.session.domain import AgentView, SessionDomain, parse_body
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
+from services.session.states import session_status_to_proto, turn_status_to_proto
 
 __all__ = ["SessionServicer"]
-
-_SESSION_STATUS = {
-    "idle": session_pb2.SESSION_STATUS_IDLE,
-    "in_progress": session_pb2.SESSION_STATUS_IN_PROGRESS,
-    "requires_action": session_pb2.SESSION_STATUS_REQUIRES_ACTION,
-    "failed": session_pb2.SESSION_STATUS_FAILED,
-}
-_TURN_STATUS = {
-    "queued": session_pb2.TURN_STATUS_QUEUED,
-    "in_progress": session_pb2.TURN_STATUS_IN_PROGRESS,
-    "waiting": session_pb2.TURN_STATUS_WAITING,
-    "completed": session_pb2.TURN_STATUS_COMPLETED,
-    "failed": session_pb2.TURN_STATUS_FAILED,
-    "cancelled": session_pb2.TURN_STATUS_CANCELLED,
-}
 
 
 def _ts(seconds: float) -> Timestamp:
@@ -73,7 +60,7 @@ def _session(view: views.SessionView) -> session_pb2.Session:
             session_pb2.ENVIRONMENT_KIND_HOSTED if row.environment_kind == "hosted" else session_pb2.ENVIRONMENT_KIND_NONE
         ),
         environment_id=row.environment_id,
-        status=_SESSION_STATUS.get(view.status, session_pb2.SESSION_STATUS_UNSPECIFIED),
+        status=session_status_to_proto(view.status),
         error=view.error,
         required_actions_json=_dumps(view.required_actions),
         metadata=json.loads(row.metadata_json),
@@ -92,7 +79,7 @@ def _turn(row: TurnRow) -> session_pb2.Turn:
     return session_pb2.Turn(
         id=row.id,
         session_id=row.session_id,
-        status=_TURN_STATUS.get(row.status, session_pb2.TURN_STATUS_UNSPECIFIED),
+        status=turn_status_to_proto(row.status),
         turn_json=_dumps(views.turn_json(row)),
     )
 
@@ -120,43 +107,43 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # agents
     async def CreateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.create_agent(parse_body(request.body_json))
+        view = await self.domain.create_agent(current_org(), parse_body(request.body_json))
         return session_service_pb2.CreateAgentResponse(agent=_agent(view))
 
     async def GetAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetAgentResponse(agent=_agent(await self.domain.get_agent(request.agent_id)))
+        return session_service_pb2.GetAgentResponse(agent=_agent(await self.domain.get_agent(current_org(), request.agent_id)))
 
     async def ListAgents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        agents, more = await self.domain.list_agents(_page(request.page))
+        agents, more = await self.domain.list_agents(current_org(), _page(request.page))
         return session_service_pb2.ListAgentsResponse(agents=[_agent(a) for a in agents], has_more=more)
 
     async def UpdateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_agent(request.agent_id, parse_body(request.body_json))
+        view = await self.domain.update_agent(current_org(), request.agent_id, parse_body(request.body_json))
         return session_service_pb2.UpdateAgentResponse(agent=_agent(view))
 
     async def DeleteAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.DeleteAgentResponse(agent_id=await self.domain.delete_agent(request.agent_id))
+        return session_service_pb2.DeleteAgentResponse(agent_id=await self.domain.delete_agent(current_org(), request.agent_id))
 
     # sessions
     async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        created = await self.domain.create_session(parse_body(request.body_json))
+        created = await self.domain.create_session(current_org(), parse_body(request.body_json))
         return session_service_pb2.CreateSessionResponse(
             session=_session(created.view), turn_id=created.turn_id, created_sequence=created.created_sequence
         )
 
     async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetSessionResponse(session=_session(await self.domain.get_session(request.session_id)))
+        return session_service_pb2.GetSessionResponse(session=_session(await self.domain.get_session(current_org(), request.session_id)))
 
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        sessions, more = await self.domain.list_sessions(_page(request.page), request.agent_id)
+        sessions, more = await self.domain.list_sessions(current_org(), _page(request.page), request.agent_id)
         return session_service_pb2.ListSessionsResponse(sessions=[_session(s) for s in sessions], has_more=more)
 
     async def UpdateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_session(request.session_id, parse_body(request.body_json))
+        view = await self.domain.update_session(current_org(), request.session_id, parse_body(request.body_json))
         return session_service_pb2.UpdateSessionResponse(session=_session(view))
 
     async def DeleteSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.DeleteSessionResponse(session_id=await self.domain.delete_session(request.session_id))
+        return session_service_pb2.DeleteSessionResponse(session_id=await self.domain.delete_session(current_org(), request.session_id))
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -164,12 +151,12 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             events = json.loads(request.events_json or "[]")
         except ValueError:
             events = None
-        result = await self.domain.submit_events(request.session_id, events)
+        result = await self.domain.submit_events(current_org(), request.session_id, events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
     async def StreamSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         stream = await self.domain.stream_events(
-            request.session_id, request.after_sequence, follow=request.follow, keepalive_ms=request.keepalive_ms
+            current_org(), request.session_id, request.after_sequence, follow=request.follow, keepalive_ms=request.keepalive_ms
         )
         async for message in stream:
             if isinstance(message, int):
@@ -183,30 +170,30 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # turns and items
     async def ListTurns(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        turns, more = await self.domain.list_turns(request.session_id, _page(request.page))
+        turns, more = await self.domain.list_turns(current_org(), request.session_id, _page(request.page))
         return session_service_pb2.ListTurnsResponse(turns=[_turn(t) for t in turns], has_more=more)
 
     async def GetTurn(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetTurnResponse(turn=_turn(await self.domain.get_turn(request.session_id, request.turn_id)))
+        return session_service_pb2.GetTurnResponse(turn=_turn(await self.domain.get_turn(current_org(), request.session_id, request.turn_id)))
 
     async def ListItems(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        items, more = await self.domain.list_items(request.session_id, request.turn_id, _page(request.page))
+        items, more = await self.domain.list_items(current_org(), request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListItemsResponse(items=[_item(i) for i in items], has_more=more)
 
     # artifacts
     async def ListArtifacts(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        artifacts, more = await self.domain.list_artifacts(request.session_id, request.turn_id, _page(request.page))
+        artifacts, more = await self.domain.list_artifacts(current_org(), request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListArtifactsResponse(artifacts=[_artifact(a) for a in artifacts], has_more=more)
 
     async def GetArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        row = await self.domain.get_artifact(request.session_id, request.artifact_id)
+        row = await self.domain.get_artifact(current_org(), request.session_id, request.artifact_id)
         return session_service_pb2.GetArtifactResponse(artifact=_artifact(row))
 
     async def GetArtifactContent(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        chunks = await self.domain.artifact_content(request.session_id, request.artifact_id)
+        chunks = await self.domain.artifact_content(current_org(), request.session_id, request.artifact_id)
         async for chunk in chunks:
             yield session_service_pb2.GetArtifactContentResponse(data=chunk)
 
     async def DeleteArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        artifact_id = await self.domain.delete_artifact(request.session_id, request.artifact_id)
+        artifact_id = await self.domain.delete_artifact(current_org(), request.session_id, request.artifact_id)
         return session_service_pb2.DeleteArtifactResponse(artifact_id=artifact_id)

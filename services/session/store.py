@@ -225,54 +225,38 @@ class Unit:
 
 
 class Store:
-    """Runs units of work. Each transaction runs to its end in a task of its
-    own, shielded from the caller's cancellation: a turn cancel or a client
-    disconnect must never interrupt a transaction half-way (an interrupted
-    transaction would keep SQLite's write lock)."""
+    """Runs units of work through ``Database.run``: each transaction runs to
+    its end however its caller is cancelled (see services/core/db.py)."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
         self.notifier = Notifier()
-
-    async def _shielded(self, work: Awaitable[T], inflight: set[asyncio.Future[Any]] | None) -> T:
-        task = asyncio.ensure_future(work)
-        # Retrieve a late failure of a transaction whose caller went away.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        if inflight is not None:
-            inflight.add(task)
-            task.add_done_callback(inflight.discard)
-        return await asyncio.shield(task)
 
     async def transact(self, fn: Callable[[Unit], Awaitable[T]], *, inflight: set[asyncio.Future[Any]] | None = None) -> T:
         """One read-write transaction; events appended by ``fn`` wake local
         followers after commit. ``inflight`` collects the transaction while
         it runs, so a cancelled caller can wait for it to settle."""
 
-        async def run() -> T:
-            async with self.db.transaction() as session:
-                unit = Unit(session)
-                result = await fn(unit)
-                await session.flush()
-                await unit.write_events()
-            committed: dict[str, list[FedEvent]] = {}
-            for session_id, appended in unit.appended:
-                committed.setdefault(session_id, []).append(
-                    FedEvent(appended.sequence, appended.type, appended.event_json)
-                )
-            for session_id, events in committed.items():
-                self.notifier.feed(session_id, events)
-            for key in unit.wake:
-                self.notifier.notify(key)
-            return result
+        async def work(session: AsyncSession) -> tuple[T, Unit]:
+            unit = Unit(session)
+            result = await fn(unit)
+            await session.flush()
+            await unit.write_events()
+            return result, unit
 
-        return await self._shielded(run(), inflight)
+        result, _ = await self.db.run(work, inflight=inflight, after_commit=lambda done: self._publish(done[1]))
+        return result
+
+    def _publish(self, unit: Unit) -> None:
+        committed: dict[str, list[FedEvent]] = {}
+        for session_id, appended in unit.appended:
+            committed.setdefault(session_id, []).append(FedEvent(appended.sequence, appended.type, appended.event_json))
+        for session_id, events in committed.items():
+            self.notifier.feed(session_id, events)
+        for key in unit.wake:
+            self.notifier.notify(key)
 
     async def query(self, fn: Callable[[AsyncSession], Awaitable[T]]) -> T:
         """One read-only transaction. On SQLite it stays deferred (no write
         lock), so reads never queue behind writers in the busy handler."""
-
-        async def run() -> T:
-            async with self.db.transaction(read_only=True) as session:
-                return await fn(session)
-
-        return await self._shielded(run(), None)
+        return await self.db.run(fn, read_only=True)

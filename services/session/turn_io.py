@@ -43,6 +43,7 @@ from services.session.mcp_connections import (
     transport_fingerprint,
 )
 from services.session.models import FunctionCallRow, ItemRow, SessionRow
+from services.session.states import SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 
 __all__ = ["DbTurnIO", "OUTPUT_ITEM_TYPES", "function_output_text"]
@@ -430,26 +431,26 @@ class DbTurnIO:
                 self._transcript[out_handle.id] = entries
                 events.append(self._added(out_handle, out_full))
             if waited:
-                await repo.set_turn_status(u.session, self.turn_id, ("waiting",), status="in_progress")
+                await repo.set_turn_status(u.session, self.turn_id, (TurnStatus.WAITING,), status=TurnStatus.IN_PROGRESS)
                 await u.session.execute(
                     update(SessionRow)
                     .where(SessionRow.id == self.session_id, SessionRow.active_turn_id == self.turn_id)
-                    .values(status="in_progress", last_active_at=time.time())
+                    .values(status=SessionStatus.IN_PROGRESS, last_active_at=time.time())
                 )
-                events.append(await self._session_event(u, "agent.session.in_progress", "in_progress"))
+                events.append(await self._session_event(u, "agent.session.in_progress", SessionStatus.IN_PROGRESS))
             await self._append(u, events)
 
         await self._transact(record)
         return results
 
     async def _start_waiting(self, u: Unit) -> None:
-        await repo.set_turn_status(u.session, self.turn_id, ("in_progress",), status="waiting")
+        await repo.set_turn_status(u.session, self.turn_id, (TurnStatus.IN_PROGRESS,), status=TurnStatus.WAITING)
         await u.session.execute(
             update(SessionRow)
             .where(SessionRow.id == self.session_id, SessionRow.active_turn_id == self.turn_id)
-            .values(status="requires_action", last_active_at=time.time())
+            .values(status=SessionStatus.REQUIRES_ACTION, last_active_at=time.time())
         )
-        await self._append(u, [await self._session_event(u, "agent.session.requires_action", "requires_action")])
+        await self._append(u, [await self._session_event(u, "agent.session.requires_action", SessionStatus.REQUIRES_ACTION)])
 
     # ----- the environment ------------------------------------------------------
     def sandbox_failure(self, exc: BaseException) -> TurnFailure:

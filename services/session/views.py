@@ -13,6 +13,7 @@ from services.session import repository as repo
 from services.session import wire
 from services.session.agents import AgentConfig, render_session_agent
 from services.session.models import ArtifactRow, SessionRow, TurnRow
+from services.session.states import SessionStatus
 
 __all__ = [
     "SessionView",
@@ -53,7 +54,7 @@ def effective_status(row: SessionRow, env: environment_pb2.Environment | None) -
     """A failed environment setup is reported on the session, whatever it is doing."""
     if env is not None and env.status == environment_pb2.ENVIRONMENT_STATUS_FAILED:
         message = env.error.message or row.error or "environment setup failed"
-        return "failed", message
+        return SessionStatus.FAILED, message
     return row.status, row.error
 
 

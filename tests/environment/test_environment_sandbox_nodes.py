@@ -37,7 +37,7 @@ from services.core.grpc_server import open_channel
 from services.core.settings import normalize_database_url
 from services.environment import repository as repo
 from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, SandboxClient
-from services.environment.models import STATUS_PENDING, EnvironmentRow
+from services.environment.models import EnvironmentRow
 from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import (
     REASON_ENVIRONMENT_NOT_FOUND,
@@ -45,6 +45,7 @@ from services.environment.sandbox_reconciler import (
     ReapedSandbox,
     SandboxReconciler,
 )
+from services.environment.states import EnvironmentStatus
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "environment" / "migrations" / "versions"
 READY = environment_pb2.ENVIRONMENT_STATUS_READY
@@ -343,7 +344,7 @@ async def test_a_copy_on_another_node_is_kept_while_it_may_be_the_environments_o
     await labelled_sandbox(sandbox_nodes, deferred_elsewhere, deferred.sandbox_id, deferred.id)
     db = await opened.database(sqlite_url)
     async with db.transaction() as s:
-        await s.execute(sa.update(EnvironmentRow).where(EnvironmentRow.id == deferred.id).values(status=STATUS_PENDING))
+        await s.execute(sa.update(EnvironmentRow).where(EnvironmentRow.id == deferred.id).values(status=EnvironmentStatus.PENDING))
     reconciler = SandboxReconciler(db, opened.inventory(), interval_s=3600, grace_s=0)
     assert await reconciler.reconcile() == []
     assert await sandbox_nodes.holds("b", unnamed.sandbox_id)

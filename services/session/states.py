@@ -1,0 +1,94 @@
+"""The states of sessions and turns, and their one mapping to the proto enums.
+
+The values are the strings stored in the ``status`` columns (and shown in the
+public API), so a member compares and serializes as its string.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from berth.session.v1 import session_pb2
+
+__all__ = [
+    "SessionStatus",
+    "TurnStatus",
+    "ACTIVE_TURN_STATUSES",
+    "RUNNING_TURN_STATUSES",
+    "session_status_to_proto",
+    "session_status_from_proto",
+    "turn_status_to_proto",
+    "turn_status_from_proto",
+]
+
+
+class SessionStatus(StrEnum):
+    IDLE = "idle"
+    IN_PROGRESS = "in_progress"
+    REQUIRES_ACTION = "requires_action"
+    FAILED = "failed"
+    # Internal: DeleteSession is tearing the session down. Such a session is
+    # never listed or shown, and has no public status.
+    DELETING = "deleting"
+
+
+class TurnStatus(StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# A turn that has not ended.
+ACTIVE_TURN_STATUSES = (TurnStatus.QUEUED, TurnStatus.IN_PROGRESS, TurnStatus.WAITING)
+# A turn a worker has started and not ended: it holds a lease.
+RUNNING_TURN_STATUSES = (TurnStatus.IN_PROGRESS, TurnStatus.WAITING)
+
+_SESSION_TO_PROTO: dict[SessionStatus, session_pb2.SessionStatus.ValueType] = {
+    SessionStatus.IDLE: session_pb2.SESSION_STATUS_IDLE,
+    SessionStatus.IN_PROGRESS: session_pb2.SESSION_STATUS_IN_PROGRESS,
+    SessionStatus.REQUIRES_ACTION: session_pb2.SESSION_STATUS_REQUIRES_ACTION,
+    SessionStatus.FAILED: session_pb2.SESSION_STATUS_FAILED,
+    SessionStatus.DELETING: session_pb2.SESSION_STATUS_UNSPECIFIED,
+}
+_SESSION_FROM_PROTO = {v: k for k, v in _SESSION_TO_PROTO.items() if v != session_pb2.SESSION_STATUS_UNSPECIFIED}
+
+_TURN_TO_PROTO: dict[TurnStatus, session_pb2.TurnStatus.ValueType] = {
+    TurnStatus.QUEUED: session_pb2.TURN_STATUS_QUEUED,
+    TurnStatus.IN_PROGRESS: session_pb2.TURN_STATUS_IN_PROGRESS,
+    TurnStatus.WAITING: session_pb2.TURN_STATUS_WAITING,
+    TurnStatus.COMPLETED: session_pb2.TURN_STATUS_COMPLETED,
+    TurnStatus.FAILED: session_pb2.TURN_STATUS_FAILED,
+    TurnStatus.CANCELLED: session_pb2.TURN_STATUS_CANCELLED,
+}
+_TURN_FROM_PROTO = {v: k for k, v in _TURN_TO_PROTO.items()}
+
+
+def session_status_to_proto(status: str) -> session_pb2.SessionStatus.ValueType:
+    """A stored or shown status (a ``SessionStatus`` value) as the proto
+    enum; an unknown string is ``SESSION_STATUS_UNSPECIFIED``."""
+    try:
+        return _SESSION_TO_PROTO[SessionStatus(status)]
+    except ValueError:
+        return session_pb2.SESSION_STATUS_UNSPECIFIED
+
+
+def session_status_from_proto(status: session_pb2.SessionStatus.ValueType) -> SessionStatus:
+    """Raises ``KeyError`` for ``SESSION_STATUS_UNSPECIFIED``."""
+    return _SESSION_FROM_PROTO[status]
+
+
+def turn_status_to_proto(status: str) -> session_pb2.TurnStatus.ValueType:
+    """A stored status (a ``TurnStatus`` value) as the proto enum; an
+    unknown string is ``TURN_STATUS_UNSPECIFIED``."""
+    try:
+        return _TURN_TO_PROTO[TurnStatus(status)]
+    except ValueError:
+        return session_pb2.TURN_STATUS_UNSPECIFIED
+
+
+def turn_status_from_proto(status: session_pb2.TurnStatus.ValueType) -> TurnStatus:
+    """Raises ``KeyError`` for ``TURN_STATUS_UNSPECIFIED``."""
+    return _TURN_FROM_PROTO[status]
