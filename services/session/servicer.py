@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
+from services.core.wire_json import to_message, to_wire
 from services.session import views
 from services.session.domain import AgentView, SessionDomain, parse_body
 from services.session.models import ArtifactRow, ItemRow, TurnRow
@@ -23,14 +24,6 @@ _SESSION_STATUS = {
     "in_progress": session_pb2.SESSION_STATUS_IN_PROGRESS,
     "requires_action": session_pb2.SESSION_STATUS_REQUIRES_ACTION,
     "failed": session_pb2.SESSION_STATUS_FAILED,
-}
-_TURN_STATUS = {
-    "queued": session_pb2.TURN_STATUS_QUEUED,
-    "in_progress": session_pb2.TURN_STATUS_IN_PROGRESS,
-    "waiting": session_pb2.TURN_STATUS_WAITING,
-    "completed": session_pb2.TURN_STATUS_COMPLETED,
-    "failed": session_pb2.TURN_STATUS_FAILED,
-    "cancelled": session_pb2.TURN_STATUS_CANCELLED,
 }
 
 
@@ -89,16 +82,15 @@ def _session(view: views.SessionView) -> session_pb2.Session:
 
 
 def _turn(row: TurnRow) -> session_pb2.Turn:
-    return session_pb2.Turn(
-        id=row.id,
-        session_id=row.session_id,
-        status=_TURN_STATUS.get(row.status, session_pb2.TURN_STATUS_UNSPECIFIED),
-        turn_json=_dumps(views.turn_json(row)),
-    )
+    return to_message(views.turn_json(row), session_pb2.Turn())
 
 
 def _item(row: ItemRow) -> session_pb2.Item:
-    return session_pb2.Item(id=row.id, session_id=row.session_id, turn_id=row.turn_id, type=row.type, item_json=row.item_json)
+    return to_message(json.loads(row.item_json), session_pb2.Item(session_id=row.session_id))
+
+
+def _event(sequence: int, event_json: str) -> session_pb2.SessionEvent:
+    return to_message(json.loads(event_json), session_pb2.SessionEvent(sequence=sequence))
 
 
 def _artifact(row: ArtifactRow) -> session_pb2.Artifact:
@@ -160,10 +152,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            events = json.loads(request.events_json or "[]")
-        except ValueError:
-            events = None
+        events = [to_wire(e, nulls=False) for e in request.events]
         result = await self.domain.submit_events(request.session_id, events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
@@ -177,7 +166,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             else:
                 yield session_service_pb2.StreamSessionEventsResponse(
                     batch=session_service_pb2.SessionEventBatch(
-                        events=[session_pb2.SessionEvent(sequence=q, type=t, event_json=j) for q, t, j in message]
+                        events=[_event(q, j) for q, _, j in message]
                     )
                 )
 

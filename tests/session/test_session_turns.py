@@ -16,6 +16,7 @@ from openai.types.beta.agents.sessions.turn import Turn
 from pydantic import TypeAdapter
 
 from berth.session.v1 import session_pb2, session_service_pb2
+from services.core.wire_json import to_wire
 
 NONE_ENV = {"type": "none"}
 HOSTED = {"type": "openai_hosted"}
@@ -380,7 +381,7 @@ async def test_turns_are_listed_and_render_as_sdk_turns(client: Any) -> None:
         metadata=client.md,
     )
     assert [t.id for t in response.turns] == [second] and response.has_more
-    turn = Turn.model_validate(json.loads(response.turns[0].turn_json))
+    turn = Turn.model_validate(to_wire(response.turns[0]))
     assert turn.status == "completed" and turn.completed_at is not None and turn.subagent_id is None
     older = await client.stub.ListTurns(
         session_service_pb2.ListTurnsRequest(session_id=session_id, page=session_service_pb2.PageRequest(limit=1, after=second)),

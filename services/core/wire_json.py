@@ -1,0 +1,240 @@
+"""The one mapping between contract messages and Agents API wire JSON.
+
+Contract messages name their fields like the public JSON, so one descriptor
+walk converts both ways; the options in ``berth/common/v1/wire.proto`` cover
+the rest:
+
+* A message with a ``type`` field and a oneof is a discriminated union: the
+  oneof member whose wire type (``wire_type``, else the field name) equals
+  ``type`` holds the remaining keys, flattened into the one JSON object.
+* ``wire_omit`` fields are contract-only; ``wire_object`` is the constant
+  ``object`` key.
+* Fields with presence (``optional`` scalars, messages) that are unset are
+  ``null``; repeated fields are lists; enums are their value names without
+  the enum prefix, lower-cased (``TURN_STATUS_QUEUED`` -> ``"queued"``);
+  ``google.protobuf.Value``/``Struct``/``ListValue`` carry opaque JSON.
+
+``to_message`` rejects keys the contract does not know, so no field is
+dropped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cache
+from typing import Any, TypeVar
+
+from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from berth.common.v1 import wire_pb2
+
+__all__ = ["to_message", "to_wire"]
+
+M = TypeVar("M", bound=Message)
+
+# Descriptors come from the C extension (upb), whose stubs differ from the
+# pure-Python classes; they are handled untyped here.
+Descriptor = Any
+EnumDescriptor = Any
+OneofDescriptor = Any
+Field = Any
+
+_OPAQUE = frozenset({"google.protobuf.Value", "google.protobuf.Struct", "google.protobuf.ListValue"})
+
+
+def _is_message(field: Field) -> bool:
+    return bool(field.type == FieldDescriptor.TYPE_MESSAGE)
+
+
+def _is_repeated(field: Field) -> bool:
+    return bool(field.is_repeated)
+
+
+def _is_map(field: Field) -> bool:
+    return _is_message(field) and bool(field.message_type.GetOptions().map_entry)
+
+
+def _omit(field: Field) -> bool:
+    return bool(field.GetOptions().Extensions[wire_pb2.wire_omit])
+
+
+@cache
+def _union(descriptor: Descriptor) -> OneofDescriptor | None:
+    """The discriminated oneof of a message, if it is a union."""
+    if "type" not in descriptor.fields_by_name:
+        return None
+    for oneof in descriptor.oneofs:
+        synthetic = len(oneof.fields) == 1 and oneof.name == "_" + oneof.fields[0].name
+        if not synthetic:
+            return oneof
+    return None
+
+
+@cache
+def _members(oneof: OneofDescriptor) -> dict[str, Field]:
+    """Wire type -> oneof member."""
+    return {(f.GetOptions().Extensions[wire_pb2.wire_type] or f.name): f for f in oneof.fields}
+
+
+@cache
+def _wire_types(oneof: OneofDescriptor) -> dict[str, str]:
+    """Oneof member name -> wire type."""
+    return {f.name: t for t, f in _members(oneof).items()}
+
+
+def _object(descriptor: Descriptor) -> str:
+    return str(descriptor.GetOptions().Extensions[wire_pb2.wire_object])
+
+
+@cache
+def _enum_prefix(enum: EnumDescriptor) -> str:
+    first = enum.values[0].name
+    return first[: -len("UNSPECIFIED")] if first.endswith("UNSPECIFIED") else ""
+
+
+def _ints(value: Any) -> Any:
+    """Opaque JSON from Struct/Value: whole numbers back to ints (Struct keeps
+    every number as a double)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    return value
+
+
+# ----- proto -> JSON -----------------------------------------------------------------------
+
+
+def _scalar_out(field: Field, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        enum = field.enum_type
+        name = enum.values_by_number[value].name if value in enum.values_by_number else ""
+        prefix = _enum_prefix(enum)
+        return name[len(prefix) :].lower() if name.startswith(prefix) else name.lower()
+    return value
+
+
+_UNSET = object()
+
+
+def _message_out(message: Message, nulls: bool) -> Any:
+    if message.DESCRIPTOR.full_name in _OPAQUE:
+        return _ints(json_format.MessageToDict(message))
+    return to_wire(message, nulls=nulls)
+
+
+def _field_out(message: Message, field: Field, nulls: bool) -> Any:
+    value = getattr(message, field.name)
+    if _is_map(field):
+        value_field = field.message_type.fields_by_name["value"]
+        if _is_message(value_field):
+            return {k: _message_out(v, nulls) for k, v in value.items()}
+        return {k: _scalar_out(value_field, v) for k, v in value.items()}
+    if _is_repeated(field):
+        if _is_message(field):
+            return [_message_out(v, nulls) for v in value]
+        return [_scalar_out(field, v) for v in value]
+    if field.has_presence and not message.HasField(field.name):
+        return None if nulls else _UNSET
+    if _is_message(field):
+        return _message_out(value, nulls)
+    return _scalar_out(field, value)
+
+
+def to_wire(message: Message, *, nulls: bool = True) -> dict[str, Any]:
+    """The public JSON object of a contract message. Unset fields with
+    presence are ``null``, or left out with ``nulls=False`` (the form a
+    client sent, where absent and null mean the same)."""
+    descriptor = message.DESCRIPTOR
+    union = _union(descriptor)
+    kind = _object(descriptor)
+    out: dict[str, Any] = {"object": kind} if kind else {}
+    for field in descriptor.fields:
+        if _omit(field) or (union is not None and field.containing_oneof is union):
+            continue
+        value = _field_out(message, field, nulls)
+        if value is not _UNSET:
+            out[field.name] = value
+    if union is not None:
+        member = message.WhichOneof(union.name)
+        if member is not None:
+            out["type"] = _wire_types(union)[member]
+            out.update(to_wire(getattr(message, member), nulls=nulls))
+    return out
+
+
+# ----- JSON -> proto -----------------------------------------------------------------------
+
+
+def _scalar_in(field: Field, value: Any, where: str) -> Any:
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        name = _enum_prefix(field.enum_type) + str(value).upper()
+        enum_value = field.enum_type.values_by_name.get(name)
+        if enum_value is None:
+            raise ValueError(f"{where}: unknown value {value!r}")
+        return enum_value.number
+    return value
+
+
+def _message_in(value: Any, target: Message, where: str) -> None:
+    if target.DESCRIPTOR.full_name in _OPAQUE:
+        json_format.ParseDict(value, target)
+    else:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: expected an object")
+        to_message(value, target, where=where)
+
+
+def _field_in(message: Message, field: Field, value: Any, where: str) -> None:
+    if value is None:
+        return  # unset: null on the way out
+    target = getattr(message, field.name)
+    if _is_map(field):
+        value_field = field.message_type.fields_by_name["value"]
+        for k, v in dict(value).items():
+            if _is_message(value_field):
+                _message_in(v, target[k], f"{where}.{k}")
+            else:
+                target[k] = _scalar_in(value_field, v, f"{where}.{k}")
+    elif _is_repeated(field):
+        for i, v in enumerate(value):
+            if _is_message(field):
+                _message_in(v, target.add(), f"{where}[{i}]")
+            else:
+                target.append(_scalar_in(field, v, f"{where}[{i}]"))
+    elif _is_message(field):
+        target.SetInParent()
+        _message_in(value, target, where)
+    else:
+        setattr(message, field.name, _scalar_in(field, value, where))
+
+
+def to_message(data: Mapping[str, Any], message: M, *, where: str = "$") -> M:
+    """Fills ``message`` from a public JSON object and returns it. Raises
+    ValueError for keys or union types the contract does not know."""
+    descriptor = message.DESCRIPTOR
+    union = _union(descriptor)
+    kind = _object(descriptor)
+    rest: dict[str, Any] = {}
+    for key, value in data.items():
+        field = descriptor.fields_by_name.get(key)
+        if key == "object" and kind and field is None:
+            continue
+        if field is None or (union is not None and field.containing_oneof is union):
+            rest[key] = value
+            continue
+        _field_in(message, field, value, f"{where}.{key}")
+    if union is not None:
+        member = _members(union).get(str(data.get("type")))
+        if member is None:
+            raise ValueError(f"{where}.type: unknown type {data.get('type')!r}")
+        payload = getattr(message, member.name)
+        payload.SetInParent()
+        to_message(rest, payload, where=where)
+    elif rest:
+        raise ValueError(f"{where}: unknown keys {sorted(rest)}")
+    return message
