@@ -260,9 +260,9 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "environment": rendered_env,
         "error": s.error or None,
         "metadata": dict(s.metadata),
-        "required_actions": json_or(s.required_actions_json, []),
+        "required_actions": [to_wire(a) for a in s.required_actions],
         "status": _SESSION_STATUS.get(s.status, "idle"),
-        "usage": json_or(s.usage_json, None),
+        "usage": to_wire(s.usage) if s.HasField("usage") else None,
         "vault_ids": list(s.vault_ids),
     }
 

@@ -68,14 +68,16 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         environment_id=row.environment_id,
         status=_SESSION_STATUS.get(view.status, session_pb2.SESSION_STATUS_UNSPECIFIED),
         error=view.error,
-        required_actions_json=_dumps(view.required_actions),
         metadata=json.loads(row.metadata_json),
         vault_ids=json.loads(row.vault_ids_json),
         create_time=_ts(row.created_at),
         last_active_time=_ts(row.last_active_at),
-        usage_json=row.usage_json,
         last_sequence=row.event_seq,
     )
+    for action in view.required_actions:
+        to_message(action, message.required_actions.add())
+    if row.usage_json:
+        to_message(json.loads(row.usage_json), message.usage)
     if view.environment is not None:
         message.environment.CopyFrom(view.environment)
     return message

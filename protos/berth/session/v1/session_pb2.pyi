@@ -231,14 +231,14 @@ class Session(_message.Message):
     ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
-    REQUIRED_ACTIONS_JSON_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     VAULT_IDS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     LAST_ACTIVE_TIME_FIELD_NUMBER: _builtins.int
-    USAGE_JSON_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_FIELD_NUMBER: _builtins.int
     LAST_SEQUENCE_FIELD_NUMBER: _builtins.int
+    REQUIRED_ACTIONS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("sess_...")."""
     org_id: _builtins.str
@@ -255,10 +255,6 @@ class Session(_message.Message):
     """Status."""
     error: _builtins.str
     """Error message when failed."""
-    required_actions_json: _builtins.str
-    """Pending required actions as a wire JSON array."""
-    usage_json: _builtins.str
-    """Token usage as wire JSON, empty when unknown."""
     last_sequence: _builtins.int
     """Sequence number of the newest persisted event; a live subscription
     starts after it.
@@ -283,6 +279,14 @@ class Session(_message.Message):
     def environment(self) -> _environment_pb2.Environment:
         """The environment resource, when hosted."""
 
+    @_builtins.property
+    def required_actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequiredAction]:
+        """Function calls a waiting turn needs answered; empty otherwise."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Token usage over the session's turns; unset when unknown."""
+
     def __init__(
         self,
         *,
@@ -294,18 +298,18 @@ class Session(_message.Message):
         environment_id: _builtins.str = ...,
         status: Global___SessionStatus.ValueType = ...,
         error: _builtins.str = ...,
-        required_actions_json: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         vault_ids: _abc.Iterable[_builtins.str] | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         last_active_time: _timestamp_pb2.Timestamp | None = ...,
-        usage_json: _builtins.str = ...,
         environment: _environment_pb2.Environment | None = ...,
         last_sequence: _builtins.int = ...,
+        required_actions: _abc.Iterable[Global___RequiredAction] | None = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_json", b"agent_json", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions_json", b"required_actions_json", "status", b"status", "usage_json", b"usage_json", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_json", b"agent_json", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions", b"required_actions", "status", b"status", "usage", b"usage", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
