@@ -21,6 +21,7 @@ dropped silently.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, TypeVar
 
@@ -109,16 +110,56 @@ def _ints(value: Any) -> Any:
 # ----- proto -> JSON -----------------------------------------------------------------------
 
 
-def _scalar_out(field: Field, value: Any) -> Any:
-    if field.type == FieldDescriptor.TYPE_ENUM:
-        enum = field.enum_type
-        name = enum.values_by_number[value].name if value in enum.values_by_number else ""
-        prefix = _enum_prefix(enum)
-        return name[len(prefix) :].lower() if name.startswith(prefix) else name.lower()
-    return value
-
-
 _UNSET = object()
+
+
+@dataclass(frozen=True)
+class _Out:
+    """How one field is rendered; computed once per message type."""
+
+    name: str
+    map: bool
+    repeated: bool
+    presence: bool
+    message: bool
+    enum: Mapping[int, str] | None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    object: str
+    fields: tuple[_Out, ...]
+    union: str | None
+    wire_types: Mapping[str, str]
+
+
+@cache
+def _enum_names(enum: EnumDescriptor) -> dict[int, str]:
+    prefix = _enum_prefix(enum)
+    return {v.number: (v.name[len(prefix) :] if v.name.startswith(prefix) else v.name).lower() for v in enum.values}
+
+
+def _out(field: Field) -> _Out:
+    is_map = _is_map(field)
+    value_field = field.message_type.fields_by_name["value"] if is_map else field
+    enum = value_field.enum_type if value_field.type == FieldDescriptor.TYPE_ENUM else None
+    return _Out(
+        name=field.name,
+        map=is_map,
+        repeated=_is_repeated(field),
+        presence=bool(field.has_presence),
+        message=_is_message(value_field),
+        enum=_enum_names(enum) if enum is not None else None,
+    )
+
+
+@cache
+def _plan(descriptor: Descriptor) -> _Plan:
+    union = _union(descriptor)
+    fields = tuple(
+        _out(f) for f in descriptor.fields if not _omit(f) and not (union is not None and f.containing_oneof is union)
+    )
+    return _Plan(_object(descriptor), fields, union.name if union is not None else None, _wire_types(union) if union else {})
 
 
 def _message_out(message: Message, nulls: bool) -> Any:
@@ -127,42 +168,41 @@ def _message_out(message: Message, nulls: bool) -> Any:
     return to_wire(message, nulls=nulls)
 
 
-def _field_out(message: Message, field: Field, nulls: bool) -> Any:
-    value = getattr(message, field.name)
-    if _is_map(field):
-        value_field = field.message_type.fields_by_name["value"]
-        if _is_message(value_field):
+def _scalar_out(out: _Out, value: Any) -> Any:
+    return out.enum.get(value, "") if out.enum is not None else value
+
+
+def _field_out(message: Message, out: _Out, nulls: bool) -> Any:
+    value = getattr(message, out.name)
+    if out.map:
+        if out.message:
             return {k: _message_out(v, nulls) for k, v in value.items()}
-        return {k: _scalar_out(value_field, v) for k, v in value.items()}
-    if _is_repeated(field):
-        if _is_message(field):
+        return {k: _scalar_out(out, v) for k, v in value.items()}
+    if out.repeated:
+        if out.message:
             return [_message_out(v, nulls) for v in value]
-        return [_scalar_out(field, v) for v in value]
-    if field.has_presence and not message.HasField(field.name):
+        return [_scalar_out(out, v) for v in value]
+    if out.presence and not message.HasField(out.name):
         return None if nulls else _UNSET
-    if _is_message(field):
+    if out.message:
         return _message_out(value, nulls)
-    return _scalar_out(field, value)
+    return _scalar_out(out, value)
 
 
 def to_wire(message: Message, *, nulls: bool = True) -> dict[str, Any]:
     """The public JSON object of a contract message. Unset fields with
     presence are ``null``, or left out with ``nulls=False`` (the form a
     client sent, where absent and null mean the same)."""
-    descriptor = message.DESCRIPTOR
-    union = _union(descriptor)
-    kind = _object(descriptor)
-    out: dict[str, Any] = {"object": kind} if kind else {}
-    for field in descriptor.fields:
-        if _omit(field) or (union is not None and field.containing_oneof is union):
-            continue
+    plan = _plan(message.DESCRIPTOR)
+    out: dict[str, Any] = {"object": plan.object} if plan.object else {}
+    for field in plan.fields:
         value = _field_out(message, field, nulls)
         if value is not _UNSET:
             out[field.name] = value
-    if union is not None:
-        member = message.WhichOneof(union.name)
+    if plan.union is not None:
+        member = message.WhichOneof(plan.union)
         if member is not None:
-            out["type"] = _wire_types(union)[member]
+            out["type"] = plan.wire_types[member]
             out.update(to_wire(getattr(message, member), nulls=nulls))
     return out
 
