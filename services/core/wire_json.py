@@ -123,6 +123,7 @@ class _Out:
     presence: bool
     message: bool
     enum: Mapping[int, str] | None
+    enum_in: Mapping[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -143,13 +144,15 @@ def _out(field: Field) -> _Out:
     is_map = _is_map(field)
     value_field = field.message_type.fields_by_name["value"] if is_map else field
     enum = value_field.enum_type if value_field.type == FieldDescriptor.TYPE_ENUM else None
+    names = _enum_names(enum) if enum is not None else None
     return _Out(
         name=field.name,
         map=is_map,
         repeated=_is_repeated(field),
         presence=bool(field.has_presence),
         message=_is_message(value_field),
-        enum=_enum_names(enum) if enum is not None else None,
+        enum=names,
+        enum_in={name: number for number, name in names.items()} if names is not None else None,
     )
 
 
@@ -210,71 +213,87 @@ def to_wire(message: Message, *, nulls: bool = True) -> dict[str, Any]:
 # ----- JSON -> proto -----------------------------------------------------------------------
 
 
-def _scalar_in(field: Field, value: Any, where: str) -> Any:
-    if field.type == FieldDescriptor.TYPE_ENUM:
-        name = _enum_prefix(field.enum_type) + str(value).upper()
-        enum_value = field.enum_type.values_by_name.get(name)
-        if enum_value is None:
-            raise ValueError(f"{where}: unknown value {value!r}")
-        return enum_value.number
-    return value
+@dataclass(frozen=True)
+class _InPlan:
+    object: str
+    fields: Mapping[str, _Out]
+    union: Mapping[str, str] | None  # wire type -> oneof member
 
 
-def _message_in(value: Any, target: Message, where: str) -> None:
+@cache
+def _in_plan(descriptor: Descriptor) -> _InPlan:
+    union = _union(descriptor)
+    fields = {
+        f.name: _out(f) for f in descriptor.fields if not (union is not None and f.containing_oneof is union)
+    }
+    members = {t: f.name for t, f in _members(union).items()} if union is not None else None
+    return _InPlan(_object(descriptor), fields, members)
+
+
+def _scalar_in(out: _Out, value: Any) -> Any:
+    if out.enum_in is None:
+        return value
+    number = out.enum_in.get(value)
+    if number is None:
+        raise ValueError(f"unknown value {value!r}")
+    return number
+
+
+def _message_in(value: Any, target: Message) -> None:
     if target.DESCRIPTOR.full_name in _OPAQUE:
         json_format.ParseDict(value, target)
+    elif isinstance(value, Mapping):
+        to_message(value, target)
     else:
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: expected an object")
-        to_message(value, target, where=where)
+        raise ValueError("expected an object")
 
 
-def _field_in(message: Message, field: Field, value: Any, where: str) -> None:
-    if value is None:
-        return  # unset: null on the way out
-    target = getattr(message, field.name)
-    if _is_map(field):
-        value_field = field.message_type.fields_by_name["value"]
+def _field_in(message: Message, out: _Out, value: Any) -> None:
+    target = getattr(message, out.name)
+    if out.map:
         for k, v in dict(value).items():
-            if _is_message(value_field):
-                _message_in(v, target[k], f"{where}.{k}")
+            if out.message:
+                _message_in(v, target[k])
             else:
-                target[k] = _scalar_in(value_field, v, f"{where}.{k}")
-    elif _is_repeated(field):
-        for i, v in enumerate(value):
-            if _is_message(field):
-                _message_in(v, target.add(), f"{where}[{i}]")
+                target[k] = _scalar_in(out, v)
+    elif out.repeated:
+        for v in value:
+            if out.message:
+                _message_in(v, target.add())
             else:
-                target.append(_scalar_in(field, v, f"{where}[{i}]"))
-    elif _is_message(field):
+                target.append(_scalar_in(out, v))
+    elif out.message:
         target.SetInParent()
-        _message_in(value, target, where)
+        _message_in(value, target)
     else:
-        setattr(message, field.name, _scalar_in(field, value, where))
+        setattr(message, out.name, _scalar_in(out, value))
 
 
-def to_message(data: Mapping[str, Any], message: M, *, where: str = "$") -> M:
+def to_message(data: Mapping[str, Any], message: M) -> M:
     """Fills ``message`` from a public JSON object and returns it. Raises
-    ValueError for keys or union types the contract does not know."""
-    descriptor = message.DESCRIPTOR
-    union = _union(descriptor)
-    kind = _object(descriptor)
+    ValueError, naming the path, for keys, union types or values the
+    contract does not know."""
+    plan = _in_plan(message.DESCRIPTOR)
     rest: dict[str, Any] = {}
     for key, value in data.items():
-        field = descriptor.fields_by_name.get(key)
-        if key == "object" and kind and field is None:
+        out = plan.fields.get(key)
+        if out is None:
+            if not (key == "object" and plan.object):
+                rest[key] = value
             continue
-        if field is None or (union is not None and field.containing_oneof is union):
-            rest[key] = value
-            continue
-        _field_in(message, field, value, f"{where}.{key}")
-    if union is not None:
-        member = _members(union).get(str(data.get("type")))
+        if value is None:
+            continue  # unset: null on the way out
+        try:
+            _field_in(message, out, value)
+        except (ValueError, TypeError, json_format.ParseError) as exc:
+            raise ValueError(f"{key}: {exc}") from exc
+    if plan.union is not None:
+        member = plan.union.get(str(data.get("type")))
         if member is None:
-            raise ValueError(f"{where}.type: unknown type {data.get('type')!r}")
-        payload = getattr(message, member.name)
+            raise ValueError(f"type: unknown type {data.get('type')!r}")
+        payload = getattr(message, member)
         payload.SetInParent()
-        to_message(rest, payload, where=where)
+        to_message(rest, payload)
     elif rest:
-        raise ValueError(f"{where}: unknown keys {sorted(rest)}")
+        raise ValueError(f"unknown keys {sorted(rest)}")
     return message
