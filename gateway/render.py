@@ -9,7 +9,7 @@ inline file or archive bytes are never rendered.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -17,6 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
+from services.core.wire_json import to_wire
 
 __all__ = [
     "seconds",
@@ -29,6 +30,9 @@ __all__ = [
     "agent",
     "session",
     "artifact",
+    "turn",
+    "item",
+    "event",
     "deleted",
     "cursor_page",
     "json_or",
@@ -256,9 +260,9 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "environment": rendered_env,
         "error": s.error or None,
         "metadata": dict(s.metadata),
-        "required_actions": json_or(s.required_actions_json, []),
+        "required_actions": [to_wire(a) for a in s.required_actions],
         "status": _SESSION_STATUS.get(s.status, "idle"),
-        "usage": json_or(s.usage_json, None),
+        "usage": to_wire(s.usage) if s.HasField("usage") else None,
         "vault_ids": list(s.vault_ids),
     }
 
@@ -277,6 +281,21 @@ def artifact(a: session_pb2.Artifact) -> dict[str, Any]:
     }
 
 
+def turn(t: session_pb2.Turn) -> dict[str, Any]:
+    """``Turn`` (object ``agent.session.turn``)."""
+    return to_wire(t)
+
+
+def item(i: session_pb2.Item) -> dict[str, Any]:
+    """``AgentSessionItem``: one member per item type."""
+    return to_wire(i)
+
+
+def event(e: session_pb2.SessionEvent) -> dict[str, Any]:
+    """``AgentSessionEvent``: the envelope and the payload of its type."""
+    return to_wire(e)
+
+
 def deleted(object_id: str, object_type: str) -> dict[str, Any]:
     return {"id": object_id, "object": object_type, "deleted": True}
 
@@ -291,9 +310,3 @@ def cursor_page(data: Sequence[dict[str, Any]], has_more: bool) -> dict[str, Any
         "has_more": has_more,
     }
 
-
-def json_items(texts: Iterable[str]) -> list[dict[str, Any]]:
-    return [json.loads(t) for t in texts]
-
-
-__all__ += ["json_items"]

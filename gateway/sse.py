@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
+from gateway import render
 from gateway.errors import map_rpc_error
 from services.core.ids import new_id
 from services.core.logging import get_logger
@@ -60,9 +61,7 @@ log = get_logger("berth.gateway.sse")
 KEEPALIVE = b": ping\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-_TURN_END_TYPES = frozenset(
-    {"agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled"}
-)
+_TURN_END_PAYLOADS = frozenset({"turn_completed", "turn_failed", "turn_cancelled"})
 
 
 def format_event(sequence: int | None, event_type: str, data: str) -> bytes:
@@ -85,28 +84,24 @@ class CreateStreamBoundary:
     turn_ended: bool = field(default=False, init=False)
 
     def reached(self, event: session_pb2.SessionEvent) -> bool:
-        kind = event.type
-        if kind == "agent.session.failed":
+        kind = event.WhichOneof("payload")
+        if kind == "failed":
             return True
-        if kind == "agent.session.idle":
+        if kind == "idle":
             return self.turn_ended
-        if kind == "agent.session.turn.created" and not self.root_turn_id:
-            payload = _payload(event)
-            turn = payload.get("turn") or {}
-            if isinstance(turn, dict) and turn.get("subagent_id") is None:
-                self.root_turn_id = str(payload.get("turn_id") or turn.get("id") or "")
-        elif kind in _TURN_END_TYPES and self.root_turn_id:
-            if _payload(event).get("turn_id") == self.root_turn_id:
+        if kind == "turn_created" and not self.root_turn_id:
+            created = event.turn_created
+            if not created.turn.HasField("subagent_id"):
+                self.root_turn_id = created.turn_id or created.turn.id
+        elif kind in _TURN_END_PAYLOADS and self.root_turn_id:
+            ended: session_pb2.TurnEndedEvent = getattr(event, kind)
+            if ended.turn_id == self.root_turn_id:
                 self.turn_ended = True
         return False
 
 
-def _payload(event: session_pb2.SessionEvent) -> dict[str, object]:
-    try:
-        value = json.loads(event.event_json)
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _error_event(session_id: str, exc: grpc.RpcError) -> bytes:
@@ -185,7 +180,7 @@ async def relay_session_events(
             frames: list[bytes] = []
             ended = False
             for event in events:
-                frames.append(format_event(event.sequence, event.type, event.event_json))
+                frames.append(format_event(event.sequence, event.type, _dumps(render.event(event))))
                 if boundary is not None and boundary.reached(event):
                     ended = True
                     break

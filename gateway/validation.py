@@ -21,7 +21,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError
 
+from berth.session.v1 import session_service_pb2
 from gateway.errors import ApiError
+from services.core.wire_json import to_message
 
 __all__ = [
     "parse_json_body",
@@ -37,6 +39,7 @@ __all__ = [
     "SessionCreateBody",
     "SessionUpdateBody",
     "EventsCreateBody",
+    "input_events",
     "EnvironmentFileCreateBody",
     "InlineFile",
     "FileIdFile",
@@ -435,6 +438,11 @@ InputEvent = Annotated[InputMessageEvent | InputCancelEvent | InputToolResultEve
 
 class EventsCreateBody(_Strict):
     events: list[InputEvent] = Field(min_length=1)
+
+
+def input_events(body: EventsCreateBody) -> list[session_service_pb2.InputEvent]:
+    """The validated input events as contract messages: converted once, here."""
+    return [to_message(e.model_dump(exclude_unset=True), session_service_pb2.InputEvent()) for e in body.events]
 
 
 class EnvironmentFileCreateBody(RootModel[HostedFile]):

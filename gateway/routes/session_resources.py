@@ -3,7 +3,6 @@ turns, items and artifacts."""
 
 from __future__ import annotations
 
-import json
 import mimetypes
 from typing import Annotated, Any
 
@@ -17,7 +16,7 @@ from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import PageDep, read_json, require_id, stream_content, v1_router
 from gateway.sse import SSE_HEADERS, relay_session_events
 from gateway.state import SessionStubDep, StateDep
-from gateway.validation import EventsCreateBody, validate_body
+from gateway.validation import EventsCreateBody, input_events, validate_body
 
 __all__ = ["router"]
 
@@ -30,13 +29,11 @@ async def create_events(
 ) -> Response:
     require_id(session_id, "sess")
     body = await read_json(request)
-    validate_body(EventsCreateBody, body.data)
+    events = input_events(validate_body(EventsCreateBody, body.data))
     async with idempotency.begin(body.hash) as idem:
         if idem.replay is not None:
             return idem.replay.to_response()
-        await stub.SubmitSessionEvents(
-            pb.SubmitSessionEventsRequest(session_id=session_id, events_json=json.dumps(body.data["events"]))
-        )
+        await stub.SubmitSessionEvents(pb.SubmitSessionEventsRequest(session_id=session_id, events=events))
         # The SDK ignores this body (cast_to=None); 202 means accepted, not done.
         await idem.store(202, "", media_type="application/json")
         return Response(status_code=202)
@@ -85,18 +82,12 @@ async def stream_events(
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _turn(text: str) -> dict[str, Any]:
-    turn = dict(render.json_or(text, {}))
-    turn.setdefault("object", "agent.session.turn")
-    return turn
-
-
 @router.get("/agents/sessions/{session_id}/turns")
 async def list_turns(session_id: str, stub: SessionStubDep, page: PageDep) -> dict[str, Any]:
     response = await stub.ListTurns(
         pb.ListTurnsRequest(session_id=require_id(session_id, "sess"), page=page.to_proto())
     )
-    return render.cursor_page([_turn(t.turn_json) for t in response.turns], response.has_more)
+    return render.cursor_page([render.turn(t) for t in response.turns], response.has_more)
 
 
 @router.get("/agents/sessions/{session_id}/turns/{turn_id}")
@@ -104,12 +95,12 @@ async def retrieve_turn(session_id: str, turn_id: str, stub: SessionStubDep) -> 
     response = await stub.GetTurn(
         pb.GetTurnRequest(session_id=require_id(session_id, "sess"), turn_id=require_id(turn_id, "turn"))
     )
-    return _turn(response.turn.turn_json)
+    return render.turn(response.turn)
 
 
 async def _items(stub: SessionStubDep, session_id: str, turn_id: str, page: PageDep) -> dict[str, Any]:
     response = await stub.ListItems(pb.ListItemsRequest(session_id=session_id, turn_id=turn_id, page=page.to_proto()))
-    return render.cursor_page([render.json_or(i.item_json, {}) for i in response.items], response.has_more)
+    return render.cursor_page([render.item(i) for i in response.items], response.has_more)
 
 
 @router.get("/agents/sessions/{session_id}/items")

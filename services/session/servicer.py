@@ -12,11 +12,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
 from services.core.context import current_org
+from services.core.wire_json import to_message, to_wire
 from services.session import views
 from services.session.domain import AgentView, SessionDomain, parse_body
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
-from services.session.states import session_status_to_proto, turn_status_to_proto
+from services.session.states import session_status_to_proto
 
 __all__ = ["SessionServicer"]
 
@@ -62,30 +63,31 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         environment_id=row.environment_id,
         status=session_status_to_proto(view.status),
         error=view.error,
-        required_actions_json=_dumps(view.required_actions),
         metadata=json.loads(row.metadata_json),
         vault_ids=json.loads(row.vault_ids_json),
         create_time=_ts(row.created_at),
         last_active_time=_ts(row.last_active_at),
-        usage_json=row.usage_json,
         last_sequence=row.event_seq,
     )
+    for action in view.required_actions:
+        to_message(action, message.required_actions.add())
+    if row.usage_json:
+        to_message(json.loads(row.usage_json), message.usage)
     if view.environment is not None:
         message.environment.CopyFrom(view.environment)
     return message
 
 
 def _turn(row: TurnRow) -> session_pb2.Turn:
-    return session_pb2.Turn(
-        id=row.id,
-        session_id=row.session_id,
-        status=turn_status_to_proto(row.status),
-        turn_json=_dumps(views.turn_json(row)),
-    )
+    return to_message(views.turn_json(row), session_pb2.Turn())
 
 
 def _item(row: ItemRow) -> session_pb2.Item:
-    return session_pb2.Item(id=row.id, session_id=row.session_id, turn_id=row.turn_id, type=row.type, item_json=row.item_json)
+    return to_message(json.loads(row.item_json), session_pb2.Item(session_id=row.session_id))
+
+
+def _event(sequence: int, event_json: str) -> session_pb2.SessionEvent:
+    return to_message(json.loads(event_json), session_pb2.SessionEvent(sequence=sequence))
 
 
 def _artifact(row: ArtifactRow) -> session_pb2.Artifact:
@@ -147,10 +149,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            events = json.loads(request.events_json or "[]")
-        except ValueError:
-            events = None
+        events = [to_wire(e, nulls=False) for e in request.events]
         result = await self.domain.submit_events(current_org(), request.session_id, events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
@@ -164,7 +163,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             else:
                 yield session_service_pb2.StreamSessionEventsResponse(
                     batch=session_service_pb2.SessionEventBatch(
-                        events=[session_pb2.SessionEvent(sequence=q, type=t, event_json=j) for q, t, j in message]
+                        events=[_event(q, j) for q, _, j in message]
                     )
                 )
 

@@ -1,4 +1,4 @@
-"""Rendering stored rows as wire objects (sessions, turns, items, artifacts)."""
+"""Rendering stored rows as wire objects (sessions and turns, as events carry them)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from berth.environment.v1 import environment_pb2
 from services.session import repository as repo
 from services.session import wire
 from services.session.agents import AgentConfig, render_session_agent
-from services.session.models import ArtifactRow, SessionRow, TurnRow
+from services.session.models import SessionRow, TurnRow
 from services.session.states import SessionStatus
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "snapshot",
     "agent_config_from_json",
     "turn_json",
-    "artifact_json",
     "effective_status",
     "message_text",
 ]
@@ -113,14 +112,3 @@ def turn_json(row: TurnRow) -> dict[str, Any]:
         usage_json=row.usage_json,
     )
 
-
-def artifact_json(row: ArtifactRow) -> dict[str, Any]:
-    return wire.render_artifact(
-        artifact_id=row.id,
-        session_id=row.session_id,
-        turn_id=row.turn_id,
-        environment_id=row.environment_id,
-        path=row.path,
-        size_bytes=row.size_bytes,
-        created_at=row.created_at,
-    )

@@ -20,7 +20,6 @@ __all__ = [
     "render_environment",
     "environment_state",
     "render_session",
-    "render_artifact",
     "session_event",
     "turn_event",
     "environment_event",
@@ -212,22 +211,6 @@ def render_session(
         "status": status,
         "usage": parse_usage(usage_json),
         "vault_ids": list(vault_ids),
-    }
-
-
-def render_artifact(
-    *, artifact_id: str, session_id: str, turn_id: str, environment_id: str, path: str, size_bytes: int, created_at: float
-) -> dict[str, Any]:
-    """`SessionArtifact` (object: "agent.session.artifact")."""
-    return {
-        "id": artifact_id,
-        "object": "agent.session.artifact",
-        "created_at": int(created_at),
-        "environment_id": environment_id,
-        "path": path,
-        "session_id": session_id,
-        "size_bytes": size_bytes,
-        "turn_id": turn_id,
     }
 
 

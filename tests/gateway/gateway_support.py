@@ -31,6 +31,7 @@ from services.core.context import ORG_METADATA_KEY, REQUEST_ID_METADATA_KEY
 from services.core.errors import BerthError, NotFound
 from services.core.ids import new_id
 from services.core.settings import Settings
+from services.core.wire_json import to_message
 
 BETA = {"OpenAI-Beta": "agents=v1"}
 
@@ -67,7 +68,7 @@ def session_event(session: dict[str, Any], kind: str, sequence: int, **fields: A
         payload["session"] = session
     else:
         payload.setdefault("session_id", session["id"])
-    return s_pb.SessionEvent(sequence=sequence, type=kind, event_json=json.dumps(payload))
+    return to_message(payload, s_pb.SessionEvent(sequence=sequence))
 
 
 class _Recorder:
@@ -387,7 +388,7 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         turn = {"id": "turn_1", "object": "agent.session.turn", "session_id": request.session_id,
                 "agent_id": "agent_1", "created_at": 1, "status": "completed"}
         return s_svc.ListTurnsResponse(
-            turns=[s_pb.Turn(id="turn_1", session_id=request.session_id, turn_json=json.dumps(turn))], has_more=False
+            turns=[to_message(turn, s_pb.Turn())], has_more=False
         )
 
     def add_artifact(self, fake: FakeSession, path: str, data: bytes) -> s_pb.Artifact:

@@ -12,6 +12,8 @@ import pytest
 
 from gateway_support import Stack
 
+from services.core.wire_json import to_wire
+
 
 @pytest.fixture
 async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
@@ -105,7 +107,7 @@ async def test_sdk_submits_input_events_and_lists_turns(stack: Stack, client: op
     await client.beta.agents.sessions.events.create(
         fake.session.id, events=[{"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}]
     )
-    submitted = json.loads(stack.session.last("SubmitSessionEvents").events_json)
+    submitted = [to_wire(e) for e in stack.session.last("SubmitSessionEvents").events]
     assert submitted[0]["type"] == "agent.session.input.message"
     turns = await client.beta.agents.sessions.turns.list(fake.session.id)
     assert turns.data[0].status == "completed"

@@ -30,6 +30,7 @@ from services.core.errors import EnvironmentFailed, InitializationRunning, NotFo
 from services.core.grpc_server import RunningServer, start_grpc_server
 from services.core.ids import new_id
 from services.core.service import ServiceHandle
+from services.core.wire_json import to_message, to_wire
 from services.core.settings import Settings
 from services.environment.server import ENVIRONMENT_CALLERS
 from services.session.server import start_session_service
@@ -273,7 +274,9 @@ class Client:
 
     async def submit(self, session_id: str, *events: dict[str, Any]) -> Any:
         return await self.stub.SubmitSessionEvents(
-            session_service_pb2.SubmitSessionEventsRequest(session_id=session_id, events_json=json.dumps(list(events))),
+            session_service_pb2.SubmitSessionEventsRequest(
+                session_id=session_id, events=[to_message(e, session_service_pb2.InputEvent()) for e in events]
+            ),
             metadata=self.md,
         )
 
@@ -292,7 +295,7 @@ class Client:
             metadata=self.md,
         )
         async for m in call:
-            out.extend((e.sequence, json.loads(e.event_json)) for e in m.batch.events)
+            out.extend((e.sequence, to_wire(e)) for e in m.batch.events)
         return out
 
     async def wait_for(
@@ -314,7 +317,7 @@ class Client:
             try:
                 async for m in call:
                     for e in m.batch.events:
-                        event = json.loads(e.event_json)
+                        event = to_wire(e)
                         seen.append((e.sequence, event))
                         if predicate(event):
                             return
@@ -340,7 +343,7 @@ class Client:
             ),
             metadata=self.md,
         )
-        return [json.loads(i.item_json) for i in r.items]
+        return [to_wire(i) for i in r.items]
 
 
 def message(text: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2, session_service_pb2
 from services.core.errors import reason_from_rpc_error
+from services.core.wire_json import to_wire
 
 NONE_ENV = {"type": "none"}
 HOSTED = {"type": "openai_hosted"}
@@ -45,9 +46,9 @@ def session_wire(session: Any) -> dict[str, Any]:
         "environment": env,
         "error": session.error or None,
         "metadata": dict(session.metadata),
-        "required_actions": json.loads(session.required_actions_json),
+        "required_actions": [to_wire(a) for a in session.required_actions],
         "status": status,
-        "usage": json.loads(session.usage_json) if session.usage_json else None,
+        "usage": to_wire(session.usage) if session.HasField("usage") else None,
         "vault_ids": list(session.vault_ids),
     }
 

@@ -16,6 +16,7 @@ from openai.types.beta.agents.sessions.turn import Turn
 from pydantic import TypeAdapter
 
 from berth.session.v1 import session_pb2, session_service_pb2
+from services.core.wire_json import to_wire
 
 NONE_ENV = {"type": "none"}
 HOSTED = {"type": "openai_hosted"}
@@ -63,7 +64,7 @@ async def test_input_on_create_runs_a_turn_to_a_final_answer_with_sdk_valid_even
 
     session = await client.get_session(session_id)
     assert session.status == session_pb2.SESSION_STATUS_IDLE
-    assert json.loads(session.usage_json)["total_tokens"] > 0
+    assert session.usage.total_tokens > 0
     TypeAdapter(AgentSession.model_fields["agent"].annotation).validate_python(json.loads(session.agent_json))
 
 
@@ -144,7 +145,7 @@ async def test_function_tool_round_trip_waits_for_the_tool_result(client: Any) -
     output = next(e["item"] for e in events if e["type"] == "agent.session.turn.item.added" and e["item"]["type"] == "function_call_output")
     assert output["call_id"] == call["call_id"] and output["output"] == '{"temp_c": 21}' and output["status"] == "completed"
     assert [i["type"] for i in await client.items(session_id)] == ["message", "function_call", "function_call_output", "message"]
-    assert json.loads((await client.get_session(session_id)).required_actions_json) == []
+    assert list((await client.get_session(session_id)).required_actions) == []
 
     with pytest.raises(grpc.aio.AioRpcError) as answered_twice:
         await client.submit(
@@ -309,7 +310,7 @@ async def test_cancelling_a_waiting_turn_leaves_queued_turns_to_run(client: Any)
     items = await client.items(session_id)
     call = next(i for i in items if i["type"] == "function_call")
     assert call["status"] == "incomplete"
-    assert json.loads((await client.get_session(session_id)).required_actions_json) == []
+    assert list((await client.get_session(session_id)).required_actions) == []
 
 
 async def test_deleting_a_session_with_a_running_turn_is_session_active(client: Any, fake: Any) -> None:
@@ -380,7 +381,7 @@ async def test_turns_are_listed_and_render_as_sdk_turns(client: Any) -> None:
         metadata=client.md,
     )
     assert [t.id for t in response.turns] == [second] and response.has_more
-    turn = Turn.model_validate(json.loads(response.turns[0].turn_json))
+    turn = Turn.model_validate(to_wire(response.turns[0]))
     assert turn.status == "completed" and turn.completed_at is not None and turn.subagent_id is None
     older = await client.stub.ListTurns(
         session_service_pb2.ListTurnsRequest(session_id=session_id, page=session_service_pb2.PageRequest(limit=1, after=second)),

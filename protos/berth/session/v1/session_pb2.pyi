@@ -10,6 +10,7 @@ from berth.environment.v1 import environment_pb2 as _environment_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -230,14 +231,14 @@ class Session(_message.Message):
     ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
-    REQUIRED_ACTIONS_JSON_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     VAULT_IDS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     LAST_ACTIVE_TIME_FIELD_NUMBER: _builtins.int
-    USAGE_JSON_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_FIELD_NUMBER: _builtins.int
     LAST_SEQUENCE_FIELD_NUMBER: _builtins.int
+    REQUIRED_ACTIONS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("sess_...")."""
     org_id: _builtins.str
@@ -254,10 +255,6 @@ class Session(_message.Message):
     """Status."""
     error: _builtins.str
     """Error message when failed."""
-    required_actions_json: _builtins.str
-    """Pending required actions as a wire JSON array."""
-    usage_json: _builtins.str
-    """Token usage as wire JSON, empty when unknown."""
     last_sequence: _builtins.int
     """Sequence number of the newest persisted event; a live subscription
     starts after it.
@@ -282,6 +279,14 @@ class Session(_message.Message):
     def environment(self) -> _environment_pb2.Environment:
         """The environment resource, when hosted."""
 
+    @_builtins.property
+    def required_actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequiredAction]:
+        """Function calls a waiting turn needs answered; empty otherwise."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Token usage over the session's turns; unset when unknown."""
+
     def __init__(
         self,
         *,
@@ -293,18 +298,18 @@ class Session(_message.Message):
         environment_id: _builtins.str = ...,
         status: Global___SessionStatus.ValueType = ...,
         error: _builtins.str = ...,
-        required_actions_json: _builtins.str = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         vault_ids: _abc.Iterable[_builtins.str] | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         last_active_time: _timestamp_pb2.Timestamp | None = ...,
-        usage_json: _builtins.str = ...,
         environment: _environment_pb2.Environment | None = ...,
         last_sequence: _builtins.int = ...,
+        required_actions: _abc.Iterable[Global___RequiredAction] | None = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_json", b"agent_json", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions_json", b"required_actions_json", "status", b"status", "usage_json", b"usage_json", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_json", b"agent_json", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions", b"required_actions", "status", b"status", "usage", b"usage", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -312,41 +317,234 @@ Global___Session: _TypeAlias = Session  # noqa: Y015
 
 @_typing.final
 class Turn(_message.Message):
-    """Turn is one run of the agent loop for one input."""
+    """Turn is one run of the agent loop for one input (the SDK's `Turn`)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
-    TURN_JSON_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    COMPLETED_AT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SUBAGENT_ID_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("turn_...")."""
     session_id: _builtins.str
     """The session."""
     status: Global___TurnStatus.ValueType
     """Status."""
-    turn_json: _builtins.str
-    """The complete turn object as wire JSON."""
+    agent_id: _builtins.str
+    """The agent that ran the turn."""
+    created_at: _builtins.int
+    """Creation time, Unix seconds."""
+    started_at: _builtins.int
+    """Start time, Unix seconds; unset while queued."""
+    completed_at: _builtins.int
+    """Time the turn reached a terminal state, Unix seconds."""
+    subagent_id: _builtins.str
+    """The subagent that ran the turn; unset for root turns."""
+    @_builtins.property
+    def error(self) -> Global___TurnError:
+        """Why the turn failed; set only for a failed turn."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """Token usage; unset when unknown."""
+
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         session_id: _builtins.str = ...,
         status: Global___TurnStatus.ValueType = ...,
-        turn_json: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        created_at: _builtins.int = ...,
+        started_at: _builtins.int | None = ...,
+        completed_at: _builtins.int | None = ...,
+        error: Global___TurnError | None = ...,
+        subagent_id: _builtins.str | None = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_completed_at", b"_completed_at", "_started_at", b"_started_at", "_subagent_id", b"_subagent_id", "completed_at", b"completed_at", "error", b"error", "started_at", b"started_at", "subagent_id", b"subagent_id", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "session_id", b"session_id", "status", b"status", "turn_json", b"turn_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_completed_at", b"_completed_at", "_started_at", b"_started_at", "_subagent_id", b"_subagent_id", "agent_id", b"agent_id", "completed_at", b"completed_at", "created_at", b"created_at", "error", b"error", "id", b"id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "subagent_id", b"subagent_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__completed_at: _TypeAlias = _typing.Literal["completed_at"]  # noqa: Y015
+    _WhichOneofArgType__completed_at: _TypeAlias = _typing.Literal["_completed_at", b"_completed_at"]  # noqa: Y015
+    _WhichOneofReturnType__started_at: _TypeAlias = _typing.Literal["started_at"]  # noqa: Y015
+    _WhichOneofArgType__started_at: _TypeAlias = _typing.Literal["_started_at", b"_started_at"]  # noqa: Y015
+    _WhichOneofReturnType__subagent_id: _TypeAlias = _typing.Literal["subagent_id"]  # noqa: Y015
+    _WhichOneofArgType__subagent_id: _TypeAlias = _typing.Literal["_subagent_id", b"_subagent_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__completed_at) -> _WhichOneofReturnType__completed_at | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__started_at) -> _WhichOneofReturnType__started_at | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__subagent_id) -> _WhichOneofReturnType__subagent_id | None: ...
 
 Global___Turn: _TypeAlias = Turn  # noqa: Y015
 
 @_typing.final
+class TurnError(_message.Message):
+    """TurnError is a failed turn's customer-safe error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """Machine-readable error code."""
+    message: _builtins.str
+    """Human-readable message."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnError: _TypeAlias = TurnError  # noqa: Y015
+
+@_typing.final
+class Usage(_message.Message):
+    """Usage is token usage of a turn or a session (the SDK's `TokenUsage`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    INPUT_TOKENS_DETAILS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_DETAILS_FIELD_NUMBER: _builtins.int
+    TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    input_tokens: _builtins.int
+    """Input tokens."""
+    output_tokens: _builtins.int
+    """Output tokens."""
+    total_tokens: _builtins.int
+    """Input plus output tokens."""
+    @_builtins.property
+    def input_tokens_details(self) -> Global___InputTokensDetails:
+        """Breakdown of the input tokens."""
+
+    @_builtins.property
+    def output_tokens_details(self) -> Global___OutputTokensDetails:
+        """Breakdown of the output tokens."""
+
+    def __init__(
+        self,
+        *,
+        input_tokens: _builtins.int = ...,
+        input_tokens_details: Global___InputTokensDetails | None = ...,
+        output_tokens: _builtins.int = ...,
+        output_tokens_details: Global___OutputTokensDetails | None = ...,
+        total_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input_tokens_details", b"input_tokens_details", "output_tokens_details", b"output_tokens_details"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "input_tokens_details", b"input_tokens_details", "output_tokens", b"output_tokens", "output_tokens_details", b"output_tokens_details", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class InputTokensDetails(_message.Message):
+    """InputTokensDetails breaks input tokens down."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    cached_tokens: _builtins.int
+    """Input tokens served from the prompt cache."""
+    def __init__(
+        self,
+        *,
+        cached_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputTokensDetails: _TypeAlias = InputTokensDetails  # noqa: Y015
+
+@_typing.final
+class OutputTokensDetails(_message.Message):
+    """OutputTokensDetails breaks output tokens down."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
+    reasoning_tokens: _builtins.int
+    """Output tokens spent on reasoning."""
+    def __init__(
+        self,
+        *,
+        reasoning_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputTokensDetails: _TypeAlias = OutputTokensDetails  # noqa: Y015
+
+@_typing.final
+class RequiredAction(_message.Message):
+    """RequiredAction is an application function call a waiting turn needs
+    answered with an input.tool_result event.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Always "function_call"."""
+    call_id: _builtins.str
+    """The call to answer."""
+    name: _builtins.str
+    """The function's name."""
+    arguments: _builtins.str
+    """The model-produced arguments, a JSON string as the model wrote it."""
+    turn_id: _builtins.str
+    """The waiting turn."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+        turn_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "name", b"name", "turn_id", b"turn_id", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequiredAction: _TypeAlias = RequiredAction  # noqa: Y015
+
+@_typing.final
 class Item(_message.Message):
-    """Item is one entry of a session's history."""
+    """Item is one entry of a session's history (the SDK's `AgentSessionItem`):
+    common fields, and one message per item type.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -354,7 +552,11 @@ class Item(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TURN_ID_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
-    ITEM_JSON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FUNCTION_CALL_FIELD_NUMBER: _builtins.int
+    FUNCTION_CALL_OUTPUT_FIELD_NUMBER: _builtins.int
+    COMMAND_EXECUTION_FIELD_NUMBER: _builtins.int
+    MCP_CALL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("item_...")."""
     session_id: _builtins.str
@@ -362,9 +564,27 @@ class Item(_message.Message):
     turn_id: _builtins.str
     """The turn that produced it."""
     type: _builtins.str
-    """The item type, e.g. "message"."""
-    item_json: _builtins.str
-    """The complete item as wire JSON."""
+    """The item type: the name of the set member of `item`, e.g. "message"."""
+    @_builtins.property
+    def message(self) -> Global___MessageItem:
+        """A user or assistant message."""
+
+    @_builtins.property
+    def function_call(self) -> Global___FunctionCallItem:
+        """An application function call."""
+
+    @_builtins.property
+    def function_call_output(self) -> Global___FunctionCallOutputItem:
+        """The application's result of a function call."""
+
+    @_builtins.property
+    def command_execution(self) -> Global___CommandExecutionItem:
+        """A command run in the environment (also file reads and writes)."""
+
+    @_builtins.property
+    def mcp_call(self) -> Global___McpCallItem:
+        """A call of a tool on an MCP server."""
+
     def __init__(
         self,
         *,
@@ -372,45 +592,1024 @@ class Item(_message.Message):
         session_id: _builtins.str = ...,
         turn_id: _builtins.str = ...,
         type: _builtins.str = ...,
-        item_json: _builtins.str = ...,
+        message: Global___MessageItem | None = ...,
+        function_call: Global___FunctionCallItem | None = ...,
+        function_call_output: Global___FunctionCallOutputItem | None = ...,
+        command_execution: Global___CommandExecutionItem | None = ...,
+        mcp_call: Global___McpCallItem | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "mcp_call", b"mcp_call", "message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "item_json", b"item_json", "session_id", b"session_id", "turn_id", b"turn_id", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "id", b"id", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "session_id", b"session_id", "turn_id", b"turn_id", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "function_call", "function_call_output", "command_execution", "mcp_call"]  # noqa: Y015
+    _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
 Global___Item: _TypeAlias = Item  # noqa: Y015
 
 @_typing.final
+class MessageItem(_message.Message):
+    """MessageItem is a user or assistant message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"user" or "assistant"."""
+    status: _builtins.str
+    """"in_progress", "completed" or "incomplete"."""
+    phase: _builtins.str
+    """"commentary" or "final_answer" for assistant messages; unset for users."""
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """The content parts."""
+
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        status: _builtins.str = ...,
+        phase: _builtins.str | None = ...,
+        content: _abc.Iterable[Global___ContentPart] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_phase", b"_phase", "phase", b"phase"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_phase", b"_phase", "content", b"content", "phase", b"phase", "role", b"role", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__phase: _TypeAlias = _typing.Literal["phase"]  # noqa: Y015
+    _WhichOneofArgType__phase: _TypeAlias = _typing.Literal["_phase", b"_phase"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__phase) -> _WhichOneofReturnType__phase | None: ...
+
+Global___MessageItem: _TypeAlias = MessageItem  # noqa: Y015
+
+@_typing.final
+class ContentPart(_message.Message):
+    """ContentPart is one part of a message's content."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    INPUT_TEXT_FIELD_NUMBER: _builtins.int
+    INPUT_IMAGE_FIELD_NUMBER: _builtins.int
+    OUTPUT_TEXT_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """The part type: the name of the set member of `part`."""
+    @_builtins.property
+    def input_text(self) -> Global___InputText:
+        """Text the user sent."""
+
+    @_builtins.property
+    def input_image(self) -> Global___InputImage:
+        """An image the user sent."""
+
+    @_builtins.property
+    def output_text(self) -> Global___OutputText:
+        """Text the model wrote."""
+
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        input_text: Global___InputText | None = ...,
+        input_image: Global___InputImage | None = ...,
+        output_text: Global___OutputText | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input_image", b"input_image", "input_text", b"input_text", "output_text", b"output_text", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_image", b"input_image", "input_text", b"input_text", "output_text", b"output_text", "part", b"part", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["input_text", "input_image", "output_text"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___ContentPart: _TypeAlias = ContentPart  # noqa: Y015
+
+@_typing.final
+class InputText(_message.Message):
+    """InputText is text the user sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The text."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputText: _TypeAlias = InputText  # noqa: Y015
+
+@_typing.final
+class InputImage(_message.Message):
+    """InputImage is an image the user sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGE_URL_FIELD_NUMBER: _builtins.int
+    image_url: _builtins.str
+    """The image URL (https or data URL)."""
+    def __init__(
+        self,
+        *,
+        image_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["image_url", b"image_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputImage: _TypeAlias = InputImage  # noqa: Y015
+
+@_typing.final
+class OutputText(_message.Message):
+    """OutputText is text the model wrote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The text."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputText: _TypeAlias = OutputText  # noqa: Y015
+
+@_typing.final
+class FunctionCallItem(_message.Message):
+    """FunctionCallItem is a call of an application function."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    """The call ID the tool result must name."""
+    name: _builtins.str
+    """The function's name."""
+    arguments: _builtins.str
+    """The model-produced arguments, a JSON string as the model wrote it."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "name", b"name", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FunctionCallItem: _TypeAlias = FunctionCallItem  # noqa: Y015
+
+@_typing.final
+class FunctionCallOutputItem(_message.Message):
+    """FunctionCallOutputItem is the application's result of a function call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.str
+    """The answered call."""
+    error: _builtins.str
+    """Why the call failed; unset on success."""
+    status: _builtins.str
+    """"completed" or "failed"."""
+    @_builtins.property
+    def output(self) -> _struct_pb2.Value:
+        """The application's output as it sent it (a string or content parts);
+        unset for a failed call.
+        """
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.str = ...,
+        output: _struct_pb2.Value | None = ...,
+        error: _builtins.str | None = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "call_id", b"call_id", "error", b"error", "output", b"output", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___FunctionCallOutputItem: _TypeAlias = FunctionCallOutputItem  # noqa: Y015
+
+@_typing.final
+class CommandExecutionItem(_message.Message):
+    """CommandExecutionItem is a command run in the session's environment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    DURATION_MS_FIELD_NUMBER: _builtins.int
+    command: _builtins.str
+    """The command line."""
+    cwd: _builtins.str
+    """The working directory."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    exit_code: _builtins.int
+    """The exit code, once exited."""
+    output: _builtins.str
+    """Output so far (bounded)."""
+    duration_ms: _builtins.int
+    """Run time in milliseconds, once finished."""
+    def __init__(
+        self,
+        *,
+        command: _builtins.str = ...,
+        cwd: _builtins.str | None = ...,
+        status: _builtins.str = ...,
+        exit_code: _builtins.int | None = ...,
+        output: _builtins.str | None = ...,
+        duration_ms: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cwd", b"_cwd", "_duration_ms", b"_duration_ms", "_exit_code", b"_exit_code", "_output", b"_output", "cwd", b"cwd", "duration_ms", b"duration_ms", "exit_code", b"exit_code", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cwd", b"_cwd", "_duration_ms", b"_duration_ms", "_exit_code", b"_exit_code", "_output", b"_output", "command", b"command", "cwd", b"cwd", "duration_ms", b"duration_ms", "exit_code", b"exit_code", "output", b"output", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cwd: _TypeAlias = _typing.Literal["cwd"]  # noqa: Y015
+    _WhichOneofArgType__cwd: _TypeAlias = _typing.Literal["_cwd", b"_cwd"]  # noqa: Y015
+    _WhichOneofReturnType__duration_ms: _TypeAlias = _typing.Literal["duration_ms"]  # noqa: Y015
+    _WhichOneofArgType__duration_ms: _TypeAlias = _typing.Literal["_duration_ms", b"_duration_ms"]  # noqa: Y015
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    _WhichOneofReturnType__output: _TypeAlias = _typing.Literal["output"]  # noqa: Y015
+    _WhichOneofArgType__output: _TypeAlias = _typing.Literal["_output", b"_output"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cwd) -> _WhichOneofReturnType__cwd | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__duration_ms) -> _WhichOneofReturnType__duration_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output) -> _WhichOneofReturnType__output | None: ...
+
+Global___CommandExecutionItem: _TypeAlias = CommandExecutionItem  # noqa: Y015
+
+@_typing.final
+class McpCallItem(_message.Message):
+    """McpCallItem is a call of a tool on an MCP server."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_LABEL_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    server_label: _builtins.str
+    """The server's label in the agent configuration."""
+    name: _builtins.str
+    """The tool's name."""
+    error: _builtins.str
+    """Why the call failed; unset otherwise."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    @_builtins.property
+    def arguments(self) -> _struct_pb2.Value:
+        """The arguments: the JSON object the model wrote, or its raw text when it
+        was not an object (model-produced, opaque).
+        """
+
+    @_builtins.property
+    def output(self) -> _struct_pb2.Value:
+        """The tool's result as MCP returned it (opaque); unset until completed."""
+
+    def __init__(
+        self,
+        *,
+        server_label: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _struct_pb2.Value | None = ...,
+        output: _struct_pb2.Value | None = ...,
+        error: _builtins.str | None = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "arguments", b"arguments", "error", b"error", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "arguments", b"arguments", "error", b"error", "name", b"name", "output", b"output", "server_label", b"server_label", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___McpCallItem: _TypeAlias = McpCallItem  # noqa: Y015
+
+@_typing.final
 class SessionEvent(_message.Message):
-    """SessionEvent is one persisted event of a session's log."""
+    """SessionEvent is one persisted event of a session's log (the SDK's
+    `AgentSessionEvent`): an envelope and one payload per event type.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
-    EVENT_JSON_FIELD_NUMBER: _builtins.int
+    EVENT_ID_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    IN_PROGRESS_FIELD_NUMBER: _builtins.int
+    IDLE_FIELD_NUMBER: _builtins.int
+    REQUIRES_ACTION_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    TURN_CREATED_FIELD_NUMBER: _builtins.int
+    TURN_IN_PROGRESS_FIELD_NUMBER: _builtins.int
+    TURN_COMPLETED_FIELD_NUMBER: _builtins.int
+    TURN_FAILED_FIELD_NUMBER: _builtins.int
+    TURN_CANCELLED_FIELD_NUMBER: _builtins.int
+    ITEM_ADDED_FIELD_NUMBER: _builtins.int
+    ITEM_DONE_FIELD_NUMBER: _builtins.int
+    CONTENT_PART_ADDED_FIELD_NUMBER: _builtins.int
+    CONTENT_PART_DONE_FIELD_NUMBER: _builtins.int
+    OUTPUT_TEXT_DELTA_FIELD_NUMBER: _builtins.int
+    OUTPUT_TEXT_DONE_FIELD_NUMBER: _builtins.int
+    COMMAND_EXECUTION_OUTPUT_DELTA_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_PENDING_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_READY_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_FAILED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
-    """Per-session sequence number, starting at 1, without gaps."""
+    """Per-session sequence number, starting at 1, without gaps (the SSE id)."""
     type: _builtins.str
     """The event type, e.g. "agent.session.turn.completed"."""
-    event_json: _builtins.str
-    """The complete event as wire JSON."""
+    event_id: _builtins.str
+    """Public event ID ("evt_...")."""
+    @_builtins.property
+    def created(self) -> Global___SessionSnapshotEvent:
+        """agent.session.created."""
+
+    @_builtins.property
+    def in_progress(self) -> Global___SessionSnapshotEvent:
+        """agent.session.in_progress."""
+
+    @_builtins.property
+    def idle(self) -> Global___SessionSnapshotEvent:
+        """agent.session.idle."""
+
+    @_builtins.property
+    def requires_action(self) -> Global___SessionSnapshotEvent:
+        """agent.session.requires_action."""
+
+    @_builtins.property
+    def failed(self) -> Global___SessionSnapshotEvent:
+        """agent.session.failed."""
+
+    @_builtins.property
+    def turn_created(self) -> Global___TurnEvent:
+        """agent.session.turn.created."""
+
+    @_builtins.property
+    def turn_in_progress(self) -> Global___TurnEvent:
+        """agent.session.turn.in_progress."""
+
+    @_builtins.property
+    def turn_completed(self) -> Global___TurnEndedEvent:
+        """agent.session.turn.completed."""
+
+    @_builtins.property
+    def turn_failed(self) -> Global___TurnEndedEvent:
+        """agent.session.turn.failed."""
+
+    @_builtins.property
+    def turn_cancelled(self) -> Global___TurnEndedEvent:
+        """agent.session.turn.cancelled."""
+
+    @_builtins.property
+    def item_added(self) -> Global___ItemAddedEvent:
+        """agent.session.turn.item.added."""
+
+    @_builtins.property
+    def item_done(self) -> Global___ItemDoneEvent:
+        """agent.session.turn.item.done."""
+
+    @_builtins.property
+    def content_part_added(self) -> Global___ContentPartEvent:
+        """agent.session.turn.content_part.added."""
+
+    @_builtins.property
+    def content_part_done(self) -> Global___ContentPartEvent:
+        """agent.session.turn.content_part.done."""
+
+    @_builtins.property
+    def output_text_delta(self) -> Global___OutputTextDeltaEvent:
+        """agent.session.turn.output_text.delta."""
+
+    @_builtins.property
+    def output_text_done(self) -> Global___OutputTextDoneEvent:
+        """agent.session.turn.output_text.done."""
+
+    @_builtins.property
+    def command_execution_output_delta(self) -> Global___CommandOutputDeltaEvent:
+        """agent.output.command_execution_output.delta."""
+
+    @_builtins.property
+    def environment_pending(self) -> Global___EnvironmentEvent:
+        """agent.session.environment.pending."""
+
+    @_builtins.property
+    def environment_ready(self) -> Global___EnvironmentEvent:
+        """agent.session.environment.ready."""
+
+    @_builtins.property
+    def environment_failed(self) -> Global___EnvironmentEvent:
+        """agent.session.environment.failed."""
+
+    @_builtins.property
+    def error(self) -> Global___ErrorEvent:
+        """error: a turn or stream failure."""
+
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
         type: _builtins.str = ...,
-        event_json: _builtins.str = ...,
+        event_id: _builtins.str = ...,
+        created: Global___SessionSnapshotEvent | None = ...,
+        in_progress: Global___SessionSnapshotEvent | None = ...,
+        idle: Global___SessionSnapshotEvent | None = ...,
+        requires_action: Global___SessionSnapshotEvent | None = ...,
+        failed: Global___SessionSnapshotEvent | None = ...,
+        turn_created: Global___TurnEvent | None = ...,
+        turn_in_progress: Global___TurnEvent | None = ...,
+        turn_completed: Global___TurnEndedEvent | None = ...,
+        turn_failed: Global___TurnEndedEvent | None = ...,
+        turn_cancelled: Global___TurnEndedEvent | None = ...,
+        item_added: Global___ItemAddedEvent | None = ...,
+        item_done: Global___ItemDoneEvent | None = ...,
+        content_part_added: Global___ContentPartEvent | None = ...,
+        content_part_done: Global___ContentPartEvent | None = ...,
+        output_text_delta: Global___OutputTextDeltaEvent | None = ...,
+        output_text_done: Global___OutputTextDoneEvent | None = ...,
+        command_execution_output_delta: Global___CommandOutputDeltaEvent | None = ...,
+        environment_pending: Global___EnvironmentEvent | None = ...,
+        environment_ready: Global___EnvironmentEvent | None = ...,
+        environment_failed: Global___EnvironmentEvent | None = ...,
+        error: Global___ErrorEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "created", b"created", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "failed", b"failed", "idle", b"idle", "in_progress", b"in_progress", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "requires_action", b"requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_json", b"event_json", "sequence", b"sequence", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "created", b"created", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "failed", b"failed", "idle", b"idle", "in_progress", b"in_progress", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "requires_action", b"requires_action", "sequence", b"sequence", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["created", "in_progress", "idle", "requires_action", "failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "environment_pending", "environment_ready", "environment_failed", "error"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___SessionEvent: _TypeAlias = SessionEvent  # noqa: Y015
+
+@_typing.final
+class SessionSnapshotEvent(_message.Message):
+    """SessionSnapshotEvent announces a session status with the whole session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def session(self) -> _struct_pb2.Struct:
+        """The session as the public API renders it (`AgentSession`), captured
+        when the event was written. A Struct until the Session message itself
+        is typed field for field like the public object.
+        """
+
+    def __init__(
+        self,
+        *,
+        session: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SessionEvent: _TypeAlias = SessionEvent  # noqa: Y015
+Global___SessionSnapshotEvent: _TypeAlias = SessionSnapshotEvent  # noqa: Y015
+
+@_typing.final
+class TurnEvent(_message.Message):
+    """TurnEvent announces a turn that was created or started."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    @_builtins.property
+    def turn(self) -> Global___Turn:
+        """The turn when the event was written."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str = ...,
+        turn: Global___Turn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["turn", b"turn"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "turn", b"turn", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnEvent: _TypeAlias = TurnEvent  # noqa: Y015
+
+@_typing.final
+class TurnEndedEvent(_message.Message):
+    """TurnEndedEvent announces a turn's end, with its usage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    @_builtins.property
+    def turn(self) -> Global___Turn:
+        """The turn when the event was written."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """The turn's token usage; unset when unknown."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str = ...,
+        turn: Global___Turn | None = ...,
+        usage: Global___Usage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["turn", b"turn", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "turn", b"turn", "turn_id", b"turn_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TurnEndedEvent: _TypeAlias = TurnEndedEvent  # noqa: Y015
+
+@_typing.final
+class ItemAddedEvent(_message.Message):
+    """ItemAddedEvent announces a new item."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    output_index: _builtins.int
+    """Position among the turn's output items; unset for input items."""
+    @_builtins.property
+    def item(self) -> Global___Item:
+        """The item as added."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item: Global___Item | None = ...,
+        output_index: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_output_index", b"_output_index", "_turn_id", b"_turn_id", "item", b"item", "output_index", b"output_index", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_output_index", b"_output_index", "_turn_id", b"_turn_id", "item", b"item", "output_index", b"output_index", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__output_index: _TypeAlias = _typing.Literal["output_index"]  # noqa: Y015
+    _WhichOneofArgType__output_index: _TypeAlias = _typing.Literal["_output_index", b"_output_index"]  # noqa: Y015
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output_index) -> _WhichOneofReturnType__output_index | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___ItemAddedEvent: _TypeAlias = ItemAddedEvent  # noqa: Y015
+
+@_typing.final
+class ItemDoneEvent(_message.Message):
+    """ItemDoneEvent announces a finished output item."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    output_index: _builtins.int
+    """Position among the turn's output items."""
+    @_builtins.property
+    def item(self) -> Global___Item:
+        """The item as finished."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item: Global___Item | None = ...,
+        output_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "item", b"item", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "item", b"item", "output_index", b"output_index", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___ItemDoneEvent: _TypeAlias = ItemDoneEvent  # noqa: Y015
+
+@_typing.final
+class ContentPartEvent(_message.Message):
+    """ContentPartEvent announces a content part of a streamed message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    CONTENT_INDEX_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The message item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    content_index: _builtins.int
+    """The part's position in the message content."""
+    @_builtins.property
+    def part(self) -> Global___ContentPart:
+        """The part."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        content_index: _builtins.int = ...,
+        part: Global___ContentPart | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "part", b"part", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "content_index", b"content_index", "item_id", b"item_id", "output_index", b"output_index", "part", b"part", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___ContentPartEvent: _TypeAlias = ContentPartEvent  # noqa: Y015
+
+@_typing.final
+class OutputTextDeltaEvent(_message.Message):
+    """OutputTextDeltaEvent carries streamed text of a message part."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    CONTENT_INDEX_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The message item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    content_index: _builtins.int
+    """The part's position in the message content."""
+    delta: _builtins.str
+    """The new text."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        content_index: _builtins.int = ...,
+        delta: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "content_index", b"content_index", "delta", b"delta", "item_id", b"item_id", "output_index", b"output_index", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___OutputTextDeltaEvent: _TypeAlias = OutputTextDeltaEvent  # noqa: Y015
+
+@_typing.final
+class OutputTextDoneEvent(_message.Message):
+    """OutputTextDoneEvent carries the complete text of a message part."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    CONTENT_INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The message item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    content_index: _builtins.int
+    """The part's position in the message content."""
+    text: _builtins.str
+    """The complete text."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        content_index: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "content_index", b"content_index", "item_id", b"item_id", "output_index", b"output_index", "session_id", b"session_id", "text", b"text", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___OutputTextDoneEvent: _TypeAlias = OutputTextDoneEvent  # noqa: Y015
+
+@_typing.final
+class CommandOutputDeltaEvent(_message.Message):
+    """CommandOutputDeltaEvent carries streamed output of a command execution."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The command execution item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    delta: _builtins.str
+    """The new output text."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        delta: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "delta", b"delta", "item_id", b"item_id", "output_index", b"output_index", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___CommandOutputDeltaEvent: _TypeAlias = CommandOutputDeltaEvent  # noqa: Y015
+
+@_typing.final
+class EnvironmentEvent(_message.Message):
+    """EnvironmentEvent announces a change of the session's environment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn that needed the environment; unset outside a turn."""
+    @_builtins.property
+    def environment(self) -> Global___EnvironmentState:
+        """The environment's state."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        environment: Global___EnvironmentState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "environment", b"environment", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "environment", b"environment", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___EnvironmentEvent: _TypeAlias = EnvironmentEvent  # noqa: Y015
+
+@_typing.final
+class EnvironmentState(_message.Message):
+    """EnvironmentState is the SDK's `AgentSessionEnvironmentState`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The environment."""
+    type: _builtins.str
+    """Always "openai_hosted"."""
+    status: _builtins.str
+    """"pending", "ready" or "failed"."""
+    @_builtins.property
+    def error(self) -> Global___EnvironmentError:
+        """Why setup failed; unset otherwise."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        type: _builtins.str = ...,
+        status: _builtins.str = ...,
+        error: Global___EnvironmentError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "status", b"status", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnvironmentState: _TypeAlias = EnvironmentState  # noqa: Y015
+
+@_typing.final
+class EnvironmentError(_message.Message):
+    """EnvironmentError is why an environment failed setup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Error category, e.g. "sandbox_error"."""
+    code: _builtins.str
+    """Machine-readable code."""
+    message: _builtins.str
+    """Human-readable message."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnvironmentError: _TypeAlias = EnvironmentError  # noqa: Y015
+
+@_typing.final
+class ErrorEvent(_message.Message):
+    """ErrorEvent reports a failure of a turn or of the stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    @_builtins.property
+    def error(self) -> Global___EventError:
+        """The error."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        error: Global___EventError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ErrorEvent: _TypeAlias = ErrorEvent  # noqa: Y015
+
+@_typing.final
+class EventError(_message.Message):
+    """EventError is the error object carried by events (`SessionError`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    PARAM_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Error category, e.g. "sandbox_error"."""
+    code: _builtins.str
+    """Machine-readable code."""
+    message: _builtins.str
+    """Human-readable message."""
+    param: _builtins.str
+    """The parameter at fault; unset when none."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        param: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_param", b"_param", "param", b"param"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_param", b"_param", "code", b"code", "message", b"message", "param", b"param", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__param: _TypeAlias = _typing.Literal["param"]  # noqa: Y015
+    _WhichOneofArgType__param: _TypeAlias = _typing.Literal["_param", b"_param"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__param) -> _WhichOneofReturnType__param | None: ...
+
+Global___EventError: _TypeAlias = EventError  # noqa: Y015
 
 @_typing.final
 class Artifact(_message.Message):

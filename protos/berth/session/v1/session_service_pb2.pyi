@@ -10,6 +10,7 @@ from berth.session.v1 import session_pb2 as _session_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -553,24 +554,187 @@ class SubmitSessionEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
-    EVENTS_JSON_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
-    events_json: _builtins.str
-    """The validated input events as a wire JSON array."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputEvent]:
+        """The input events, applied in order in one transaction; at least one."""
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
-        events_json: _builtins.str = ...,
+        events: _abc.Iterable[Global___InputEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events_json", b"events_json", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitSessionEventsRequest: _TypeAlias = SubmitSessionEventsRequest  # noqa: Y015
+
+@_typing.final
+class InputEvent(_message.Message):
+    """InputEvent is one input event (the SDK's `AgentSessionInput`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    TOOL_RESULT_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """The event type, e.g. "agent.session.input.message"."""
+    @_builtins.property
+    def message(self) -> Global___InputMessageEvent:
+        """agent.session.input.message: user messages that start a turn."""
+
+    @_builtins.property
+    def cancel(self) -> Global___InputCancelEvent:
+        """agent.session.input.cancel: cancels the active turn."""
+
+    @_builtins.property
+    def tool_result(self) -> Global___InputToolResultEvent:
+        """agent.session.input.tool_result: answers an application function call."""
+
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        message: Global___InputMessageEvent | None = ...,
+        cancel: Global___InputCancelEvent | None = ...,
+        tool_result: Global___InputToolResultEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "payload", b"payload", "tool_result", b"tool_result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "payload", b"payload", "tool_result", b"tool_result", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["message", "cancel", "tool_result"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___InputEvent: _TypeAlias = InputEvent  # noqa: Y015
+
+@_typing.final
+class InputMessageEvent(_message.Message):
+    """InputMessageEvent carries user messages."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def input(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputMessage]:
+        """The messages; at least one."""
+
+    def __init__(
+        self,
+        *,
+        input: _abc.Iterable[Global___InputMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputMessageEvent: _TypeAlias = InputMessageEvent  # noqa: Y015
+
+@_typing.final
+class InputMessage(_message.Message):
+    """InputMessage is one user message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """Always "user"."""
+    type: _builtins.str
+    """"message" when the client sent it; unset otherwise."""
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.ContentPart]:
+        """The content parts (input_text or input_image); at least one."""
+
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _abc.Iterable[_session_pb2.ContentPart] | None = ...,
+        type: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_type", b"_type", "type", b"type"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_type", b"_type", "content", b"content", "role", b"role", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__type: _TypeAlias = _typing.Literal["type"]  # noqa: Y015
+    _WhichOneofArgType__type: _TypeAlias = _typing.Literal["_type", b"_type"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__type) -> _WhichOneofReturnType__type | None: ...
+
+Global___InputMessage: _TypeAlias = InputMessage  # noqa: Y015
+
+@_typing.final
+class InputCancelEvent(_message.Message):
+    """InputCancelEvent cancels the session's active turn; it has no fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputCancelEvent: _TypeAlias = InputCancelEvent  # noqa: Y015
+
+@_typing.final
+class InputToolResultEvent(_message.Message):
+    """InputToolResultEvent answers an application function call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    turn_id: _builtins.str
+    """The waiting turn."""
+    call_id: _builtins.str
+    """The answered call."""
+    success: _builtins.bool
+    """Whether the function succeeded."""
+    error: _builtins.str
+    """Why the function failed."""
+    @_builtins.property
+    def output(self) -> _struct_pb2.Value:
+        """The function's output as the application sent it: a string or a list
+        of input content parts (application-defined, passed through).
+        """
+
+    def __init__(
+        self,
+        *,
+        turn_id: _builtins.str = ...,
+        call_id: _builtins.str = ...,
+        success: _builtins.bool = ...,
+        output: _struct_pb2.Value | None = ...,
+        error: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "call_id", b"call_id", "error", b"error", "output", b"output", "success", b"success", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+
+Global___InputToolResultEvent: _TypeAlias = InputToolResultEvent  # noqa: Y015
 
 @_typing.final
 class SubmitSessionEventsResponse(_message.Message):

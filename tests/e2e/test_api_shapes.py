@@ -1,0 +1,258 @@
+"""Every response of every public route parses with the official SDK's own
+models under strict validation (no type coercion), and carries no field the
+SDK does not know beyond Berth's documented additions. A route added
+without a case here fails the coverage check."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+import httpx
+import pydantic
+from e2e_stack import Stack
+from openai.pagination import SyncConversationCursorPage, SyncCursorPage, SyncTokenPage
+from openai.types.beta.agent import Agent
+from openai.types.beta.agent_deleted import AgentDeleted
+from openai.types.beta.agent_session import AgentSession
+from openai.types.beta.agent_session_deleted import AgentSessionDeleted
+from openai.types.beta.agent_session_event import AgentSessionEvent
+from openai.types.beta.agent_session_item import AgentSessionItem
+from openai.types.beta.agents.environment_info import EnvironmentInfo
+from openai.types.beta.agents.environments.environment_file import EnvironmentFile
+from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
+from openai.types.beta.agents.sessions.session_artifact_deleted import SessionArtifactDeleted
+from openai.types.beta.agents.sessions.turn import Turn
+from openai.types.file_deleted import FileDeleted
+from openai.types.file_object import FileObject
+from turns_support import idle_after_turn, open_events
+
+from gateway.routes import agents, environments, files, session_resources, sessions
+
+class EnvironmentDeleted(pydantic.BaseModel):
+    """A Berth extension the SDK has no model for, in the SDK's deleted shape."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    id: str
+    object: Literal["agent.environment.deleted"]
+    deleted: Literal[True]
+
+
+# Route -> the SDK model of its JSON body; None: no JSON body (202, bytes, SSE).
+MODELS: dict[tuple[str, str], Any] = {
+    ("POST", "/v1/agents"): Agent,
+    ("GET", "/v1/agents"): SyncCursorPage[Agent],
+    ("GET", "/v1/agents/{agent_id}"): Agent,
+    ("POST", "/v1/agents/{agent_id}"): Agent,
+    ("DELETE", "/v1/agents/{agent_id}"): AgentDeleted,
+    ("POST", "/v1/agents/environments"): EnvironmentInfo,
+    ("GET", "/v1/agents/environments"): SyncCursorPage[EnvironmentInfo],
+    ("GET", "/v1/agents/environments/{environment_id}"): EnvironmentInfo,
+    ("DELETE", "/v1/agents/environments/{environment_id}"): EnvironmentDeleted,
+    ("POST", "/v1/agents/environments/{environment_id}/files"): EnvironmentFile,
+    ("GET", "/v1/agents/environments/{environment_id}/files"): SyncTokenPage[EnvironmentFile],
+    ("POST", "/v1/files"): FileObject,
+    ("GET", "/v1/files"): SyncCursorPage[FileObject],
+    ("GET", "/v1/files/{file_id}"): FileObject,
+    ("GET", "/v1/files/{file_id}/content"): None,
+    ("DELETE", "/v1/files/{file_id}"): FileDeleted,
+    ("POST", "/v1/agents/sessions"): AgentSession,
+    ("GET", "/v1/agents/sessions"): SyncCursorPage[AgentSession],
+    ("GET", "/v1/agents/sessions/{session_id}"): AgentSession,
+    ("POST", "/v1/agents/sessions/{session_id}"): AgentSession,
+    ("DELETE", "/v1/agents/sessions/{session_id}"): AgentSessionDeleted,
+    ("POST", "/v1/agents/sessions/{session_id}/events"): None,
+    ("GET", "/v1/agents/sessions/{session_id}/events"): None,  # each frame: AgentSessionEvent
+    ("GET", "/v1/agents/sessions/{session_id}/turns"): SyncCursorPage[Turn],
+    ("GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}"): Turn,
+    ("GET", "/v1/agents/sessions/{session_id}/items"): SyncCursorPage[AgentSessionItem],
+    ("GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}/items"): SyncConversationCursorPage[AgentSessionItem],
+    ("GET", "/v1/agents/sessions/{session_id}/artifacts"): SyncCursorPage[SessionArtifact],
+    ("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}"): SessionArtifact,
+    ("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}/content"): None,
+    ("DELETE", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}"): SessionArtifactDeleted,
+}
+
+# Fields Berth adds to SDK objects (docs/wire-contract.md), by SDK model.
+_ENVIRONMENT_ADDITIONS = frozenset(
+    {"capability_directories", "network", "packages", "container_size", "lifetime", "session_count", "error", "created_at"}
+)
+ADDITIONS: dict[str, frozenset[str]] = {
+    "EnvironmentInfo": _ENVIRONMENT_ADDITIONS | {"vault_ids"},
+    "EnvironmentResourceOpenAIHosted": _ENVIRONMENT_ADDITIONS | {"status"},
+    "EnvironmentFile": frozenset({"id", "type", "file_id"}),
+    "EnvironmentResourceOpenAIHostedNetwork": frozenset({"blocked_domains"}),
+}
+
+# The OpenAI list envelope, which the SDK's page classes do not declare.
+_PAGE_ENVELOPE = frozenset({"object", "first_id", "last_id"})
+
+EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEvent)
+
+
+def _public_routes() -> set[tuple[str, str]]:
+    routes: set[tuple[str, str]] = set()
+    for module in (agents, environments, files, sessions, session_resources):
+        for route in module.router.routes:
+            for method in getattr(route, "methods", ()):
+                routes.add((method, str(getattr(route, "path"))))
+    return routes
+
+
+def _unknown_fields(value: Any, out: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """(model, key) of every key the SDK's models did not declare."""
+    if isinstance(value, pydantic.BaseModel):
+        name = type(value).__name__
+        allowed = _PAGE_ENVELOPE if name.startswith("Sync") and "Page[" in name else ADDITIONS.get(name, frozenset())
+        for key in value.model_extra or {}:
+            if key not in allowed:
+                out.add((name, key))
+        for key in type(value).model_fields:
+            _unknown_fields(getattr(value, key), out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _unknown_fields(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _unknown_fields(v, out)
+    return out
+
+
+def _parse_strictly(model: Any, body: Any, where: str) -> Any:
+    parsed = pydantic.TypeAdapter(model).validate_python(body, strict=True)
+    unknown = _unknown_fields(parsed, set())
+    assert not unknown, f"{where}: fields the SDK does not know: {sorted(unknown)}"
+    return parsed
+
+
+class Api:
+    """Calls routes by template and checks each response against MODELS."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+        self.covered: set[tuple[str, str]] = set()
+
+    async def call(self, method: str, template: str, *, status: int | None = None, **kwargs: Any) -> Any:
+        params = {k: kwargs.pop(k) for k in list(kwargs) if "{" + k + "}" in template}
+        response = await self.http.request(method, template.removeprefix("/v1").format(**params), **kwargs)
+        ok = response.status_code == status if status is not None else response.is_success
+        assert ok, (method, template, response.status_code, response.text)
+        self.covered.add((method, template))
+        model = MODELS[(method, template)]
+        if model is None:
+            return response
+        body = response.json()
+        _parse_strictly(model, body, f"{method} {template}")
+        return body
+
+
+async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Stack) -> None:
+    async with stack.http() as http:
+        api = Api(http)
+
+        agent = await api.call("POST", "/v1/agents", json={"model": "scripted", "name": "shapes"})
+        await api.call("GET", "/v1/agents")
+        await api.call("GET", "/v1/agents/{agent_id}", agent_id=agent["id"])
+        await api.call("POST", "/v1/agents/{agent_id}", agent_id=agent["id"], json={"instructions": "Be brief."})
+
+        uploaded = await api.call(
+            "POST", "/v1/files", files={"file": ("notes.txt", b"notes\n")}, data={"purpose": "user_data"}
+        )
+        await api.call("GET", "/v1/files")
+        await api.call("GET", "/v1/files/{file_id}", file_id=uploaded["id"])
+        await api.call("GET", "/v1/files/{file_id}/content", file_id=uploaded["id"])
+
+        env = await api.call("POST", "/v1/agents/environments", json={"environment": {"type": "openai_hosted"}})
+        await api.call("GET", "/v1/agents/environments")
+        await api.call("GET", "/v1/agents/environments/{environment_id}", environment_id=env["id"])
+        await api.call(
+            "POST",
+            "/v1/agents/environments/{environment_id}/files",
+            environment_id=env["id"],
+            json={"type": "file_id", "file_id": uploaded["id"], "path": "/workspace/notes.txt"},
+        )
+        await api.call("GET", "/v1/agents/environments/{environment_id}/files", environment_id=env["id"])
+
+        session = await api.call(
+            "POST",
+            "/v1/agents/sessions",
+            json={"agent_id": agent["id"], "environment": {"type": "reference", "environment_id": env["id"]}},
+        )
+        session_id = session["id"]
+        await api.call("GET", "/v1/agents/sessions")
+        await api.call("GET", "/v1/agents/sessions/{session_id}", session_id=session_id)
+        await api.call("POST", "/v1/agents/sessions/{session_id}", session_id=session_id, json={"metadata": {"k": "v"}})
+
+        # One turn that runs a command, publishes an artifact and calls an
+        # application function, so every item and event type Berth emits
+        # for such a turn is on the stream.
+        script = "$ echo shapes | tee $REBYTE_OUTPUT_DIR/out.txt\ncall lookup {}\ndone"
+        await api.call(
+            "POST",
+            "/v1/agents/sessions/{session_id}",
+            session_id=session_id,
+            json={"agent": {"tools": [{"type": "function", "name": "lookup", "description": "", "parameters": {"type": "object"}}]}},
+        )
+        message = {"role": "user", "content": [{"type": "input_text", "text": script}]}
+        await api.call(
+            "POST",
+            "/v1/agents/sessions/{session_id}/events",
+            session_id=session_id,
+            status=202,
+            json={"events": [{"type": "agent.session.input.message", "input": [message]}]},
+        )
+        async with open_events(http, session_id, last_event_id="0") as reader:
+            async with asyncio.timeout(60):
+                waiting = await reader.until(lambda e: e.type == "agent.session.requires_action")
+                turn_id = str(waiting[-1].data["session"]["required_actions"][0]["turn_id"])
+                call_id = str(waiting[-1].data["session"]["required_actions"][0]["call_id"])
+                await api.call(
+                    "POST",
+                    "/v1/agents/sessions/{session_id}/events",
+                    session_id=session_id,
+                    status=202,
+                    json={
+                        "events": [
+                            {
+                                "type": "agent.session.input.tool_result",
+                                "turn_id": turn_id,
+                                "call_id": call_id,
+                                "success": True,
+                                "output": "42",
+                            }
+                        ]
+                    },
+                )
+                frames = waiting + await reader.until(idle_after_turn(turn_id))
+        api.covered.add(("GET", "/v1/agents/sessions/{session_id}/events"))
+        for frame in frames:
+            parsed = EVENT_ADAPTER.validate_python(frame.data, strict=True)
+            unknown = _unknown_fields(parsed, set())
+            assert not unknown, f"{frame.type}: fields the SDK does not know: {sorted(unknown)}"
+        kinds = {f.type for f in frames}
+        assert {"agent.session.turn.item.added", "agent.output.command_execution_output.delta"} <= kinds, kinds
+
+        turns = await api.call("GET", "/v1/agents/sessions/{session_id}/turns", session_id=session_id)
+        assert turns["data"][0]["status"] == "completed"
+        await api.call("GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}", session_id=session_id, turn_id=turn_id)
+        items = await api.call("GET", "/v1/agents/sessions/{session_id}/items", session_id=session_id)
+        assert {i["type"] for i in items["data"]} == {"message", "command_execution", "function_call", "function_call_output"}
+        await api.call(
+            "GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}/items", session_id=session_id, turn_id=turn_id
+        )
+        artifacts = await api.call("GET", "/v1/agents/sessions/{session_id}/artifacts", session_id=session_id)
+        (artifact,) = artifacts["data"]
+        ids = {"session_id": session_id, "artifact_id": artifact["id"]}
+        await api.call("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}", **ids)
+        content = await api.call("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}/content", **ids)
+        assert content.content == b"shapes\n"
+        await api.call("DELETE", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}", **ids)
+
+        await api.call("DELETE", "/v1/agents/sessions/{session_id}", session_id=session_id)
+        await api.call("DELETE", "/v1/agents/environments/{environment_id}", environment_id=env["id"])
+        await api.call("DELETE", "/v1/files/{file_id}", file_id=uploaded["id"])
+        await api.call("DELETE", "/v1/agents/{agent_id}", agent_id=agent["id"])
+
+    assert _public_routes() - api.covered == set()
+    assert set(MODELS) == _public_routes()
