@@ -6,8 +6,11 @@ unknown keys and is checked only for the fields we know. A failure is a 400
 ``validation_error`` whose ``param`` is the dotted path of the first problem
 (``environment.files.0.path``); union tags never appear in it.
 
-Bodies are forwarded as the JSON the client sent (after validation), so an
-explicit ``null`` (clear) stays distinguishable from an absent key (keep).
+These models are the only check of a body's shape: ``gateway.convert`` maps
+a validated body to its contract message once, and an explicit ``null``
+(clear) stays distinguishable from an absent key (keep) through the fields
+a model records as set. Fields checked by ``_not_null`` may be absent but
+not ``null``.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping
 from posixpath import normpath
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError, field_validator
 
 from gateway.errors import ApiError
 
@@ -45,6 +49,8 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 _MAX_METADATA_PAIRS = 16
+_MAX_TOOLS_BYTES = 3 * 1024 * 1024
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 # --- scalar checks -------------------------------------------------------------------
@@ -94,6 +100,20 @@ def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+def _function_name(value: str) -> str:
+    if not _FUNCTION_NAME.match(value):
+        raise ValueError("function names use 1 to 64 letters, digits, _ or -")
+    return value
+
+
+NonBlank = Annotated[str, AfterValidator(_non_blank)]
+FunctionName = Annotated[str, AfterValidator(_function_name)]
 WorkspacePath = Annotated[str, AfterValidator(workspace_path)]
 Base64Str = Annotated[str, AfterValidator(_base64)]
 Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
@@ -106,6 +126,17 @@ class _Strict(BaseModel):
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+def _reject_null(value: Any) -> Any:
+    if value is None:
+        raise ValueError("must not be null")
+    return value
+
+
+def _not_null(*fields: str) -> Any:
+    """A validator for fields that may be absent but not null."""
+    return field_validator(*fields, mode="before")(_reject_null)
 
 
 # --- environments --------------------------------------------------------------------
@@ -224,8 +255,9 @@ SessionEnvironment = Annotated[
 
 
 class FunctionTool(_Open):
+    _check_nulls = _not_null("defer_loading")
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: FunctionName
     description: str
     parameters: dict[str, Any]
     defer_loading: bool | None = None
@@ -234,23 +266,24 @@ class FunctionTool(_Open):
 
 class McpHttpTransport(_Open):
     type: Literal["http"]
-    server_url: str = Field(min_length=1)
+    server_url: NonBlank
     headers: dict[str, str] | None = None
     authorization: str | None = None
 
 
 class McpStdioTransport(_Open):
     type: Literal["stdio"]
-    command: str = Field(min_length=1)
-    cwd: str | None = None
+    command: NonBlank
+    cwd: NonBlank
     args: list[str] | None = None
     env: dict[str, str] | None = None
     env_vars: list[str] | None = None
 
 
 class McpTool(_Open):
+    _check_nulls = _not_null("required")
     type: Literal["mcp"]
-    server_label: str = Field(min_length=1)
+    server_label: NonBlank
     transport: Annotated[McpHttpTransport | McpStdioTransport, Field(discriminator="type")]
     allowed_tools: list[str] | None = None
     connection_origin: Literal["service", "environment"] | None = None
@@ -263,15 +296,18 @@ class WebSearchTool(_Open):
     type: Literal["web_search"]
     allowed_domains: list[str] | None = None
     context_size: Literal["low", "medium", "high"] | None = None
+    location: Any = None
     mode: Literal["disabled", "cached", "live"] | None = None
 
 
 class ComputerUseTool(_Open):
+    _check_nulls = _not_null("include_screenshots")
     type: Literal["computer_use"]
     include_screenshots: bool | None = None
 
 
 class ProgrammaticToolCallingTool(_Open):
+    _check_nulls = _not_null("enabled")
     type: Literal["programmatic_tool_calling"]
     enabled: bool | None = None
 
@@ -325,10 +361,19 @@ class Compaction(_Open):
 
 
 class Experimental(_Open):
+    _check_nulls = _not_null("time_awareness")
     time_awareness: bool | None = None
 
 
+def _tools_size(value: Any) -> Any:
+    if isinstance(value, list) and len(json.dumps(value, separators=(",", ":")).encode()) > _MAX_TOOLS_BYTES:
+        raise ValueError("the tool list must fit within 3 MiB of compact JSON")
+    return value
+
+
 class _AgentConfig(_Strict):
+    _check_tools_size = field_validator("tools", mode="before")(_tools_size)
+
     instructions: str | None = None
     multi_agent: MultiAgent | None = None
     reasoning: Reasoning | None = None
@@ -340,19 +385,23 @@ class _AgentConfig(_Strict):
 
 
 class AgentCreateBody(_AgentConfig):
-    model: str = Field(min_length=1)
+    model: NonBlank
     name: str | None = None
     metadata: Metadata = None
 
 
 class AgentUpdateBody(_AgentConfig):
-    model: str | None = Field(default=None, min_length=1)
+    _check_model = _not_null("model")
+
+    model: NonBlank | None = None
     name: str | None = None
     metadata: Metadata = None
 
 
 class InlineAgent(_AgentConfig):
-    model: str | None = Field(default=None, min_length=1)
+    _check_model = _not_null("model")
+
+    model: NonBlank | None = None
 
 
 # --- sessions and input ------------------------------------------------------------------
@@ -398,9 +447,18 @@ class SessionCreateBody(_Strict):
     vault_ids: list[str] | None = None
 
 
+class ReasoningEffort(_Strict):
+    """A session's snapshot changes only its reasoning effort."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class SessionAgentUpdate(_Strict):
-    model: str | None = Field(default=None, min_length=1)
-    reasoning: Reasoning | None = None
+    _check_model = _not_null("model", "reasoning")
+    _check_tools_size = field_validator("tools", mode="before")(_tools_size)
+
+    model: NonBlank | None = None
+    reasoning: ReasoningEffort | None = None
     service_tier: ServiceTier | None = None
     tools: list[Tool] | None = None
 

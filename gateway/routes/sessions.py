@@ -23,6 +23,7 @@ from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from berth.session.v1 import session_pb2
 from berth.session.v1 import session_service_pb2 as pb
 from gateway import render
+from gateway.convert import create_session_request, update_session_request
 from gateway.errors import ApiError
 from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import v1_router, PageDep, json_response, read_json, require_id
@@ -102,6 +103,8 @@ def _check_create(body: SessionCreateBody, raw: dict[str, Any]) -> None:
         raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "validation_error", "stream_options requires stream: true.", param="stream_options")
+    if body.input is not None and not body.input:
+        raise ApiError(400, "validation_error", "input must not be empty.", param="input")
     has_input = bool(body.input)
     if not has_input and (isinstance(env, NoEnvironment) or body.stream):
         raise ApiError(
@@ -131,8 +134,7 @@ async def create_session(
     body = await read_json(request)
     parsed = validate_body(SessionCreateBody, body.data)
     _check_create(parsed, body.data)
-    # Streaming is the gateway's concern; the service gets the session body.
-    forwarded = {k: v for k, v in body.data.items() if k not in ("stream", "stream_options")}
+    message = create_session_request(parsed)
     async with idempotency.begin(body.hash) as idem:
         replay = idem.replay
         if replay is not None and replay.media_type == _EVENT_STREAM:
@@ -140,7 +142,7 @@ async def create_session(
             return _stream(state, stored["session_id"], int(stored["after_sequence"]), stored["turn_id"])
         if replay is not None:
             return replay.to_response()
-        response = await stub.CreateSession(pb.CreateSessionRequest(body_json=json.dumps(forwarded)))
+        response = await stub.CreateSession(message)
         if parsed.stream:
             after = max(int(response.created_sequence) - 1, 0)
             marker = {"session_id": response.session.id, "turn_id": response.turn_id, "after_sequence": after}
@@ -174,8 +176,7 @@ async def update_session(
 ) -> dict[str, Any]:
     require_id(session_id, "sess")
     body = await read_json(request)
-    validate_body(SessionUpdateBody, body.data)
-    response = await stub.UpdateSession(pb.UpdateSessionRequest(session_id=session_id, body_json=json.dumps(body.data)))
+    response = await stub.UpdateSession(update_session_request(session_id, validate_body(SessionUpdateBody, body.data)))
     return await render_session(response.session, env_stub)
 
 

@@ -7,8 +7,6 @@ organization's resource is ``NotFound``.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +17,6 @@ import grpc
 from sqlalchemy import Table, delete, exists, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
 from services.core.context import current_org
 from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, SessionActive
@@ -27,14 +24,8 @@ from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
-from services.session.agents import (
-    apply_agent_update,
-    apply_session_agent_update,
-    normalize_agent_create,
-    render_saved_agent,
-    resolve_session_agent,
-    validate_metadata,
-)
+from berth.session.v1 import session_service_pb2 as svc_pb
+from services.session.agents import AgentConfig, apply_config, new_config
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
@@ -43,33 +34,12 @@ from services.session.repository import ACTIVE_TURN_STATUSES, Page
 from services.session.runner import ClaimedTurn, TurnRunner
 from services.session.store import Store, Unit
 
-__all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall", "parse_body"]
+__all__ = ["SessionDomain", "AgentView", "CreatedSession", "SubmitResult", "UnknownToolCall"]
 
 log = get_logger(__name__)
 
 # Built once (see services/session/repository.py on prepared statements).
 _INSERT_TURN = insert(cast(Table, TurnRow.__table__))
-
-_NETWORK = {
-    "enabled": common_pb2.NETWORK_ACCESS_ENABLED,
-    "disabled": common_pb2.NETWORK_ACCESS_DISABLED,
-    "restricted": common_pb2.NETWORK_ACCESS_RESTRICTED,
-}
-# Keys of an inline openai_hosted environment that configure setup.
-_HOSTED_CONFIG_KEYS = {
-    "capability_directories",
-    "container_size",
-    "desktop",
-    "env",
-    "environment_template_id",
-    "files",
-    "network",
-    "packages",
-    "plugins",
-    "setup_commands",
-    "skills",
-}
-
 
 class UnknownToolCall(InvalidArgument):
     """A tool result for a call that is not (yet) registered. The gateway
@@ -80,20 +50,10 @@ class UnknownToolCall(InvalidArgument):
     reason = "UNKNOWN_TOOL_CALL"
 
 
-def parse_body(text: str, param: str = "body") -> dict[str, Any]:
-    try:
-        value = json.loads(text or "{}")
-    except ValueError as exc:
-        raise InvalidArgument(f"{param} is not valid JSON", param=param) from exc
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"{param} must be a JSON object", param=param)
-    return value
-
-
 @dataclass
 class AgentView:
     row: AgentRow
-    wire: dict[str, Any]
+    config: AgentConfig
 
 
 @dataclass
@@ -110,10 +70,26 @@ class SubmitResult:
 
 
 def _agent_view(row: AgentRow) -> AgentView:
-    config = json.loads(row.config_json)
-    return AgentView(
-        row, render_saved_agent(row.id, row.name, json.loads(row.metadata_json), config, row.created_at, row.updated_at)
-    )
+    return AgentView(row, json.loads(row.config_json))
+
+
+def _config_paths(paths: Any, prefix: str) -> set[str]:
+    """The AgentConfig paths of an update mask, without their prefix."""
+    return {p[len(prefix) :] for p in paths if p.startswith(prefix)}
+
+
+def _input_messages(messages: Any) -> list[list[dict[str, Any]]]:
+    """Typed user messages as the stored lists of content parts."""
+    out: list[list[dict[str, Any]]] = []
+    for message in messages:
+        parts: list[dict[str, Any]] = []
+        for part in message.content:
+            if part.WhichOneof("content") == "image_url":
+                parts.append({"type": "input_image", "image_url": part.image_url})
+            else:
+                parts.append({"type": "input_text", "text": part.text})
+        out.append(parts)
+    return out
 
 
 def _user_messages(value: Any, param: str) -> list[list[dict[str, Any]]]:
@@ -155,79 +131,6 @@ def _parts(content: Any, param: str) -> list[dict[str, Any]]:
     return parts
 
 
-def _str_list(value: Any, param: str) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidArgument(f"{param} must be a list of strings", param=param)
-    return list(value)
-
-
-def environment_config(env: dict[str, Any]) -> environment_pb2.EnvironmentConfig:
-    """An inline openai_hosted environment as the Environment service's config."""
-    config = environment_pb2.EnvironmentConfig()
-    if env.get("environment_template_id"):
-        raise InvalidArgument(
-            "environment templates are not supported for sessions yet", param="environment.environment_template_id"
-        )
-    desktop = env.get("desktop")
-    if isinstance(desktop, dict) and desktop.get("enabled"):
-        raise InvalidArgument("desktop environments are not supported", param="environment.desktop.enabled")
-    for i, f in enumerate(env.get("files") or []):
-        p = f"environment.files[{i}]"
-        if not isinstance(f, dict) or not isinstance(f.get("path"), str):
-            raise InvalidArgument(f"{p}.path is required", param=f"{p}.path")
-        if f.get("type") == "inline":
-            try:
-                data = base64.b64decode(str(f.get("data", "")), validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise InvalidArgument(f"{p}.data must be base64", param=f"{p}.data") from exc
-            config.files.append(environment_pb2.InitialFile(path=f["path"], data=data))
-        elif f.get("type") == "file_id" and isinstance(f.get("file_id"), str):
-            config.files.append(environment_pb2.InitialFile(path=f["path"], file_id=f["file_id"]))
-        else:
-            raise InvalidArgument(f"{p}.type must be 'inline' or 'file_id'", param=f"{p}.type")
-    variables = env.get("env") or {}
-    if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
-        raise InvalidArgument("environment.env must map strings to strings", param="environment.env")
-    config.env.update({str(k): v for k, v in variables.items()})
-    packages = env.get("packages") or {}
-    config.packages.CopyFrom(
-        environment_pb2.Packages(
-            python=_str_list(packages.get("python"), "environment.packages.python"),
-            npm=_str_list(packages.get("npm"), "environment.packages.npm"),
-            system=_str_list(packages.get("system"), "environment.packages.system"),
-        )
-    )
-    for i, command in enumerate(env.get("setup_commands") or []):
-        if not isinstance(command, dict) or not isinstance(command.get("command"), str) or not command["command"]:
-            raise InvalidArgument("setup commands need a command", param=f"environment.setup_commands[{i}].command")
-        config.setup_commands.append(environment_pb2.SetupCommand(command=command["command"], cwd=command.get("cwd") or ""))
-    network = env.get("network")
-    if network is not None:
-        access = network.get("access") if isinstance(network, dict) else None
-        if access not in _NETWORK:
-            raise InvalidArgument("network.access must be enabled, disabled or restricted", param="environment.network.access")
-        allowed = _str_list(network.get("allowed_domains"), "environment.network.allowed_domains")
-        blocked = _str_list(network.get("blocked_domains"), "environment.network.blocked_domains")
-        if (allowed or blocked) and access != "restricted":
-            raise InvalidArgument("domain lists require access 'restricted'", param="environment.network.access")
-        if allowed and blocked:
-            raise InvalidArgument("allowed_domains and blocked_domains cannot both be set", param="environment.network")
-        config.network.CopyFrom(common_pb2.NetworkPolicy(access=_NETWORK[access], allowed_domains=allowed, blocked_domains=blocked))
-    if env.get("skills"):
-        config.skills_json = json.dumps(env["skills"])
-    if env.get("plugins"):
-        config.plugins_json = json.dumps(env["plugins"])
-    config.capability_directories.extend(_str_list(env.get("capability_directories"), "environment.capability_directories"))
-    size = env.get("container_size")
-    if size is not None:
-        if size not in ("small", "medium", "large"):
-            raise InvalidArgument("container_size must be small, medium or large", param="environment.container_size")
-        config.container_size = size
-    return config
-
-
 class SessionDomain:
     def __init__(
         self,
@@ -247,9 +150,11 @@ class SessionDomain:
         self.poll_s = poll_s
 
     # ===== agents =====================================================================
-    async def create_agent(self, body: dict[str, Any]) -> AgentView:
+    async def create_agent(self, request: svc_pb.CreateAgentRequest) -> AgentView:
         org = current_org()
-        name, metadata, config = normalize_agent_create(body)
+        name = request.name if request.HasField("name") else None
+        metadata = dict(request.metadata)
+        config = new_config(request.config, persisted=True)
         now = time.time()
         row = AgentRow(
             id=new_id("agent"),
@@ -277,16 +182,22 @@ class SessionDomain:
         rows, more = await self.store.query(lambda s: repo.paginate(s, AgentRow, scope, page))
         return [_agent_view(r) for r in rows], more
 
-    async def update_agent(self, agent_id: str, body: dict[str, Any]) -> AgentView:
+    async def update_agent(self, request: svc_pb.UpdateAgentRequest) -> AgentView:
+        """Changes the fields named in the update mask; a named field left
+        unset is reset."""
         org = current_org()
+        agent_id = request.agent_id
+        paths = set(request.update_mask.paths)
 
         async def update(u: Unit) -> AgentView:
             row = await repo.get_agent(u.session, org, agent_id)
-            name, metadata, config = apply_agent_update(
-                row.name, json.loads(row.metadata_json), json.loads(row.config_json), body
+            config = apply_config(
+                json.loads(row.config_json), request.config, _config_paths(paths, "config."), persisted=True
             )
-            row.name = name
-            row.metadata_json = json.dumps(metadata)
+            if "name" in paths:
+                row.name = request.name if request.HasField("name") else None
+            if "metadata" in paths:
+                row.metadata_json = json.dumps(dict(request.metadata))
             row.config_json = json.dumps(config)
             row.version += 1
             row.updated_at = time.time()
@@ -315,33 +226,21 @@ class SessionDomain:
             return None
 
     async def _bind_environment(
-        self, env_param: Any, session_id: str, vault_ids: list[str]
+        self, env_param: svc_pb.SessionEnvironment, session_id: str, vault_ids: list[str]
     ) -> tuple[str, str, environment_pb2.Environment | None]:
         """Returns (kind, environment_id, environment) after creating or attaching."""
-        if env_param is None:
+        kind = env_param.WhichOneof("environment")
+        if kind in (None, "none"):
             return "none", "", None
-        if not isinstance(env_param, dict):
-            raise InvalidArgument("environment must be an object", param="environment")
-        kind = env_param.get("type")
-        if kind == "none":
-            return "none", "", None
-        if kind not in ("openai_hosted", "reference"):
-            raise InvalidArgument(f"environment type {kind!r} is not supported", param="environment.type")
         if self.env is None:
             raise FailedPrecondition("no environment service is configured", param="environment")
-        environment_id = env_param.get("environment_id")
-        if kind == "reference" or environment_id is not None:
-            if not isinstance(environment_id, str) or not environment_id:
+        if kind == "environment_id":
+            environment_id = env_param.environment_id
+            if not environment_id:
                 raise InvalidArgument("environment.environment_id is required", param="environment.environment_id")
-            extra = sorted(k for k in env_param if k not in ("type", "environment_id") and env_param[k] is not None)
-            if extra:
-                raise InvalidArgument(
-                    f"an environment reference cannot be combined with {extra[0]}", param=f"environment.{extra[0]}"
-                )
             environment = await self.env.attach_session(environment_id, session_id)
             return "hosted", environment.id or environment_id, environment
-        config = environment_config(env_param)
-        environment = await self.env.create_environment(config, vault_ids=vault_ids, owner_session_id=session_id)
+        environment = await self.env.create_environment(env_param.inline, vault_ids=vault_ids, owner_session_id=session_id)
         return "hosted", environment.id, environment
 
     async def _enqueue_turn(self, u: Unit, row: SessionRow, messages: list[list[dict[str, Any]]]) -> str:
@@ -372,34 +271,28 @@ class SessionDomain:
         await u.emit(row.id, wire.turn_event("agent.session.turn.created", views.turn_json(turn)), touch={"last_active_at": now})
         return turn.id
 
-    async def create_session(self, body: dict[str, Any]) -> CreatedSession:
+    async def create_session(self, request: svc_pb.CreateSessionRequest) -> CreatedSession:
+        """Snapshots the saved agent with the given overrides (the fields of
+        ``agent_mask``), or the inline agent, and binds the environment."""
         org = current_org()
-        agent_param = body.get("agent")
-        agent_id = body.get("agent_id")
-        if isinstance(agent_param, str):
-            agent_id, agent_param = agent_param, None
-        if agent_param is not None and not isinstance(agent_param, dict):
-            raise InvalidArgument("agent must be an object", param="agent")
+        agent_id = request.agent_id
         name: str | None = None
         if agent_id:
-            if not isinstance(agent_id, str):
-                raise InvalidArgument("agent_id must be a string", param="agent_id")
             saved_id = agent_id
             saved = await self.store.query(lambda s: repo.get_agent(s, org, saved_id))
             name = saved.name
-            config = resolve_session_agent(json.loads(saved.config_json), agent_param)
+            config = apply_config(
+                json.loads(saved.config_json), request.agent, set(request.agent_mask.paths), prefix="agent", persisted=False
+            )
         else:
-            if agent_param is None:
-                raise InvalidArgument("agent or agent_id is required", param="agent")
             agent_id = new_id("agent")
-            config = resolve_session_agent(None, agent_param)
-        metadata = validate_metadata(body.get("metadata"))
-        vault_ids = _str_list(body.get("vault_ids"), "vault_ids")
-        raw_input = body.get("input")
-        messages = _user_messages(raw_input, "input") if raw_input is not None else []
+            config = new_config(request.agent, prefix="agent", persisted=False)
+        metadata = dict(request.metadata)
+        vault_ids = list(request.vault_ids)
+        messages = _input_messages(request.input)
 
         session_id = new_id("sess")
-        kind, environment_id, environment = await self._bind_environment(body.get("environment"), session_id, vault_ids)
+        kind, environment_id, environment = await self._bind_environment(request.environment, session_id, vault_ids)
         now = time.time()
         row = SessionRow(
             id=session_id,
@@ -464,16 +357,20 @@ class SessionDomain:
 
         return await self.store.query(render), more
 
-    async def update_session(self, session_id: str, body: dict[str, Any]) -> views.SessionView:
+    async def update_session(self, request: svc_pb.UpdateSessionRequest) -> views.SessionView:
+        """Changes the fields named in the update mask."""
         org = current_org()
+        session_id = request.session_id
+        paths = set(request.update_mask.paths)
+        agent_paths = _config_paths(paths, "agent.")
 
         async def update_row(u: Unit) -> None:
             row = await repo.get_session(u.session, org, session_id)
-            if "metadata" in body:
-                row.metadata_json = json.dumps(validate_metadata(body["metadata"]))
-            if body.get("agent") is not None:
+            if "metadata" in paths:
+                row.metadata_json = json.dumps(dict(request.metadata))
+            if agent_paths:
                 snap = views.snapshot(row)
-                snap["config"] = apply_session_agent_update(snap["config"], body["agent"])
+                snap["config"] = apply_config(snap["config"], request.agent, agent_paths, prefix="agent", persisted=False)
                 row.agent_config_json = json.dumps(snap)
 
         await self.store.transact(update_row)

@@ -12,7 +12,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
 from services.session import views
-from services.session.domain import AgentView, SessionDomain, parse_body
+from services.session.agents import config_message
+from services.session.domain import AgentView, SessionDomain
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
 
@@ -54,7 +55,7 @@ def _agent(view: AgentView) -> session_pb2.Agent:
         id=row.id,
         org_id=row.org_id,
         name=row.name or "",
-        config_json=_dumps(view.wire),
+        config=config_message(view.config),
         create_time=_ts(row.created_at),
         update_time=_ts(row.updated_at),
         metadata=json.loads(row.metadata_json),
@@ -68,7 +69,6 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         id=row.id,
         org_id=row.org_id,
         agent_id=row.agent_id,
-        agent_json=_dumps(view.agent),
         environment_kind=(
             session_pb2.ENVIRONMENT_KIND_HOSTED if row.environment_kind == "hosted" else session_pb2.ENVIRONMENT_KIND_NONE
         ),
@@ -83,6 +83,11 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         usage_json=row.usage_json,
         last_sequence=row.event_seq,
     )
+    snap = views.snapshot(row)
+    message.agent.id = snap["id"]
+    if snap.get("name") is not None:
+        message.agent.name = snap["name"]
+    message.agent.config.CopyFrom(config_message(snap["config"]))
     if view.environment is not None:
         message.environment.CopyFrom(view.environment)
     return message
@@ -120,7 +125,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # agents
     async def CreateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.create_agent(parse_body(request.body_json))
+        view = await self.domain.create_agent(request)
         return session_service_pb2.CreateAgentResponse(agent=_agent(view))
 
     async def GetAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -131,7 +136,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         return session_service_pb2.ListAgentsResponse(agents=[_agent(a) for a in agents], has_more=more)
 
     async def UpdateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_agent(request.agent_id, parse_body(request.body_json))
+        view = await self.domain.update_agent(request)
         return session_service_pb2.UpdateAgentResponse(agent=_agent(view))
 
     async def DeleteAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -139,7 +144,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # sessions
     async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        created = await self.domain.create_session(parse_body(request.body_json))
+        created = await self.domain.create_session(request)
         return session_service_pb2.CreateSessionResponse(
             session=_session(created.view), turn_id=created.turn_id, created_sequence=created.created_sequence
         )
@@ -152,7 +157,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         return session_service_pb2.ListSessionsResponse(sessions=[_session(s) for s in sessions], has_more=more)
 
     async def UpdateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_session(request.session_id, parse_body(request.body_json))
+        view = await self.domain.update_session(request)
         return session_service_pb2.UpdateSessionResponse(session=_session(view))
 
     async def DeleteSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

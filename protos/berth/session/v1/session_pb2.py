@@ -23,40 +23,95 @@ _sym_db = _symbol_database.Default()
 
 
 from berth.environment.v1 import environment_pb2 as berth_dot_environment_dot_v1_dot_environment__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65rth/session/v1/session.proto\x12\x10\x62\x65rth.session.v1\x1a&berth/environment/v1/environment.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa3\x02\n\x05\x41gent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x37\n\x08metadata\x18\x07 \x03(\x0b\x32%.berth.session.v1.Agent.MetadataEntry\x12\x0f\n\x07version\x18\x08 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc8\x04\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x12\n\nagent_json\x18\x04 \x01(\t\x12;\n\x10\x65nvironment_kind\x18\x05 \x01(\x0e\x32!.berth.session.v1.EnvironmentKind\x12\x16\n\x0e\x65nvironment_id\x18\x06 \x01(\t\x12/\n\x06status\x18\x07 \x01(\x0e\x32\x1f.berth.session.v1.SessionStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x1d\n\x15required_actions_json\x18\t \x01(\t\x12\x39\n\x08metadata\x18\n \x03(\x0b\x32\'.berth.session.v1.Session.MetadataEntry\x12\x11\n\tvault_ids\x18\x0b \x03(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10last_active_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nusage_json\x18\x0e \x01(\t\x12\x36\n\x0b\x65nvironment\x18\x0f \x01(\x0b\x32!.berth.environment.v1.Environment\x12\x15\n\rlast_sequence\x18\x10 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"g\n\x04Turn\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12,\n\x06status\x18\x03 \x01(\x0e\x32\x1c.berth.session.v1.TurnStatus\x12\x11\n\tturn_json\x18\x04 \x01(\t\"X\n\x04Item\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0c\n\x04type\x18\x04 \x01(\t\x12\x11\n\titem_json\x18\x05 \x01(\t\"B\n\x0cSessionEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x12\n\nevent_json\x18\x03 \x01(\t\"\xb6\x01\n\x08\x41rtifact\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa7\x01\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_IDLE\x10\x01\x12\x1e\n\x1aSESSION_STATUS_IN_PROGRESS\x10\x02\x12\"\n\x1eSESSION_STATUS_REQUIRES_ACTION\x10\x03\x12\x19\n\x15SESSION_STATUS_FAILED\x10\x04*k\n\x0f\x45nvironmentKind\x12 \n\x1c\x45NVIRONMENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NVIRONMENT_KIND_NONE\x10\x01\x12\x1b\n\x17\x45NVIRONMENT_KIND_HOSTED\x10\x02*\xc5\x01\n\nTurnStatus\x12\x1b\n\x17TURN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TURN_STATUS_QUEUED\x10\x01\x12\x1b\n\x17TURN_STATUS_IN_PROGRESS\x10\x02\x12\x17\n\x13TURN_STATUS_WAITING\x10\x03\x12\x19\n\x15TURN_STATUS_COMPLETED\x10\x04\x12\x16\n\x12TURN_STATUS_FAILED\x10\x05\x12\x19\n\x15TURN_STATUS_CANCELLED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65rth/session/v1/session.proto\x12\x10\x62\x65rth.session.v1\x1a&berth/environment/v1/environment.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x94\x03\n\x0b\x41gentConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x0cinstructions\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x37\n\x0bmulti_agent\x18\x03 \x01(\x0b\x32\".berth.session.v1.MultiAgentConfig\x12\x34\n\treasoning\x18\x04 \x01(\x0b\x32!.berth.session.v1.ReasoningConfig\x12\x14\n\x0cservice_tier\x18\x05 \x01(\t\x12*\n\x04text\x18\x06 \x01(\x0b\x32\x1c.berth.session.v1.TextConfig\x12%\n\x05tools\x18\x07 \x03(\x0b\x32\x16.berth.session.v1.Tool\x12\x36\n\ncompaction\x18\x08 \x01(\x0b\x32\".berth.session.v1.CompactionConfig\x12:\n\x0c\x65xperimental\x18\t \x01(\x0b\x32$.berth.session.v1.ExperimentalConfigB\x0f\n\r_instructions\"g\n\x10MultiAgentConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12%\n\x18max_concurrent_subagents\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x1b\n\x19_max_concurrent_subagents\"S\n\x0fReasoningConfig\x12\x13\n\x06\x65\x66\x66ort\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x14\n\x07summary\x18\x02 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_effortB\n\n\x08_summary\"M\n\nTextConfig\x12,\n\x06\x66ormat\x18\x01 \x01(\x0b\x32\x1c.berth.session.v1.TextFormat\x12\x11\n\tverbosity\x18\x02 \x01(\t\"\x84\x01\n\nTextFormat\x12\x31\n\x04text\x18\x01 \x01(\x0b\x32!.berth.session.v1.PlainTextFormatH\x00\x12\x39\n\x0bjson_schema\x18\x02 \x01(\x0b\x32\".berth.session.v1.JsonSchemaFormatH\x00\x42\x08\n\x06\x66ormat\"\x11\n\x0fPlainTextFormat\";\n\x10JsonSchemaFormat\x12\'\n\x06schema\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"%\n\x10\x43ompactionConfig\x12\x11\n\trun_async\x18\x01 \x01(\x08\",\n\x12\x45xperimentalConfig\x12\x16\n\x0etime_awareness\x18\x01 \x01(\x08\"\xa5\x03\n\x04Tool\x12\x32\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x1e.berth.session.v1.FunctionToolH\x00\x12(\n\x03mcp\x18\x02 \x01(\x0b\x32\x19.berth.session.v1.McpToolH\x00\x12\x35\n\nweb_search\x18\x03 \x01(\x0b\x32\x1f.berth.session.v1.WebSearchToolH\x00\x12\x39\n\x0c\x63omputer_use\x18\x04 \x01(\x0b\x32!.berth.session.v1.ComputerUseToolH\x00\x12R\n\x19programmatic_tool_calling\x18\x05 \x01(\x0b\x32-.berth.session.v1.ProgrammaticToolCallingToolH\x00\x12\x37\n\x0btool_search\x18\x06 \x01(\x0b\x32 .berth.session.v1.ToolSearchToolH\x00\x12\x38\n\x0b\x61utomations\x18\x07 \x01(\x0b\x32!.berth.session.v1.AutomationsToolH\x00\x42\x06\n\x04tool\"\x9b\x01\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12+\n\nparameters\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x15\n\rdefer_loading\x18\x04 \x01(\x08\x12\x16\n\trun_async\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x0c\n\n_run_async\"\x1c\n\nStringList\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x95\x02\n\x07McpTool\x12\x14\n\x0cserver_label\x18\x01 \x01(\t\x12\x31\n\ttransport\x18\x02 \x01(\x0b\x32\x1e.berth.session.v1.McpTransport\x12\x19\n\x11\x63onnection_origin\x18\x03 \x01(\t\x12\x31\n\x10request_metadata\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08required\x18\x05 \x01(\x08\x12\x33\n\rallowed_tools\x18\x06 \x01(\x0b\x32\x1c.berth.session.v1.StringList\x12\x1a\n\rcredential_id\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\x10\n\x0e_credential_id\"\x85\x01\n\x0cMcpTransport\x12\x32\n\x04http\x18\x01 \x01(\x0b\x32\".berth.session.v1.McpHttpTransportH\x00\x12\x34\n\x05stdio\x18\x02 \x01(\x0b\x32#.berth.session.v1.McpStdioTransportH\x00\x42\x0b\n\ttransport\"\xc6\x01\n\x10McpHttpTransport\x12\x12\n\nserver_url\x18\x01 \x01(\t\x12@\n\x07headers\x18\x02 \x03(\x0b\x32/.berth.session.v1.McpHttpTransport.HeadersEntry\x12\x1a\n\rauthorization\x18\x03 \x01(\tH\x00\x88\x01\x01\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x10\n\x0e_authorization\"\x88\x01\n\x11McpStdioTransport\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\t\x12\x0b\n\x03\x63wd\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x03 \x03(\t\x12\x10\n\x08\x65nv_vars\x18\x04 \x03(\t\x12-\n\x03\x65nv\x18\x05 \x01(\x0b\x32\x1b.berth.session.v1.StringMapH\x00\x88\x01\x01\x42\x06\n\x04_env\"s\n\tStringMap\x12\x37\n\x06values\x18\x01 \x03(\x0b\x32\'.berth.session.v1.StringMap.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x01\n\rWebSearchTool\x12\x35\n\x0f\x61llowed_domains\x18\x01 \x01(\x0b\x32\x1c.berth.session.v1.StringList\x12\x14\n\x0c\x63ontext_size\x18\x02 \x01(\t\x12(\n\x08location\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x0c\n\x04mode\x18\x04 \x01(\t\".\n\x0f\x43omputerUseTool\x12\x1b\n\x13include_screenshots\x18\x01 \x01(\x08\"?\n\x1bProgrammaticToolCallingTool\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_enabled\"\x10\n\x0eToolSearchTool\"\x11\n\x0f\x41utomationsTool\"\xd0\x02\n\x05\x41gent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x37\n\x08metadata\x18\x07 \x03(\x0b\x32%.berth.session.v1.Agent.MetadataEntry\x12\x0f\n\x07version\x18\x08 \x01(\x03\x12-\n\x06\x63onfig\x18\t \x01(\x0b\x32\x1d.berth.session.v1.AgentConfig\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05R\x0b\x63onfig_json\"e\n\x0cSessionAgent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\x04name\x18\x02 \x01(\tH\x00\x88\x01\x01\x12-\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x1d.berth.session.v1.AgentConfigB\x07\n\x05_name\"\xf5\x04\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12;\n\x10\x65nvironment_kind\x18\x05 \x01(\x0e\x32!.berth.session.v1.EnvironmentKind\x12\x16\n\x0e\x65nvironment_id\x18\x06 \x01(\t\x12/\n\x06status\x18\x07 \x01(\x0e\x32\x1f.berth.session.v1.SessionStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x1d\n\x15required_actions_json\x18\t \x01(\t\x12\x39\n\x08metadata\x18\n \x03(\x0b\x32\'.berth.session.v1.Session.MetadataEntry\x12\x11\n\tvault_ids\x18\x0b \x03(\t\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10last_active_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nusage_json\x18\x0e \x01(\t\x12\x36\n\x0b\x65nvironment\x18\x0f \x01(\x0b\x32!.berth.environment.v1.Environment\x12\x15\n\rlast_sequence\x18\x10 \x01(\x03\x12-\n\x05\x61gent\x18\x11 \x01(\x0b\x32\x1e.berth.session.v1.SessionAgent\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05R\nagent_json\"g\n\x04Turn\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12,\n\x06status\x18\x03 \x01(\x0e\x32\x1c.berth.session.v1.TurnStatus\x12\x11\n\tturn_json\x18\x04 \x01(\t\"X\n\x04Item\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0c\n\x04type\x18\x04 \x01(\t\x12\x11\n\titem_json\x18\x05 \x01(\t\"B\n\x0cSessionEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x12\n\nevent_json\x18\x03 \x01(\t\"\xb6\x01\n\x08\x41rtifact\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65nvironment_id\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa7\x01\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SESSION_STATUS_IDLE\x10\x01\x12\x1e\n\x1aSESSION_STATUS_IN_PROGRESS\x10\x02\x12\"\n\x1eSESSION_STATUS_REQUIRES_ACTION\x10\x03\x12\x19\n\x15SESSION_STATUS_FAILED\x10\x04*k\n\x0f\x45nvironmentKind\x12 \n\x1c\x45NVIRONMENT_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NVIRONMENT_KIND_NONE\x10\x01\x12\x1b\n\x17\x45NVIRONMENT_KIND_HOSTED\x10\x02*\xc5\x01\n\nTurnStatus\x12\x1b\n\x17TURN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TURN_STATUS_QUEUED\x10\x01\x12\x1b\n\x17TURN_STATUS_IN_PROGRESS\x10\x02\x12\x17\n\x13TURN_STATUS_WAITING\x10\x03\x12\x19\n\x15TURN_STATUS_COMPLETED\x10\x04\x12\x16\n\x12TURN_STATUS_FAILED\x10\x05\x12\x19\n\x15TURN_STATUS_CANCELLED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'berth.session.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._loaded_options = None
+  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_options = b'8\001'
+  _globals['_STRINGMAP_VALUESENTRY']._loaded_options = None
+  _globals['_STRINGMAP_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_AGENT_METADATAENTRY']._loaded_options = None
   _globals['_AGENT_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SESSION_METADATAENTRY']._loaded_options = None
   _globals['_SESSION_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONSTATUS']._serialized_start=1455
-  _globals['_SESSIONSTATUS']._serialized_end=1622
-  _globals['_ENVIRONMENTKIND']._serialized_start=1624
-  _globals['_ENVIRONMENTKIND']._serialized_end=1731
-  _globals['_TURNSTATUS']._serialized_start=1734
-  _globals['_TURNSTATUS']._serialized_end=1931
-  _globals['_AGENT']._serialized_start=126
-  _globals['_AGENT']._serialized_end=417
-  _globals['_AGENT_METADATAENTRY']._serialized_start=370
-  _globals['_AGENT_METADATAENTRY']._serialized_end=417
-  _globals['_SESSION']._serialized_start=420
-  _globals['_SESSION']._serialized_end=1004
-  _globals['_SESSION_METADATAENTRY']._serialized_start=370
-  _globals['_SESSION_METADATAENTRY']._serialized_end=417
-  _globals['_TURN']._serialized_start=1006
-  _globals['_TURN']._serialized_end=1109
-  _globals['_ITEM']._serialized_start=1111
-  _globals['_ITEM']._serialized_end=1199
-  _globals['_SESSIONEVENT']._serialized_start=1201
-  _globals['_SESSIONEVENT']._serialized_end=1267
-  _globals['_ARTIFACT']._serialized_start=1270
-  _globals['_ARTIFACT']._serialized_end=1452
+  _globals['_SESSIONSTATUS']._serialized_start=4440
+  _globals['_SESSIONSTATUS']._serialized_end=4607
+  _globals['_ENVIRONMENTKIND']._serialized_start=4609
+  _globals['_ENVIRONMENTKIND']._serialized_end=4716
+  _globals['_TURNSTATUS']._serialized_start=4719
+  _globals['_TURNSTATUS']._serialized_end=4916
+  _globals['_AGENTCONFIG']._serialized_start=156
+  _globals['_AGENTCONFIG']._serialized_end=560
+  _globals['_MULTIAGENTCONFIG']._serialized_start=562
+  _globals['_MULTIAGENTCONFIG']._serialized_end=665
+  _globals['_REASONINGCONFIG']._serialized_start=667
+  _globals['_REASONINGCONFIG']._serialized_end=750
+  _globals['_TEXTCONFIG']._serialized_start=752
+  _globals['_TEXTCONFIG']._serialized_end=829
+  _globals['_TEXTFORMAT']._serialized_start=832
+  _globals['_TEXTFORMAT']._serialized_end=964
+  _globals['_PLAINTEXTFORMAT']._serialized_start=966
+  _globals['_PLAINTEXTFORMAT']._serialized_end=983
+  _globals['_JSONSCHEMAFORMAT']._serialized_start=985
+  _globals['_JSONSCHEMAFORMAT']._serialized_end=1044
+  _globals['_COMPACTIONCONFIG']._serialized_start=1046
+  _globals['_COMPACTIONCONFIG']._serialized_end=1083
+  _globals['_EXPERIMENTALCONFIG']._serialized_start=1085
+  _globals['_EXPERIMENTALCONFIG']._serialized_end=1129
+  _globals['_TOOL']._serialized_start=1132
+  _globals['_TOOL']._serialized_end=1553
+  _globals['_FUNCTIONTOOL']._serialized_start=1556
+  _globals['_FUNCTIONTOOL']._serialized_end=1711
+  _globals['_STRINGLIST']._serialized_start=1713
+  _globals['_STRINGLIST']._serialized_end=1741
+  _globals['_MCPTOOL']._serialized_start=1744
+  _globals['_MCPTOOL']._serialized_end=2021
+  _globals['_MCPTRANSPORT']._serialized_start=2024
+  _globals['_MCPTRANSPORT']._serialized_end=2157
+  _globals['_MCPHTTPTRANSPORT']._serialized_start=2160
+  _globals['_MCPHTTPTRANSPORT']._serialized_end=2358
+  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_start=2294
+  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_end=2340
+  _globals['_MCPSTDIOTRANSPORT']._serialized_start=2361
+  _globals['_MCPSTDIOTRANSPORT']._serialized_end=2497
+  _globals['_STRINGMAP']._serialized_start=2499
+  _globals['_STRINGMAP']._serialized_end=2614
+  _globals['_STRINGMAP_VALUESENTRY']._serialized_start=2569
+  _globals['_STRINGMAP_VALUESENTRY']._serialized_end=2614
+  _globals['_WEBSEARCHTOOL']._serialized_start=2617
+  _globals['_WEBSEARCHTOOL']._serialized_end=2765
+  _globals['_COMPUTERUSETOOL']._serialized_start=2767
+  _globals['_COMPUTERUSETOOL']._serialized_end=2813
+  _globals['_PROGRAMMATICTOOLCALLINGTOOL']._serialized_start=2815
+  _globals['_PROGRAMMATICTOOLCALLINGTOOL']._serialized_end=2878
+  _globals['_TOOLSEARCHTOOL']._serialized_start=2880
+  _globals['_TOOLSEARCHTOOL']._serialized_end=2896
+  _globals['_AUTOMATIONSTOOL']._serialized_start=2898
+  _globals['_AUTOMATIONSTOOL']._serialized_end=2915
+  _globals['_AGENT']._serialized_start=2918
+  _globals['_AGENT']._serialized_end=3254
+  _globals['_AGENT_METADATAENTRY']._serialized_start=3188
+  _globals['_AGENT_METADATAENTRY']._serialized_end=3235
+  _globals['_SESSIONAGENT']._serialized_start=3256
+  _globals['_SESSIONAGENT']._serialized_end=3357
+  _globals['_SESSION']._serialized_start=3360
+  _globals['_SESSION']._serialized_end=3989
+  _globals['_SESSION_METADATAENTRY']._serialized_start=3188
+  _globals['_SESSION_METADATAENTRY']._serialized_end=3235
+  _globals['_TURN']._serialized_start=3991
+  _globals['_TURN']._serialized_end=4094
+  _globals['_ITEM']._serialized_start=4096
+  _globals['_ITEM']._serialized_end=4184
+  _globals['_SESSIONEVENT']._serialized_start=4186
+  _globals['_SESSIONEVENT']._serialized_end=4252
+  _globals['_ARTIFACT']._serialized_start=4255
+  _globals['_ARTIFACT']._serialized_end=4437
 # @@protoc_insertion_point(module_scope)
