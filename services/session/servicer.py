@@ -13,7 +13,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
 from services.session import views
 from services.session.agents import config_message
-from services.session.domain import AgentView, SessionDomain
+from services.session.domain import SessionDomain
+from services.session.saved_agents import AgentView
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
 
@@ -125,43 +126,43 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # agents
     async def CreateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.create_agent(request)
+        view = await self.domain.agents.create_agent(request)
         return session_service_pb2.CreateAgentResponse(agent=_agent(view))
 
     async def GetAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetAgentResponse(agent=_agent(await self.domain.get_agent(request.agent_id)))
+        return session_service_pb2.GetAgentResponse(agent=_agent(await self.domain.agents.get_agent(request.agent_id)))
 
     async def ListAgents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        agents, more = await self.domain.list_agents(_page(request.page))
+        agents, more = await self.domain.agents.list_agents(_page(request.page))
         return session_service_pb2.ListAgentsResponse(agents=[_agent(a) for a in agents], has_more=more)
 
     async def UpdateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_agent(request)
+        view = await self.domain.agents.update_agent(request)
         return session_service_pb2.UpdateAgentResponse(agent=_agent(view))
 
     async def DeleteAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.DeleteAgentResponse(agent_id=await self.domain.delete_agent(request.agent_id))
+        return session_service_pb2.DeleteAgentResponse(agent_id=await self.domain.agents.delete_agent(request.agent_id))
 
     # sessions
     async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        created = await self.domain.create_session(request)
+        created = await self.domain.sessions.create_session(request)
         return session_service_pb2.CreateSessionResponse(
             session=_session(created.view), turn_id=created.turn_id, created_sequence=created.created_sequence
         )
 
     async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetSessionResponse(session=_session(await self.domain.get_session(request.session_id)))
+        return session_service_pb2.GetSessionResponse(session=_session(await self.domain.sessions.get_session(request.session_id)))
 
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        sessions, more = await self.domain.list_sessions(_page(request.page), request.agent_id)
+        sessions, more = await self.domain.sessions.list_sessions(_page(request.page), request.agent_id)
         return session_service_pb2.ListSessionsResponse(sessions=[_session(s) for s in sessions], has_more=more)
 
     async def UpdateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_session(request)
+        view = await self.domain.sessions.update_session(request)
         return session_service_pb2.UpdateSessionResponse(session=_session(view))
 
     async def DeleteSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.DeleteSessionResponse(session_id=await self.domain.delete_session(request.session_id))
+        return session_service_pb2.DeleteSessionResponse(session_id=await self.domain.sessions.delete_session(request.session_id))
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -169,11 +170,11 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
             events = json.loads(request.events_json or "[]")
         except ValueError:
             events = None
-        result = await self.domain.submit_events(request.session_id, events)
+        result = await self.domain.input.submit_events(request.session_id, events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
     async def StreamSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        stream = await self.domain.stream_events(
+        stream = await self.domain.events.stream_events(
             request.session_id, request.after_sequence, follow=request.follow, keepalive_ms=request.keepalive_ms
         )
         async for message in stream:
@@ -188,30 +189,30 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # turns and items
     async def ListTurns(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        turns, more = await self.domain.list_turns(request.session_id, _page(request.page))
+        turns, more = await self.domain.history.list_turns(request.session_id, _page(request.page))
         return session_service_pb2.ListTurnsResponse(turns=[_turn(t) for t in turns], has_more=more)
 
     async def GetTurn(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetTurnResponse(turn=_turn(await self.domain.get_turn(request.session_id, request.turn_id)))
+        return session_service_pb2.GetTurnResponse(turn=_turn(await self.domain.history.get_turn(request.session_id, request.turn_id)))
 
     async def ListItems(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        items, more = await self.domain.list_items(request.session_id, request.turn_id, _page(request.page))
+        items, more = await self.domain.history.list_items(request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListItemsResponse(items=[_item(i) for i in items], has_more=more)
 
     # artifacts
     async def ListArtifacts(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        artifacts, more = await self.domain.list_artifacts(request.session_id, request.turn_id, _page(request.page))
+        artifacts, more = await self.domain.history.list_artifacts(request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListArtifactsResponse(artifacts=[_artifact(a) for a in artifacts], has_more=more)
 
     async def GetArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        row = await self.domain.get_artifact(request.session_id, request.artifact_id)
+        row = await self.domain.history.get_artifact(request.session_id, request.artifact_id)
         return session_service_pb2.GetArtifactResponse(artifact=_artifact(row))
 
     async def GetArtifactContent(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        chunks = await self.domain.artifact_content(request.session_id, request.artifact_id)
+        chunks = await self.domain.history.artifact_content(request.session_id, request.artifact_id)
         async for chunk in chunks:
             yield session_service_pb2.GetArtifactContentResponse(data=chunk)
 
     async def DeleteArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        artifact_id = await self.domain.delete_artifact(request.session_id, request.artifact_id)
+        artifact_id = await self.domain.history.delete_artifact(request.session_id, request.artifact_id)
         return session_service_pb2.DeleteArtifactResponse(artifact_id=artifact_id)

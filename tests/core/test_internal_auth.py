@@ -10,7 +10,6 @@ an attacker on the host (or in a sandbox) could send."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import stat
