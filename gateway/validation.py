@@ -170,7 +170,7 @@ class Packages(_Strict):
 
 
 class SetupCommand(_Strict):
-    command: str = Field(min_length=1)
+    command: NonBlank
     cwd: str | None = None
 
 

@@ -36,7 +36,8 @@ router = v1_router()
 
 
 def check_supported_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
-    """SDK fields Berth does not implement are rejected, not silently ignored."""
+    """Rules between fields of an inline configuration. SDK fields Berth does
+    not implement are rejected, not silently ignored."""
     if config.environment_template_id is not None:
         raise ApiError(
             400,
@@ -47,10 +48,25 @@ def check_supported_config(config: HostedEnvironmentConfig, param_prefix: str) -
     if config.desktop is not None and config.desktop.enabled:
         raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
     network = config.network
-    if network is not None and network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
+    if network is None:
+        return
+    if network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
         raise ApiError(
             400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
         )
+    if network.allowed_domains and network.blocked_domains:
+        raise ApiError(
+            400,
+            "validation_error",
+            "blocked_domains cannot be combined with allowed_domains.",
+            param=f"{param_prefix}.network.blocked_domains",
+        )
+    for field_name in ("allowed_domains", "blocked_domains"):
+        for domain in getattr(network, field_name) or []:
+            if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
+                raise ApiError(
+                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}.network.{field_name}"
+                )
 
 
 @router.post("/agents/environments")
