@@ -1,15 +1,16 @@
 """Request bodies, validated with models that mirror the SDK's params.
 
 Top-level bodies and environment configurations reject unknown fields, so a
-typo fails loudly; nested agent configuration (tools, text formats...) keeps
-unknown keys and is checked only for the fields we know. A failure is a 400
+typo fails loudly; nested agent configuration (tools, text formats...)
+accepts unknown keys and ignores them (the contract has no place for them). A failure is a 400
 ``validation_error`` whose ``param`` is the dotted path of the first problem
 (``environment.files.0.path``); union tags never appear in it.
 
-These models are the only check of a body's shape: ``gateway.convert`` maps
-a validated body to its contract message once, and an explicit ``null``
-(clear) stays distinguishable from an absent key (keep) through the fields
-a model records as set. Fields checked by ``_not_null`` may be absent but
+These models, with the rules between fields below them (``check_*``), are
+the only check of a body's shape: ``gateway.convert`` maps a validated body
+to its contract message once, and an explicit ``null`` (clear) stays
+distinguishable from an absent key (keep) through the fields a model
+records as set. Fields checked by ``_not_null`` may be absent but
 not ``null``.
 """
 
@@ -41,6 +42,8 @@ __all__ = [
     "SessionCreateBody",
     "SessionUpdateBody",
     "EventsCreateBody",
+    "check_hosted_config",
+    "check_session_create",
     "EnvironmentFileCreateBody",
     "InlineFile",
     "FileIdFile",
@@ -497,6 +500,89 @@ class EventsCreateBody(_Strict):
 
 class EnvironmentFileCreateBody(RootModel[HostedFile]):
     """The files API body is the file object itself: ``{type, path, data | file_id}``."""
+
+
+# --- rules between fields --------------------------------------------------------------
+
+_INLINE_CONFIG_FIELDS = (
+    "capability_directories",
+    "desktop",
+    "env",
+    "environment_template_id",
+    "files",
+    "network",
+    "packages",
+    "plugins",
+    "setup_commands",
+    "skills",
+)
+
+
+def check_hosted_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
+    """Rules between fields of an inline configuration. SDK fields Berth does
+    not implement are rejected, not silently ignored."""
+    if config.environment_template_id is not None:
+        raise ApiError(
+            400,
+            "validation_error",
+            "Environment templates are not supported.",
+            param=f"{param_prefix}.environment_template_id",
+        )
+    if config.desktop is not None and config.desktop.enabled:
+        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
+    network = config.network
+    if network is None:
+        return
+    if network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
+        raise ApiError(
+            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
+        )
+    if network.allowed_domains and network.blocked_domains:
+        raise ApiError(
+            400,
+            "validation_error",
+            "blocked_domains cannot be combined with allowed_domains.",
+            param=f"{param_prefix}.network.blocked_domains",
+        )
+    for field_name in ("allowed_domains", "blocked_domains"):
+        for domain in getattr(network, field_name) or []:
+            if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
+                raise ApiError(
+                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}.network.{field_name}"
+                )
+
+
+def check_session_create(body: SessionCreateBody) -> None:
+    """Rules between fields of a session create body."""
+    env = body.environment
+    if isinstance(env, SelfHostedEnvironment):
+        raise ApiError(400, "validation_error", "Self-hosted environments are not supported.", param="environment.type")
+    if isinstance(env, SessionHostedEnvironment):
+        if env.environment_id is not None:
+            extra = [f for f in _INLINE_CONFIG_FIELDS if f in env.model_fields_set]
+            if extra:
+                raise ApiError(
+                    400,
+                    "validation_error",
+                    "environment_id cannot be combined with inline configuration.",
+                    param=f"environment.{extra[0]}",
+                )
+        else:
+            check_hosted_config(env, "environment")
+    if body.agent_id is None and (body.agent is None or body.agent.model is None):
+        raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "validation_error", "stream_options requires stream: true.", param="stream_options")
+    if body.input is not None and not body.input:
+        raise ApiError(400, "validation_error", "input must not be empty.", param="input")
+    has_input = bool(body.input)
+    if not has_input and (isinstance(env, NoEnvironment) or body.stream):
+        raise ApiError(
+            400,
+            "validation_error",
+            "input is required for environment type 'none' and for streaming creation.",
+            param="input",
+        )
 
 
 # --- parsing ----------------------------------------------------------------------------

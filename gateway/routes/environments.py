@@ -23,57 +23,23 @@ from gateway.state import EnvironmentStubDep
 from gateway.validation import (
     EnvironmentCreateBody,
     EnvironmentFileCreateBody,
-    HostedEnvironmentConfig,
+    check_hosted_config,
     InlineFile,
     decode_base64,
     validate_body,
     workspace_dir,
 )
 
-__all__ = ["router", "check_supported_config"]
+__all__ = ["router"]
 
 router = v1_router()
-
-
-def check_supported_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
-    """Rules between fields of an inline configuration. SDK fields Berth does
-    not implement are rejected, not silently ignored."""
-    if config.environment_template_id is not None:
-        raise ApiError(
-            400,
-            "validation_error",
-            "Environment templates are not supported.",
-            param=f"{param_prefix}.environment_template_id",
-        )
-    if config.desktop is not None and config.desktop.enabled:
-        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
-    network = config.network
-    if network is None:
-        return
-    if network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
-        raise ApiError(
-            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
-        )
-    if network.allowed_domains and network.blocked_domains:
-        raise ApiError(
-            400,
-            "validation_error",
-            "blocked_domains cannot be combined with allowed_domains.",
-            param=f"{param_prefix}.network.blocked_domains",
-        )
-    for field_name in ("allowed_domains", "blocked_domains"):
-        for domain in getattr(network, field_name) or []:
-            if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
-                raise ApiError(
-                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}.network.{field_name}"
-                )
 
 
 @router.post("/agents/environments")
 async def create_environment(request: Request, stub: EnvironmentStubDep, idempotency: IdempotencyDep) -> Response:
     body = await read_json(request)
     parsed = validate_body(EnvironmentCreateBody, body.data)
-    check_supported_config(parsed.environment, "environment")
+    check_hosted_config(parsed.environment, "environment")
     config = environment_config(parsed.environment)
     async with idempotency.begin(body.hash) as idem:
         if idem.replay is not None:
