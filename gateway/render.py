@@ -296,7 +296,7 @@ def agent(a: session_pb2.Agent) -> dict[str, Any]:
         "object": "agent",
         "created_at": seconds(a.create_time),
         "updated_at": seconds(a.update_time) or seconds(a.create_time),
-        "name": a.name or None,
+        "name": a.name if a.HasField("name") else None,
         "metadata": dict(a.metadata),
         **agent_config(a.config, saved=True),
     }

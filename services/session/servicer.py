@@ -55,7 +55,7 @@ def _agent(view: AgentView) -> session_pb2.Agent:
     return session_pb2.Agent(
         id=row.id,
         org_id=row.org_id,
-        name=row.name or "",
+        name=row.name,
         config=config_message(view.config),
         create_time=_ts(row.created_at),
         update_time=_ts(row.updated_at),

@@ -178,3 +178,13 @@ async def test_a_session_snapshot_hides_credentials_and_takes_partial_updates(st
         assert updated.json()["metadata"] == {"k": "v"}
         await sdk.beta.agents.sessions.retrieve(session["id"])
     await sdk.close()
+
+
+async def test_an_empty_agent_name_stays_distinct_from_no_name(stack: Stack) -> None:
+    async with stack.http() as http:
+        empty = await http.post("/agents", json={"model": "scripted", "name": ""})
+        unnamed = await http.post("/agents", json={"model": "scripted"})
+        assert (empty.status_code, unnamed.status_code) == (200, 200)
+        assert empty.json()["name"] == "" and unnamed.json()["name"] is None
+        retrieved = await http.get(f"/agents/{empty.json()['id']}")
+        assert retrieved.json()["name"] == ""

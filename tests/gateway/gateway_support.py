@@ -285,7 +285,7 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
     async def CreateAgent(self, request: s_svc.CreateAgentRequest, context: Any) -> Any:  # noqa: N802
         org = self.enter("CreateAgent", request, context)
         agent_id = new_id("agent")
-        agent = s_pb.Agent(id=agent_id, org_id=org, name=request.name, config=request.config,
+        agent = s_pb.Agent(id=agent_id, org_id=org, name=request.name if request.HasField("name") else None, config=request.config,
                            metadata=request.metadata, create_time=_now(), update_time=_now())
         self.agents[agent_id] = (org, agent)
         return s_svc.CreateAgentResponse(agent=agent)

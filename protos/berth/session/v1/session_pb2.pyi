@@ -917,7 +917,7 @@ class Agent(_message.Message):
     org_id: _builtins.str
     """Owning organization."""
     name: _builtins.str
-    """Optional name."""
+    """Optional name; unset when the agent has none."""
     version: _builtins.int
     """Increments on every update."""
     @_builtins.property
@@ -941,18 +941,20 @@ class Agent(_message.Message):
         *,
         id: _builtins.str = ...,
         org_id: _builtins.str = ...,
-        name: _builtins.str = ...,
+        name: _builtins.str | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         version: _builtins.int = ...,
         config: Global___AgentConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "create_time", b"create_time", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "create_time", b"create_time", "name", b"name", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "create_time", b"create_time", "id", b"id", "metadata", b"metadata", "name", b"name", "org_id", b"org_id", "update_time", b"update_time", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "create_time", b"create_time", "id", b"id", "metadata", b"metadata", "name", b"name", "org_id", b"org_id", "update_time", b"update_time", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
 
 Global___Agent: _TypeAlias = Agent  # noqa: Y015
 
