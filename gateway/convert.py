@@ -59,17 +59,9 @@ _ACCESS = {
     "disabled": common_pb2.NETWORK_ACCESS_DISABLED,
     "restricted": common_pb2.NETWORK_ACCESS_RESTRICTED,
 }
-_CONFIG_FIELDS = (
-    "model",
-    "instructions",
-    "multi_agent",
-    "reasoning",
-    "service_tier",
-    "text",
-    "tools",
-    "compaction",
-    "experimental",
-)
+# The top-level fields of AgentConfig, as the contract declares them; the
+# request models use the same names.
+_CONFIG_FIELDS = tuple(f.name for f in s_pb.AgentConfig.DESCRIPTOR.fields)
 
 
 # --- environments ------------------------------------------------------------------------

@@ -38,18 +38,8 @@ AgentConfig = dict[str, Any]
 # Names the harness reserves for environment tools.
 ENVIRONMENT_TOOL_NAMES = frozenset({"exec_command", "read_file", "write_file"})
 
-# The top-level fields of AgentConfig, in their stored order.
-CONFIG_FIELDS = (
-    "model",
-    "instructions",
-    "multi_agent",
-    "reasoning",
-    "service_tier",
-    "text",
-    "tools",
-    "compaction",
-    "experimental",
-)
+# The top-level fields of AgentConfig, as the contract declares them.
+CONFIG_FIELDS = tuple(f.name for f in pb.AgentConfig.DESCRIPTOR.fields)
 # Every path a create applies: a new config takes each field as given.
 _ALL_PATHS = frozenset(CONFIG_FIELDS) | {"experimental.time_awareness"}
 
