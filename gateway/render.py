@@ -9,7 +9,7 @@ inline file or archive bytes are never rendered.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -18,6 +18,7 @@ from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
 from services.core.wire_json import to_wire
+from services.core.structs import from_struct, from_value
 
 __all__ = [
     "seconds",
@@ -28,6 +29,8 @@ __all__ = [
     "registered_file",
     "stored_file",
     "agent",
+    "agent_config",
+    "session_agent",
     "session",
     "artifact",
     "turn",
@@ -61,14 +64,6 @@ _SESSION_STATUS = {
     session_pb2.SESSION_STATUS_FAILED: "failed",
 }
 _CONTAINER_SIZES = frozenset({"small", "medium", "large"})
-
-_AGENT_DEFAULTS: dict[str, Callable[[], Any]] = {
-    "multi_agent": lambda: {"enabled": False},
-    "reasoning": lambda: {"effort": None, "summary": None},
-    "service_tier": lambda: "auto",
-    "text": lambda: {"format": {"type": "text"}, "verbosity": "medium"},
-    "tools": list,
-}
 
 
 def seconds(ts: Timestamp) -> int:
@@ -213,36 +208,114 @@ def stored_file(f: environment_pb2.StoredFile) -> dict[str, Any]:
     }
 
 
-def _with_agent_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    for key, default in _AGENT_DEFAULTS.items():
-        if config.get(key) is None:
-            config[key] = default()
-    return config
+def _transport(t: session_pb2.McpTransport, *, saved: bool) -> dict[str, Any]:
+    """Credentials never reach the gateway; headers show on saved agents only."""
+    if t.WhichOneof("transport") == "stdio":
+        stdio = t.stdio
+        return {"type": "stdio", "command": stdio.command, "cwd": stdio.cwd, "args": list(stdio.args), "env_vars": list(stdio.env_vars)}
+    out: dict[str, Any] = {"type": "http", "server_url": t.http.server_url}
+    if saved:
+        out["headers"] = dict(t.http.headers)
+    return out
+
+
+def _tool(t: session_pb2.Tool, *, saved: bool) -> dict[str, Any] | None:
+    kind = t.WhichOneof("tool")
+    if kind == "function":
+        f = t.function
+        out: dict[str, Any] = {
+            "type": "function",
+            "name": f.name,
+            "description": f.description,
+            "parameters": from_struct(f.parameters),
+            "defer_loading": f.defer_loading,
+        }
+        if f.HasField("run_async"):
+            out["async"] = f.run_async
+        return out
+    if kind == "mcp":
+        m = t.mcp
+        return {
+            "type": "mcp",
+            "server_label": m.server_label,
+            "transport": _transport(m.transport, saved=saved),
+            "connection_origin": m.connection_origin,
+            "request_metadata": from_struct(m.request_metadata),
+            "required": m.required,
+            "allowed_tools": list(m.allowed_tools.values) if m.HasField("allowed_tools") else None,
+            "credential_id": m.credential_id if m.HasField("credential_id") else None,
+        }
+    if kind == "web_search":
+        w = t.web_search
+        return {
+            "type": "web_search",
+            "allowed_domains": list(w.allowed_domains.values) if w.HasField("allowed_domains") else None,
+            "context_size": w.context_size,
+            "location": from_value(w.location) if w.HasField("location") else None,
+            "mode": w.mode,
+        }
+    if kind == "computer_use":
+        return {"type": "computer_use", "include_screenshots": t.computer_use.include_screenshots}
+    if kind == "programmatic_tool_calling":
+        return {"type": "programmatic_tool_calling", "enabled": t.programmatic_tool_calling.enabled}
+    if kind == "tool_search" and not saved:
+        # Session snapshots have no tool_search variant (strict clients reject it).
+        return None
+    return {"type": kind}
+
+
+def agent_config(c: session_pb2.AgentConfig, *, saved: bool) -> dict[str, Any]:
+    """The configuration fields of ``Agent`` and ``AgentSession.agent``."""
+    fmt: dict[str, Any] = {"type": "text"}
+    if c.text.format.WhichOneof("format") == "json_schema":
+        fmt = {"type": "json_schema", "schema": from_struct(c.text.format.json_schema.schema)}
+    out: dict[str, Any] = {
+        "model": c.model,
+        "instructions": c.instructions if c.HasField("instructions") else None,
+        "multi_agent": {
+            "enabled": c.multi_agent.enabled,
+            "max_concurrent_subagents": (
+                c.multi_agent.max_concurrent_subagents if c.multi_agent.HasField("max_concurrent_subagents") else None
+            ),
+        },
+        "reasoning": {
+            "effort": c.reasoning.effort if c.reasoning.HasField("effort") else None,
+            "summary": c.reasoning.summary if c.reasoning.HasField("summary") else None,
+        },
+        "service_tier": c.service_tier or "auto",
+        "text": {"format": fmt, "verbosity": c.text.verbosity or "medium"},
+        "tools": [t for t in (_tool(tool, saved=saved) for tool in c.tools) if t is not None],
+    }
+    if c.HasField("compaction"):
+        out["compaction"] = {"async": c.compaction.run_async}
+    if c.HasField("experimental"):
+        out["experimental"] = {"time_awareness": c.experimental.time_awareness}
+    return out
 
 
 def agent(a: session_pb2.Agent) -> dict[str, Any]:
-    """A saved ``Agent`` (object ``agent``): the service's config plus identity."""
-    config = _with_agent_defaults(dict(json_or(a.config_json, {})))
-    config.update(
-        {
-            "id": a.id,
-            "object": "agent",
-            "created_at": seconds(a.create_time),
-            "updated_at": seconds(a.update_time) or seconds(a.create_time),
-            "metadata": dict(a.metadata) if a.metadata else dict(config.get("metadata") or {}),
-            "name": a.name or config.get("name"),
-        }
-    )
-    config.setdefault("instructions", None)
-    return config
+    """A saved ``Agent`` (object ``agent``)."""
+    return {
+        "id": a.id,
+        "object": "agent",
+        "created_at": seconds(a.create_time),
+        "updated_at": seconds(a.update_time) or seconds(a.create_time),
+        "name": a.name if a.HasField("name") else None,
+        "metadata": dict(a.metadata),
+        **agent_config(a.config, saved=True),
+    }
+
+
+def session_agent(a: session_pb2.SessionAgent) -> dict[str, Any]:
+    """``AgentSession.agent``: the snapshot; credentials are never included."""
+    return {"id": a.id, "name": a.name if a.HasField("name") else None, **agent_config(a.config, saved=False)}
 
 
 def session(s: session_pb2.Session, environment: environment_pb2.Environment | None = None) -> dict[str, Any]:
     """``AgentSession`` (object ``agent.session``). ``environment`` overrides
     the embedded one (when the service did not embed it)."""
-    snapshot = _with_agent_defaults(dict(json_or(s.agent_json, {})))
-    snapshot.setdefault("id", s.agent_id)
-    snapshot.pop("object", None)
+    snapshot = session_agent(s.agent)
+    snapshot["id"] = s.agent.id or s.agent_id
     if s.environment_kind == session_pb2.ENVIRONMENT_KIND_HOSTED:
         env = environment if environment is not None else s.environment
         if not env.id:

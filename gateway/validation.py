@@ -1,13 +1,17 @@
 """Request bodies, validated with models that mirror the SDK's params.
 
 Top-level bodies and environment configurations reject unknown fields, so a
-typo fails loudly; nested agent configuration (tools, text formats...) keeps
-unknown keys and is checked only for the fields we know. A failure is a 400
+typo fails loudly; nested agent configuration (tools, text formats...)
+accepts unknown keys and ignores them (the contract has no place for them). A failure is a 400
 ``validation_error`` whose ``param`` is the dotted path of the first problem
 (``environment.files.0.path``); union tags never appear in it.
 
-Bodies are forwarded as the JSON the client sent (after validation), so an
-explicit ``null`` (clear) stays distinguishable from an absent key (keep).
+These models, with the rules between fields below them (``check_*``), are
+the only check of a body's shape: ``gateway.convert`` maps a validated body
+to its contract message once, and an explicit ``null`` (clear) stays
+distinguishable from an absent key (keep) through the fields a model
+records as set. Fields checked by ``_not_null`` may be absent but
+not ``null``.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping
 from posixpath import normpath
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError, field_validator
 
 from berth.session.v1 import session_service_pb2
 from gateway.errors import ApiError
@@ -40,6 +45,8 @@ __all__ = [
     "SessionUpdateBody",
     "EventsCreateBody",
     "input_events",
+    "check_hosted_config",
+    "check_session_create",
     "EnvironmentFileCreateBody",
     "InlineFile",
     "FileIdFile",
@@ -48,6 +55,8 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 _MAX_METADATA_PAIRS = 16
+_MAX_TOOLS_BYTES = 3 * 1024 * 1024
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 # --- scalar checks -------------------------------------------------------------------
@@ -97,6 +106,20 @@ def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
+def _non_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+def _function_name(value: str) -> str:
+    if not _FUNCTION_NAME.match(value):
+        raise ValueError("function names use 1 to 64 letters, digits, _ or -")
+    return value
+
+
+NonBlank = Annotated[str, AfterValidator(_non_blank)]
+FunctionName = Annotated[str, AfterValidator(_function_name)]
 WorkspacePath = Annotated[str, AfterValidator(workspace_path)]
 Base64Str = Annotated[str, AfterValidator(_base64)]
 Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
@@ -109,6 +132,17 @@ class _Strict(BaseModel):
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+def _reject_null(value: Any) -> Any:
+    if value is None:
+        raise ValueError("must not be null")
+    return value
+
+
+def _not_null(*fields: str) -> Any:
+    """A validator for fields that may be absent but not null."""
+    return field_validator(*fields, mode="before")(_reject_null)
 
 
 # --- environments --------------------------------------------------------------------
@@ -142,7 +176,7 @@ class Packages(_Strict):
 
 
 class SetupCommand(_Strict):
-    command: str = Field(min_length=1)
+    command: NonBlank
     cwd: str | None = None
 
 
@@ -227,8 +261,9 @@ SessionEnvironment = Annotated[
 
 
 class FunctionTool(_Open):
+    _check_nulls = _not_null("defer_loading")
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: FunctionName
     description: str
     parameters: dict[str, Any]
     defer_loading: bool | None = None
@@ -237,23 +272,24 @@ class FunctionTool(_Open):
 
 class McpHttpTransport(_Open):
     type: Literal["http"]
-    server_url: str = Field(min_length=1)
+    server_url: NonBlank
     headers: dict[str, str] | None = None
     authorization: str | None = None
 
 
 class McpStdioTransport(_Open):
     type: Literal["stdio"]
-    command: str = Field(min_length=1)
-    cwd: str | None = None
+    command: NonBlank
+    cwd: NonBlank
     args: list[str] | None = None
     env: dict[str, str] | None = None
     env_vars: list[str] | None = None
 
 
 class McpTool(_Open):
+    _check_nulls = _not_null("required")
     type: Literal["mcp"]
-    server_label: str = Field(min_length=1)
+    server_label: NonBlank
     transport: Annotated[McpHttpTransport | McpStdioTransport, Field(discriminator="type")]
     allowed_tools: list[str] | None = None
     connection_origin: Literal["service", "environment"] | None = None
@@ -266,15 +302,18 @@ class WebSearchTool(_Open):
     type: Literal["web_search"]
     allowed_domains: list[str] | None = None
     context_size: Literal["low", "medium", "high"] | None = None
+    location: Any = None
     mode: Literal["disabled", "cached", "live"] | None = None
 
 
 class ComputerUseTool(_Open):
+    _check_nulls = _not_null("include_screenshots")
     type: Literal["computer_use"]
     include_screenshots: bool | None = None
 
 
 class ProgrammaticToolCallingTool(_Open):
+    _check_nulls = _not_null("enabled")
     type: Literal["programmatic_tool_calling"]
     enabled: bool | None = None
 
@@ -328,10 +367,19 @@ class Compaction(_Open):
 
 
 class Experimental(_Open):
+    _check_nulls = _not_null("time_awareness")
     time_awareness: bool | None = None
 
 
+def _tools_size(value: Any) -> Any:
+    if isinstance(value, list) and len(json.dumps(value, separators=(",", ":")).encode()) > _MAX_TOOLS_BYTES:
+        raise ValueError("the tool list must fit within 3 MiB of compact JSON")
+    return value
+
+
 class _AgentConfig(_Strict):
+    _check_tools_size = field_validator("tools", mode="before")(_tools_size)
+
     instructions: str | None = None
     multi_agent: MultiAgent | None = None
     reasoning: Reasoning | None = None
@@ -343,19 +391,23 @@ class _AgentConfig(_Strict):
 
 
 class AgentCreateBody(_AgentConfig):
-    model: str = Field(min_length=1)
+    model: NonBlank
     name: str | None = None
     metadata: Metadata = None
 
 
 class AgentUpdateBody(_AgentConfig):
-    model: str | None = Field(default=None, min_length=1)
+    _check_model = _not_null("model")
+
+    model: NonBlank | None = None
     name: str | None = None
     metadata: Metadata = None
 
 
 class InlineAgent(_AgentConfig):
-    model: str | None = Field(default=None, min_length=1)
+    _check_model = _not_null("model")
+
+    model: NonBlank | None = None
 
 
 # --- sessions and input ------------------------------------------------------------------
@@ -401,9 +453,18 @@ class SessionCreateBody(_Strict):
     vault_ids: list[str] | None = None
 
 
+class ReasoningEffort(_Strict):
+    """A session's snapshot changes only its reasoning effort."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class SessionAgentUpdate(_Strict):
-    model: str | None = Field(default=None, min_length=1)
-    reasoning: Reasoning | None = None
+    _check_model = _not_null("model", "reasoning")
+    _check_tools_size = field_validator("tools", mode="before")(_tools_size)
+
+    model: NonBlank | None = None
+    reasoning: ReasoningEffort | None = None
     service_tier: ServiceTier | None = None
     tools: list[Tool] | None = None
 
@@ -447,6 +508,89 @@ def input_events(body: EventsCreateBody) -> list[session_service_pb2.InputEvent]
 
 class EnvironmentFileCreateBody(RootModel[HostedFile]):
     """The files API body is the file object itself: ``{type, path, data | file_id}``."""
+
+
+# --- rules between fields --------------------------------------------------------------
+
+_INLINE_CONFIG_FIELDS = (
+    "capability_directories",
+    "desktop",
+    "env",
+    "environment_template_id",
+    "files",
+    "network",
+    "packages",
+    "plugins",
+    "setup_commands",
+    "skills",
+)
+
+
+def check_hosted_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
+    """Rules between fields of an inline configuration. SDK fields Berth does
+    not implement are rejected, not silently ignored."""
+    if config.environment_template_id is not None:
+        raise ApiError(
+            400,
+            "validation_error",
+            "Environment templates are not supported.",
+            param=f"{param_prefix}.environment_template_id",
+        )
+    if config.desktop is not None and config.desktop.enabled:
+        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
+    network = config.network
+    if network is None:
+        return
+    if network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
+        raise ApiError(
+            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
+        )
+    if network.allowed_domains and network.blocked_domains:
+        raise ApiError(
+            400,
+            "validation_error",
+            "blocked_domains cannot be combined with allowed_domains.",
+            param=f"{param_prefix}.network.blocked_domains",
+        )
+    for field_name in ("allowed_domains", "blocked_domains"):
+        for domain in getattr(network, field_name) or []:
+            if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
+                raise ApiError(
+                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}.network.{field_name}"
+                )
+
+
+def check_session_create(body: SessionCreateBody) -> None:
+    """Rules between fields of a session create body."""
+    env = body.environment
+    if isinstance(env, SelfHostedEnvironment):
+        raise ApiError(400, "validation_error", "Self-hosted environments are not supported.", param="environment.type")
+    if isinstance(env, SessionHostedEnvironment):
+        if env.environment_id is not None:
+            extra = [f for f in _INLINE_CONFIG_FIELDS if f in env.model_fields_set]
+            if extra:
+                raise ApiError(
+                    400,
+                    "validation_error",
+                    "environment_id cannot be combined with inline configuration.",
+                    param=f"environment.{extra[0]}",
+                )
+        else:
+            check_hosted_config(env, "environment")
+    if body.agent_id is None and (body.agent is None or body.agent.model is None):
+        raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "validation_error", "stream_options requires stream: true.", param="stream_options")
+    if body.input is not None and not body.input:
+        raise ApiError(400, "validation_error", "input must not be empty.", param="input")
+    has_input = bool(body.input)
+    if not has_input and (isinstance(env, NoEnvironment) or body.stream):
+        raise ApiError(
+            400,
+            "validation_error",
+            "input is required for environment type 'none' and for streaming creation.",
+            param="input",
+        )
 
 
 # --- parsing ----------------------------------------------------------------------------

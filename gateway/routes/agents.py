@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from berth.session.v1 import session_service_pb2 as pb
 from gateway import render
+from gateway.convert import create_agent_request, update_agent_request
 from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import v1_router, PageDep, json_response, read_json, require_id
 from gateway.state import SessionStubDep
@@ -23,11 +24,11 @@ router = v1_router()
 @router.post("/agents")
 async def create_agent(request: Request, stub: SessionStubDep, idempotency: IdempotencyDep) -> Response:
     body = await read_json(request)
-    validate_body(AgentCreateBody, body.data)
+    message = create_agent_request(validate_body(AgentCreateBody, body.data))
     async with idempotency.begin(body.hash) as idem:
         if idem.replay is not None:
             return idem.replay.to_response()
-        response = await stub.CreateAgent(pb.CreateAgentRequest(body_json=json.dumps(body.data)))
+        response = await stub.CreateAgent(message)
         content = render.agent(response.agent)
         await idem.store(200, json.dumps(content))
         return json_response(content)
@@ -49,8 +50,7 @@ async def retrieve_agent(agent_id: str, stub: SessionStubDep) -> dict[str, Any]:
 async def update_agent(agent_id: str, request: Request, stub: SessionStubDep) -> dict[str, Any]:
     require_id(agent_id, "agent")
     body = await read_json(request)
-    validate_body(AgentUpdateBody, body.data)
-    response = await stub.UpdateAgent(pb.UpdateAgentRequest(agent_id=agent_id, body_json=json.dumps(body.data)))
+    response = await stub.UpdateAgent(update_agent_request(agent_id, validate_body(AgentUpdateBody, body.data)))
     return render.agent(response.agent)
 
 

@@ -13,10 +13,9 @@ from typing import Annotated, Any, Literal
 from fastapi import Query, Request
 from fastapi.responses import Response
 
-from berth.common.v1 import common_pb2
-from berth.environment.v1 import environment_pb2 as env_pb
 from berth.environment.v1 import environment_service_pb2 as pb
 from gateway import render
+from gateway.convert import environment_config
 from gateway.errors import ApiError
 from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import v1_router, json_response, read_json, require_id
@@ -24,82 +23,24 @@ from gateway.state import EnvironmentStubDep
 from gateway.validation import (
     EnvironmentCreateBody,
     EnvironmentFileCreateBody,
-    FileIdFile,
-    HostedEnvironmentConfig,
+    check_hosted_config,
     InlineFile,
     decode_base64,
     validate_body,
     workspace_dir,
 )
 
-__all__ = ["router", "environment_config", "check_supported_config"]
+__all__ = ["router"]
 
 router = v1_router()
-
-_ACCESS = {
-    "enabled": common_pb2.NETWORK_ACCESS_ENABLED,
-    "disabled": common_pb2.NETWORK_ACCESS_DISABLED,
-    "restricted": common_pb2.NETWORK_ACCESS_RESTRICTED,
-}
-
-
-def check_supported_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
-    """SDK fields Berth does not implement are rejected, not silently ignored."""
-    if config.environment_template_id is not None:
-        raise ApiError(
-            400,
-            "validation_error",
-            "Environment templates are not supported.",
-            param=f"{param_prefix}.environment_template_id",
-        )
-    if config.desktop is not None and config.desktop.enabled:
-        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
-    network = config.network
-    if network is not None and network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
-        raise ApiError(
-            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
-        )
-
-
-def environment_config(config: HostedEnvironmentConfig, raw: dict[str, Any]) -> env_pb.EnvironmentConfig:
-    """The validated body as the contract's EnvironmentConfig. Skills and
-    plugins travel as the JSON the API received (archives included)."""
-    files: list[env_pb.InitialFile] = []
-    for f in config.files or []:
-        if isinstance(f, InlineFile):
-            files.append(env_pb.InitialFile(path=f.path, data=decode_base64(f.data)))
-        else:
-            assert isinstance(f, FileIdFile)
-            files.append(env_pb.InitialFile(path=f.path, file_id=f.file_id))
-    network = config.network
-    packages = config.packages
-    return env_pb.EnvironmentConfig(
-        files=files,
-        env=config.env or {},
-        packages=env_pb.Packages(
-            python=(packages.python or []) if packages else [],
-            npm=(packages.npm or []) if packages else [],
-            system=(packages.system or []) if packages else [],
-        ),
-        setup_commands=[env_pb.SetupCommand(command=c.command, cwd=c.cwd or "") for c in config.setup_commands or []],
-        network=common_pb2.NetworkPolicy(
-            access=_ACCESS[network.access] if network else common_pb2.NETWORK_ACCESS_UNSPECIFIED,
-            allowed_domains=(network.allowed_domains or []) if network else [],
-            blocked_domains=(network.blocked_domains or []) if network else [],
-        ),
-        skills_json=json.dumps(raw.get("skills") or []),
-        plugins_json=json.dumps(raw.get("plugins") or []),
-        capability_directories=config.capability_directories or [],
-        container_size=config.container_size or "",
-    )
 
 
 @router.post("/agents/environments")
 async def create_environment(request: Request, stub: EnvironmentStubDep, idempotency: IdempotencyDep) -> Response:
     body = await read_json(request)
     parsed = validate_body(EnvironmentCreateBody, body.data)
-    check_supported_config(parsed.environment, "environment")
-    config = environment_config(parsed.environment, body.data["environment"])
+    check_hosted_config(parsed.environment, "environment")
+    config = environment_config(parsed.environment)
     async with idempotency.begin(body.hash) as idem:
         if idem.replay is not None:
             return idem.replay.to_response()

@@ -23,38 +23,18 @@ from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from berth.session.v1 import session_pb2
 from berth.session.v1 import session_service_pb2 as pb
 from gateway import render
-from gateway.errors import ApiError
+from gateway.convert import create_session_request, update_session_request
 from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import v1_router, PageDep, json_response, read_json, require_id
-from gateway.routes.environments import check_supported_config
 from gateway.sse import SSE_HEADERS, CreateStreamBoundary, relay_session_events
 from gateway.state import EnvironmentStubDep, SessionStubDep, StateDep
-from gateway.validation import (
-    NoEnvironment,
-    SelfHostedEnvironment,
-    SessionCreateBody,
-    SessionHostedEnvironment,
-    SessionUpdateBody,
-    validate_body,
-)
+from gateway.validation import SessionCreateBody, SessionUpdateBody, check_session_create, validate_body
 
 __all__ = ["router", "render_session", "render_sessions"]
 
 router = v1_router()
 
 _EVENT_STREAM = "text/event-stream"
-_INLINE_CONFIG_FIELDS = (
-    "capability_directories",
-    "desktop",
-    "env",
-    "environment_template_id",
-    "files",
-    "network",
-    "packages",
-    "plugins",
-    "setup_commands",
-    "skills",
-)
 
 
 async def _environment_of(
@@ -81,37 +61,6 @@ async def render_sessions(
     return [render.session(s, e) for s, e in zip(sessions, environments, strict=True)]
 
 
-def _check_create(body: SessionCreateBody, raw: dict[str, Any]) -> None:
-    """Rules between fields that the models alone do not express."""
-    env = body.environment
-    if isinstance(env, SelfHostedEnvironment):
-        raise ApiError(400, "validation_error", "Self-hosted environments are not supported.", param="environment.type")
-    if isinstance(env, SessionHostedEnvironment):
-        if env.environment_id is not None:
-            extra = [f for f in _INLINE_CONFIG_FIELDS if f in raw["environment"]]
-            if extra:
-                raise ApiError(
-                    400,
-                    "validation_error",
-                    "environment_id cannot be combined with inline configuration.",
-                    param=f"environment.{extra[0]}",
-                )
-        else:
-            check_supported_config(env, "environment")
-    if body.agent_id is None and (body.agent is None or body.agent.model is None):
-        raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
-    if body.stream_options is not None and not body.stream:
-        raise ApiError(400, "validation_error", "stream_options requires stream: true.", param="stream_options")
-    has_input = bool(body.input)
-    if not has_input and (isinstance(env, NoEnvironment) or body.stream):
-        raise ApiError(
-            400,
-            "validation_error",
-            "input is required for environment type 'none' and for streaming creation.",
-            param="input",
-        )
-
-
 def _stream(state: StateDep, session_id: str, after_sequence: int, root_turn_id: str) -> StreamingResponse:
     events = relay_session_events(
         state.session,
@@ -130,9 +79,8 @@ async def create_session(
 ) -> Response:
     body = await read_json(request)
     parsed = validate_body(SessionCreateBody, body.data)
-    _check_create(parsed, body.data)
-    # Streaming is the gateway's concern; the service gets the session body.
-    forwarded = {k: v for k, v in body.data.items() if k not in ("stream", "stream_options")}
+    check_session_create(parsed)
+    message = create_session_request(parsed)
     async with idempotency.begin(body.hash) as idem:
         replay = idem.replay
         if replay is not None and replay.media_type == _EVENT_STREAM:
@@ -140,7 +88,7 @@ async def create_session(
             return _stream(state, stored["session_id"], int(stored["after_sequence"]), stored["turn_id"])
         if replay is not None:
             return replay.to_response()
-        response = await stub.CreateSession(pb.CreateSessionRequest(body_json=json.dumps(forwarded)))
+        response = await stub.CreateSession(message)
         if parsed.stream:
             after = max(int(response.created_sequence) - 1, 0)
             marker = {"session_id": response.session.id, "turn_id": response.turn_id, "after_sequence": after}
@@ -174,8 +122,7 @@ async def update_session(
 ) -> dict[str, Any]:
     require_id(session_id, "sess")
     body = await read_json(request)
-    validate_body(SessionUpdateBody, body.data)
-    response = await stub.UpdateSession(pb.UpdateSessionRequest(session_id=session_id, body_json=json.dumps(body.data)))
+    response = await stub.UpdateSession(update_session_request(session_id, validate_body(SessionUpdateBody, body.data)))
     return await render_session(response.session, env_stub)
 
 

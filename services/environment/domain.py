@@ -65,7 +65,6 @@ __all__ = ["EnvironmentDomain", "LiveFile", "output_env"]
 
 log = get_logger(__name__)
 
-_CONTAINER_SIZES = frozenset({"", "small", "medium", "large"})
 # Cleanup of MCP brokers is best effort; an upstream that does not answer
 # must not hold up session or environment deletion.
 _MCP_CLEANUP_TIMEOUT_S = 10.0
@@ -209,6 +208,11 @@ class EnvironmentDomain:
     async def _validated_config(
         self, org_id: str, config: environment_pb2.EnvironmentConfig
     ) -> environment_pb2.EnvironmentConfig:
+        """The service's invariants on a configuration; its shape (enums,
+        network policy, required fields) is the gateway's to check. Nothing is
+        written outside the workspace, referenced files exist, sizes stay
+        within limits, variables are valid process environment names, and
+        skill and plugin archives unpack."""
         config = environment_pb2.EnvironmentConfig.FromString(config.SerializeToString())
         for i, f in enumerate(config.files):
             workspace_file_path(f.path, param=f"environment.files[{i}].path")
@@ -231,16 +235,11 @@ class EnvironmentDomain:
             if not key or "=" in key or "\x00" in key:
                 raise InvalidArgument(f"invalid environment variable name {key!r}", param="environment.env")
         for i, cmd in enumerate(config.setup_commands):
-            if not cmd.command.strip():
-                raise InvalidArgument("setup command is empty", param=f"environment.setup_commands[{i}].command")
             if cmd.cwd:
                 workspace_dir_path(cmd.cwd, param=f"environment.setup_commands[{i}].cwd")
         for i, directory in enumerate(config.capability_directories):
             if not directory.startswith("/") or "\x00" in directory:
                 raise InvalidArgument("must be an absolute path", param=f"environment.capability_directories[{i}]")
-        if config.container_size not in _CONTAINER_SIZES:
-            raise InvalidArgument("container_size must be small, medium or large", param="environment.container_size")
-        _validate_network(config.network)
         for kind, raw in (("skill", config.skills_json), ("plugin", config.plugins_json)):
             try:
                 parse_capabilities(raw, kind=kind, max_bytes=self._settings.max_body_bytes * 4)
@@ -712,23 +711,6 @@ class EnvironmentDomain:
             )
         next_token = _encode_token(directory, order, page[-1].path) if len(entries) > limit else ""
         return files, next_token
-
-
-def _validate_network(network: common_pb2.NetworkPolicy) -> None:
-    restricted = network.access == common_pb2.NETWORK_ACCESS_RESTRICTED
-    if network.blocked_domains:
-        if not restricted:
-            raise InvalidArgument("blocked_domains requires access: restricted", param="environment.network.blocked_domains")
-        if network.allowed_domains:
-            raise InvalidArgument(
-                "blocked_domains cannot be combined with allowed_domains", param="environment.network.blocked_domains"
-            )
-    if network.allowed_domains and not restricted:
-        raise InvalidArgument("allowed_domains requires access: restricted", param="environment.network.allowed_domains")
-    for field_name in ("allowed_domains", "blocked_domains"):
-        for domain in getattr(network, field_name):
-            if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
-                raise InvalidArgument(f"invalid domain {domain!r}", param=f"environment.network.{field_name}")
 
 
 def _page_size(page_size: int, *, param: str) -> int:

@@ -14,7 +14,9 @@ from berth.session.v1 import session_pb2, session_service_pb2, session_service_p
 from services.core.context import current_org
 from services.core.wire_json import to_message, to_wire
 from services.session import views
-from services.session.domain import AgentView, SessionDomain, parse_body
+from services.session.agents import config_message
+from services.session.domain import SessionDomain
+from services.session.saved_agents import AgentView
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
 from services.session.states import session_status_to_proto
@@ -41,8 +43,8 @@ def _agent(view: AgentView) -> session_pb2.Agent:
     return session_pb2.Agent(
         id=row.id,
         org_id=row.org_id,
-        name=row.name or "",
-        config_json=_dumps(view.wire),
+        name=row.name,
+        config=config_message(view.config),
         create_time=_ts(row.created_at),
         update_time=_ts(row.updated_at),
         metadata=json.loads(row.metadata_json),
@@ -56,7 +58,6 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         id=row.id,
         org_id=row.org_id,
         agent_id=row.agent_id,
-        agent_json=_dumps(view.agent),
         environment_kind=(
             session_pb2.ENVIRONMENT_KIND_HOSTED if row.environment_kind == "hosted" else session_pb2.ENVIRONMENT_KIND_NONE
         ),
@@ -73,6 +74,11 @@ def _session(view: views.SessionView) -> session_pb2.Session:
         to_message(action, message.required_actions.add())
     if row.usage_json:
         to_message(json.loads(row.usage_json), message.usage)
+    snap = views.snapshot(row)
+    message.agent.id = snap["id"]
+    if snap.get("name") is not None:
+        message.agent.name = snap["name"]
+    message.agent.config.CopyFrom(config_message(snap["config"]))
     if view.environment is not None:
         message.environment.CopyFrom(view.environment)
     return message
@@ -109,52 +115,52 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # agents
     async def CreateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.create_agent(current_org(), parse_body(request.body_json))
+        view = await self.domain.agents.create_agent(current_org(), request)
         return session_service_pb2.CreateAgentResponse(agent=_agent(view))
 
     async def GetAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetAgentResponse(agent=_agent(await self.domain.get_agent(current_org(), request.agent_id)))
+        return session_service_pb2.GetAgentResponse(agent=_agent(await self.domain.agents.get_agent(current_org(), request.agent_id)))
 
     async def ListAgents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        agents, more = await self.domain.list_agents(current_org(), _page(request.page))
+        agents, more = await self.domain.agents.list_agents(current_org(), _page(request.page))
         return session_service_pb2.ListAgentsResponse(agents=[_agent(a) for a in agents], has_more=more)
 
     async def UpdateAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_agent(current_org(), request.agent_id, parse_body(request.body_json))
+        view = await self.domain.agents.update_agent(current_org(), request)
         return session_service_pb2.UpdateAgentResponse(agent=_agent(view))
 
     async def DeleteAgent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.DeleteAgentResponse(agent_id=await self.domain.delete_agent(current_org(), request.agent_id))
+        return session_service_pb2.DeleteAgentResponse(agent_id=await self.domain.agents.delete_agent(current_org(), request.agent_id))
 
     # sessions
     async def CreateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        created = await self.domain.create_session(current_org(), parse_body(request.body_json))
+        created = await self.domain.sessions.create_session(current_org(), request)
         return session_service_pb2.CreateSessionResponse(
             session=_session(created.view), turn_id=created.turn_id, created_sequence=created.created_sequence
         )
 
     async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetSessionResponse(session=_session(await self.domain.get_session(current_org(), request.session_id)))
+        return session_service_pb2.GetSessionResponse(session=_session(await self.domain.sessions.get_session(current_org(), request.session_id)))
 
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        sessions, more = await self.domain.list_sessions(current_org(), _page(request.page), request.agent_id)
+        sessions, more = await self.domain.sessions.list_sessions(current_org(), _page(request.page), request.agent_id)
         return session_service_pb2.ListSessionsResponse(sessions=[_session(s) for s in sessions], has_more=more)
 
     async def UpdateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        view = await self.domain.update_session(current_org(), request.session_id, parse_body(request.body_json))
+        view = await self.domain.sessions.update_session(current_org(), request)
         return session_service_pb2.UpdateSessionResponse(session=_session(view))
 
     async def DeleteSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.DeleteSessionResponse(session_id=await self.domain.delete_session(current_org(), request.session_id))
+        return session_service_pb2.DeleteSessionResponse(session_id=await self.domain.sessions.delete_session(current_org(), request.session_id))
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         events = [to_wire(e, nulls=False) for e in request.events]
-        result = await self.domain.submit_events(current_org(), request.session_id, events)
+        result = await self.domain.input.submit_events(current_org(), request.session_id, events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
     async def StreamSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        stream = await self.domain.stream_events(
+        stream = await self.domain.events.stream_events(
             current_org(), request.session_id, request.after_sequence, follow=request.follow, keepalive_ms=request.keepalive_ms
         )
         async for message in stream:
@@ -169,30 +175,30 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # turns and items
     async def ListTurns(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        turns, more = await self.domain.list_turns(current_org(), request.session_id, _page(request.page))
+        turns, more = await self.domain.history.list_turns(current_org(), request.session_id, _page(request.page))
         return session_service_pb2.ListTurnsResponse(turns=[_turn(t) for t in turns], has_more=more)
 
     async def GetTurn(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return session_service_pb2.GetTurnResponse(turn=_turn(await self.domain.get_turn(current_org(), request.session_id, request.turn_id)))
+        return session_service_pb2.GetTurnResponse(turn=_turn(await self.domain.history.get_turn(current_org(), request.session_id, request.turn_id)))
 
     async def ListItems(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        items, more = await self.domain.list_items(current_org(), request.session_id, request.turn_id, _page(request.page))
+        items, more = await self.domain.history.list_items(current_org(), request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListItemsResponse(items=[_item(i) for i in items], has_more=more)
 
     # artifacts
     async def ListArtifacts(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        artifacts, more = await self.domain.list_artifacts(current_org(), request.session_id, request.turn_id, _page(request.page))
+        artifacts, more = await self.domain.history.list_artifacts(current_org(), request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListArtifactsResponse(artifacts=[_artifact(a) for a in artifacts], has_more=more)
 
     async def GetArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        row = await self.domain.get_artifact(current_org(), request.session_id, request.artifact_id)
+        row = await self.domain.history.get_artifact(current_org(), request.session_id, request.artifact_id)
         return session_service_pb2.GetArtifactResponse(artifact=_artifact(row))
 
     async def GetArtifactContent(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        chunks = await self.domain.artifact_content(current_org(), request.session_id, request.artifact_id)
+        chunks = await self.domain.history.artifact_content(current_org(), request.session_id, request.artifact_id)
         async for chunk in chunks:
             yield session_service_pb2.GetArtifactContentResponse(data=chunk)
 
     async def DeleteArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        artifact_id = await self.domain.delete_artifact(current_org(), request.session_id, request.artifact_id)
+        artifact_id = await self.domain.history.delete_artifact(current_org(), request.session_id, request.artifact_id)
         return session_service_pb2.DeleteArtifactResponse(artifact_id=artifact_id)

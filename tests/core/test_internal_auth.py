@@ -10,7 +10,6 @@ an attacker on the host (or in a sandbox) could send."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import stat
@@ -32,6 +31,7 @@ from pydantic import SecretStr
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as env_pb, environment_service_pb2_grpc as env_grpc
 from berth.sandbox.v1 import sandbox_service_pb2 as sbx_pb, sandbox_service_pb2_grpc as sbx_grpc
 from berth.session.v1 import session_service_pb2 as session_pb, session_service_pb2_grpc as session_grpc
+from berth.session.v1 import session_pb2 as session_types
 from services import cli
 from services.core.context import (
     ORG_METADATA_KEY,
@@ -202,7 +202,7 @@ async def test_another_orgs_metadata_from_an_unauthenticated_caller_gets_unauthe
 async def test_an_organizations_data_is_not_listed_for_its_org_id_without_the_token(plane: ControlPlane) -> None:
     async with internal_channel(plane.address("session"), peer="gateway") as channel:
         stub = session_grpc.SessionServiceStub(channel)
-        await stub.CreateAgent(session_pb.CreateAgentRequest(body_json=json.dumps({"model": "scripted", "name": "a"})), metadata=org())
+        await stub.CreateAgent(session_pb.CreateAgentRequest(name="a", config=session_types.AgentConfig(model="scripted")), metadata=org())
         listed = await stub.ListAgents(session_pb.ListAgentsRequest(), metadata=org())
     assert len(listed.agents) == 1
     assert await code(plane, "ListAgents", org()) == grpc.StatusCode.UNAUTHENTICATED

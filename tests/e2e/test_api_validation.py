@@ -50,6 +50,23 @@ ENVIRONMENT_BODIES: list[tuple[str, Any, str]] = [
     ("setup command is not a string", {"environment": {**HOSTED, "setup_commands": [{"command": 5}]}}, "environment.setup_commands.0.command"),
     ("packages is not an object", {"environment": {**HOSTED, "packages": ["numpy"]}}, "environment.packages"),
     ("unknown network access", {"environment": {**HOSTED, "network": {"access": "sometimes"}}}, "environment.network.access"),
+    (
+        "blocked domains without restricted access",
+        {"environment": {**HOSTED, "network": {"access": "enabled", "blocked_domains": ["example.com"]}}},
+        "environment.network.access",
+    ),
+    (
+        "allowed and blocked domains together",
+        {"environment": {**HOSTED, "network": {"access": "restricted", "allowed_domains": ["a.com"], "blocked_domains": ["b.com"]}}},
+        "environment.network.blocked_domains",
+    ),
+    (
+        "a domain with a path",
+        {"environment": {**HOSTED, "network": {"access": "restricted", "allowed_domains": ["a.com/x"]}}},
+        "environment.network.allowed_domains",
+    ),
+    ("unknown container size", {"environment": {**HOSTED, "container_size": "huge"}}, "environment.container_size"),
+    ("blank setup command", {"environment": {**HOSTED, "setup_commands": [{"command": "  "}]}}, "environment.setup_commands.0.command"),
     ("unknown top-level field", {"environment": HOSTED, "colour": "blue"}, "colour"),
     ("unknown environment field", {"environment": {**HOSTED, "colour": "blue"}}, "environment.colour"),
     ("vault_ids is not a list", {"environment": HOSTED, "vault_ids": "vault_1"}, "vault_ids"),

@@ -231,21 +231,8 @@ async def test_environments_list_by_creation_with_cursor_pages(env_service: EnvS
             environment_pb2.EnvironmentConfig(files=[environment_pb2.InitialFile(path="/workspace/a", file_id="file-missing")]),
             "environment.files[0].file_id",
         ),
-        (
-            environment_pb2.EnvironmentConfig(
-                network=common_pb2.NetworkPolicy(access=common_pb2.NETWORK_ACCESS_ENABLED, blocked_domains=["example.com"])
-            ),
-            "environment.network.blocked_domains",
-        ),
-        (
-            environment_pb2.EnvironmentConfig(
-                network=common_pb2.NetworkPolicy(
-                    access=common_pb2.NETWORK_ACCESS_RESTRICTED, allowed_domains=["a.com"], blocked_domains=["b.com"]
-                )
-            ),
-            "environment.network.blocked_domains",
-        ),
-        (environment_pb2.EnvironmentConfig(container_size="huge"), "environment.container_size"),
+        # The network policy's and container size's shape is checked by the
+        # gateway (tests/e2e/test_api_validation.py).
         (environment_pb2.EnvironmentConfig(skills_json='[{"type": "inline", "data": "not-a-zip"}]'), "environment.skills[0]"),
     ],
 )

@@ -26,6 +26,7 @@ from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from berth.session.v1 import session_pb2 as s_pb
 from berth.session.v1 import session_service_pb2 as s_svc
 from berth.session.v1 import session_service_pb2_grpc as s_grpc
+from gateway import render
 from gateway.app import GatewayHandle
 from services.core.context import ORG_METADATA_KEY, REQUEST_ID_METADATA_KEY
 from services.core.errors import BerthError, NotFound
@@ -46,20 +47,6 @@ def _now() -> Timestamp:
     ts = Timestamp()
     ts.FromSeconds(int(time.time()))
     return ts
-
-
-def agent_snapshot(agent_id: str, model: str = "gpt-test") -> dict[str, Any]:
-    return {
-        "id": agent_id,
-        "model": model,
-        "instructions": None,
-        "name": None,
-        "multi_agent": {"enabled": False},
-        "reasoning": {"effort": None, "summary": None},
-        "service_tier": "auto",
-        "text": {"format": {"type": "text"}, "verbosity": "medium"},
-        "tools": [],
-    }
 
 
 def session_event(session: dict[str, Any], kind: str, sequence: int, **fields: Any) -> s_pb.SessionEvent:
@@ -263,7 +250,7 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
             id=session_id,
             org_id=org,
             agent_id=agent_id,
-            agent_json=json.dumps(agent_snapshot(agent_id)),
+            agent=s_pb.SessionAgent(id=agent_id, config=s_pb.AgentConfig(model="gpt-test", service_tier="auto")),
             environment_kind=s_pb.ENVIRONMENT_KIND_HOSTED if environment else s_pb.ENVIRONMENT_KIND_NONE,
             environment_id=environment.id if environment else "",
             status=s_pb.SESSION_STATUS_IDLE,
@@ -281,7 +268,7 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         return {
             "id": s.id,
             "object": "agent.session",
-            "agent": json.loads(s.agent_json),
+            "agent": render.session_agent(s.agent),
             "created_at": s.create_time.seconds,
             "last_active_at": s.last_active_time.seconds,
             "environment": {"type": "none"},
@@ -298,12 +285,9 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
 
     async def CreateAgent(self, request: s_svc.CreateAgentRequest, context: Any) -> Any:  # noqa: N802
         org = self.enter("CreateAgent", request, context)
-        body = json.loads(request.body_json)
         agent_id = new_id("agent")
-        config = {**agent_snapshot(agent_id, body["model"]), **body}
-        config.pop("id", None)
-        agent = s_pb.Agent(id=agent_id, org_id=org, name=body.get("name") or "", config_json=json.dumps(config),
-                           create_time=_now(), update_time=_now())
+        agent = s_pb.Agent(id=agent_id, org_id=org, name=request.name if request.HasField("name") else None, config=request.config,
+                           metadata=request.metadata, create_time=_now(), update_time=_now())
         self.agents[agent_id] = (org, agent)
         return s_svc.CreateAgentResponse(agent=agent)
 
@@ -320,17 +304,14 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
 
     async def CreateSession(self, request: s_svc.CreateSessionRequest, context: Any) -> Any:  # noqa: N802
         org = self.enter("CreateSession", request, context)
-        body = json.loads(request.body_json)
-        env_body = body["environment"]
+        kind = request.environment.WhichOneof("environment")
         environment = None
-        if env_body["type"] != "none":
-            if "environment_id" in env_body:
-                environment = self.environments._env(org, env_body["environment_id"])
-            else:
-                environment = self.environments.add_environment(org)
+        if kind == "environment_id":
+            environment = self.environments._env(org, request.environment.environment_id)
+        elif kind == "inline":
+            environment = self.environments.add_environment(org)
         fake = self.add_session(org, environment=environment)
-        if body.get("metadata"):
-            fake.session.metadata.update(body["metadata"])
+        fake.session.metadata.update(request.metadata)
         created = self.append(fake, "agent.session.created")
         turn_id = ""
         for kind, fields in self.creation_script:

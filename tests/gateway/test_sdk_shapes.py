@@ -97,7 +97,7 @@ async def test_sdk_uploads_a_file_and_stages_it_in_an_environment(
 async def test_sdk_creates_retrieves_and_deletes_a_saved_agent(stack: Stack, client: openai.AsyncOpenAI) -> None:
     agent = await client.beta.agents.create(model="gpt-test", name="Weather bot", instructions="Be brief.")
     assert (agent.object, agent.name, agent.model) == ("agent", "Weather bot", "gpt-test")
-    assert json.loads(stack.session.last("CreateAgent").body_json)["instructions"] == "Be brief."
+    assert stack.session.last("CreateAgent").config.instructions == "Be brief."
     assert (await client.beta.agents.retrieve(agent.id)).id == agent.id
     assert [a.id async for a in client.beta.agents.list()] == [agent.id]
 

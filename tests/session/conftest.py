@@ -25,6 +25,8 @@ from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
 from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
+from gateway import convert, render
+from gateway.validation import AgentCreateBody, AgentUpdateBody, SessionCreateBody, SessionUpdateBody, validate_body
 from services.core.context import current_org
 from services.core.errors import EnvironmentFailed, InitializationRunning, NotFound
 from services.core.grpc_server import RunningServer, start_grpc_server
@@ -260,13 +262,23 @@ class Client:
         return Client(self.stub, org)
 
     async def create_agent(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = await self.stub.CreateAgent(session_service_pb2.CreateAgentRequest(body_json=json.dumps(body)), metadata=self.md)
-        return json.loads(r.agent.config_json)  # type: ignore[no-any-return]
+        """A create body, validated and converted as the gateway does it."""
+        request = convert.create_agent_request(validate_body(AgentCreateBody, body))
+        r = await self.stub.CreateAgent(request, metadata=self.md)
+        return render.agent(r.agent)
 
     async def create_session(self, body: dict[str, Any]) -> Any:
         return await self.stub.CreateSession(
-            session_service_pb2.CreateSessionRequest(body_json=json.dumps(body)), metadata=self.md
+            convert.create_session_request(validate_body(SessionCreateBody, body)), metadata=self.md
         )
+
+    async def update_agent(self, agent_id: str, body: dict[str, Any]) -> Any:
+        request = convert.update_agent_request(agent_id, validate_body(AgentUpdateBody, body))
+        return await self.stub.UpdateAgent(request, metadata=self.md)
+
+    async def update_session(self, session_id: str, body: dict[str, Any]) -> Any:
+        request = convert.update_session_request(session_id, validate_body(SessionUpdateBody, body))
+        return await self.stub.UpdateSession(request, metadata=self.md)
 
     async def get_session(self, session_id: str) -> Any:
         r = await self.stub.GetSession(session_service_pb2.GetSessionRequest(session_id=session_id), metadata=self.md)

@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 
 from berth.session.v1 import session_pb2, session_service_pb2
 from services.core.wire_json import to_wire
+from gateway import render
 
 NONE_ENV = {"type": "none"}
 HOSTED = {"type": "openai_hosted"}
@@ -65,7 +66,7 @@ async def test_input_on_create_runs_a_turn_to_a_final_answer_with_sdk_valid_even
     session = await client.get_session(session_id)
     assert session.status == session_pb2.SESSION_STATUS_IDLE
     assert session.usage.total_tokens > 0
-    TypeAdapter(AgentSession.model_fields["agent"].annotation).validate_python(json.loads(session.agent_json))
+    TypeAdapter(AgentSession.model_fields["agent"].annotation).validate_python(render.session_agent(session.agent))
 
 
 async def test_scripted_command_streams_output_and_records_a_command_execution_item(client: Any, fake: Any) -> None:
@@ -277,10 +278,7 @@ async def test_an_agent_update_during_a_turn_applies_to_its_next_model_call(clie
     )
     session_id = created.session.id
     seen = await client.wait_for(session_id, lambda e: e["type"] == "agent.session.requires_action")
-    await client.stub.UpdateSession(
-        session_service_pb2.UpdateSessionRequest(session_id=session_id, body_json=json.dumps({"agent": {"tools": [hold, later]}})),
-        metadata=client.md,
-    )
+    await client.update_session(session_id, {"agent": {"tools": [hold, later]}})
     call_id = seen[-1][1]["session"]["required_actions"][0]["call_id"]
     await client.submit(
         session_id,

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from google.protobuf import field_mask_pb2
 from grpc_support import internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
@@ -38,11 +39,12 @@ def _user_message(text: str) -> session_service_pb2.InputEvent:
 
 
 async def _create_session_on(client: Any, environment_id: str) -> session_pb2.Session:
-    # The one step still expressed in wire JSON: the create request is the
-    # Agent/Session half of the typed contracts (issue 12, part A).
-    created = await client.create_session(
-        {"agent": {"model": "scripted"}, "environment": {"type": "reference", "environment_id": environment_id}}
+    request = session_service_pb2.CreateSessionRequest(
+        agent=session_pb2.AgentConfig(model="scripted"),
+        agent_mask=field_mask_pb2.FieldMask(paths=["model"]),
+        environment=session_service_pb2.SessionEnvironment(environment_id=environment_id),
     )
+    created = await client.stub.CreateSession(request, metadata=client.md)
     session: session_pb2.Session = created.session
     return session
 

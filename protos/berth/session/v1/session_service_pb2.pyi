@@ -6,9 +6,11 @@ event log, artifacts and the harness. Callers pass their organization in
 the `x-berth-org` metadata; another organization's resources are NOT_FOUND.
 """
 
+from berth.environment.v1 import environment_pb2 as _environment_pb2
 from berth.session.v1 import session_pb2 as _session_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
@@ -63,19 +65,53 @@ class CreateAgentRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    BODY_JSON_FIELD_NUMBER: _builtins.int
-    body_json: _builtins.str
-    """The validated agent create body as wire JSON."""
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Optional name."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Custom metadata: up to 16 pairs."""
+
+    @_builtins.property
+    def config(self) -> _session_pb2.AgentConfig:
+        """The configuration; unset fields take their defaults."""
+
     def __init__(
         self,
         *,
-        body_json: _builtins.str = ...,
+        name: _builtins.str | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        config: _session_pb2.AgentConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "name", b"name"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "metadata", b"metadata", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
 
 Global___CreateAgentRequest: _TypeAlias = CreateAgentRequest  # noqa: Y015
 
@@ -203,27 +239,73 @@ Global___ListAgentsResponse: _TypeAlias = ListAgentsResponse  # noqa: Y015
 
 @_typing.final
 class UpdateAgentRequest(_message.Message):
-    """Request for UpdateAgent."""
+    """Request for UpdateAgent. Only the fields named in update_mask change; a
+    named field left unset is reset (name cleared, metadata emptied, config
+    field back to its default).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     AGENT_ID_FIELD_NUMBER: _builtins.int
-    BODY_JSON_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    UPDATE_MASK_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent."""
-    body_json: _builtins.str
-    """The validated update body as wire JSON; absent fields are unchanged."""
+    name: _builtins.str
+    """The new name."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The new metadata, replacing the old."""
+
+    @_builtins.property
+    def config(self) -> _session_pb2.AgentConfig:
+        """New configuration fields."""
+
+    @_builtins.property
+    def update_mask(self) -> _field_mask_pb2.FieldMask:
+        """The fields to change: "name", "metadata" and "config.<field>" for the
+        top-level fields of AgentConfig ("config.experimental.time_awareness"
+        changes that one switch).
+        """
+
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
-        body_json: _builtins.str = ...,
+        name: _builtins.str | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        config: _session_pb2.AgentConfig | None = ...,
+        update_mask: _field_mask_pb2.FieldMask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "name", b"name", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "body_json", b"body_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "agent_id", b"agent_id", "config", b"config", "metadata", b"metadata", "name", b"name", "update_mask", b"update_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
 
 Global___UpdateAgentRequest: _TypeAlias = UpdateAgentRequest  # noqa: Y015
 
@@ -296,24 +378,187 @@ class DeleteAgentResponse(_message.Message):
 Global___DeleteAgentResponse: _TypeAlias = DeleteAgentResponse  # noqa: Y015
 
 @_typing.final
+class SessionEnvironment(_message.Message):
+    """SessionEnvironment is what a new session runs in."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONE_FIELD_NUMBER: _builtins.int
+    INLINE_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """An existing environment, shared by ID."""
+    @_builtins.property
+    def none(self) -> Global___NoEnvironment:
+        """No environment: no environment tools."""
+
+    @_builtins.property
+    def inline(self) -> _environment_pb2.EnvironmentConfig:
+        """A new private environment with this configuration."""
+
+    def __init__(
+        self,
+        *,
+        none: Global___NoEnvironment | None = ...,
+        inline: _environment_pb2.EnvironmentConfig | None = ...,
+        environment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment", "environment_id", b"environment_id", "inline", b"inline", "none", b"none"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment", "environment_id", b"environment_id", "inline", b"inline", "none", b"none"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_environment: _TypeAlias = _typing.Literal["none", "inline", "environment_id"]  # noqa: Y015
+    _WhichOneofArgType_environment: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_environment) -> _WhichOneofReturnType_environment | None: ...
+
+Global___SessionEnvironment: _TypeAlias = SessionEnvironment  # noqa: Y015
+
+@_typing.final
+class NoEnvironment(_message.Message):
+    """NoEnvironment selects no environment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NoEnvironment: _TypeAlias = NoEnvironment  # noqa: Y015
+
+@_typing.final
+class UserMessage(_message.Message):
+    """UserMessage is one user message of a session's input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___UserContent]:
+        """The content parts, in order."""
+
+    def __init__(
+        self,
+        *,
+        content: _abc.Iterable[Global___UserContent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UserMessage: _TypeAlias = UserMessage  # noqa: Y015
+
+@_typing.final
+class UserContent(_message.Message):
+    """UserContent is one part of a user message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    IMAGE_URL_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text."""
+    image_url: _builtins.str
+    """An image by URL (or data URL)."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        image_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "image_url", b"image_url", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "image_url", b"image_url", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["text", "image_url"]  # noqa: Y015
+    _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
+
+Global___UserContent: _TypeAlias = UserContent  # noqa: Y015
+
+@_typing.final
 class CreateSessionRequest(_message.Message):
     """Request for CreateSession."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    BODY_JSON_FIELD_NUMBER: _builtins.int
-    body_json: _builtins.str
-    """The validated session create body as wire JSON (agent, environment,
-    input, metadata, vault_ids).
-    """
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    AGENT_MASK_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    VAULT_IDS_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The saved agent to snapshot; empty for an inline agent."""
+    @_builtins.property
+    def agent(self) -> _session_pb2.AgentConfig:
+        """The inline agent configuration, or overrides of the saved agent's."""
+
+    @_builtins.property
+    def agent_mask(self) -> _field_mask_pb2.FieldMask:
+        """The fields of agent that were given, as "<field>" paths of AgentConfig
+        ("experimental.time_awareness" for that one switch). Over a saved agent
+        a named field left unset is reset to its default; an inline agent takes
+        the defaults for the others.
+        """
+
+    @_builtins.property
+    def environment(self) -> Global___SessionEnvironment:
+        """What the session runs in."""
+
+    @_builtins.property
+    def input(self) -> _containers.RepeatedCompositeFieldContainer[Global___UserMessage]:
+        """Initial input; when given, the first turn is queued."""
+
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Custom metadata: up to 16 pairs."""
+
+    @_builtins.property
+    def vault_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Vaults the session selects."""
+
     def __init__(
         self,
         *,
-        body_json: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        agent: _session_pb2.AgentConfig | None = ...,
+        agent_mask: _field_mask_pb2.FieldMask | None = ...,
+        environment: Global___SessionEnvironment | None = ...,
+        input: _abc.Iterable[Global___UserMessage] | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        vault_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_mask", b"agent_mask", "environment", b"environment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "agent_mask", b"agent_mask", "environment", b"environment", "input", b"input", "metadata", b"metadata", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -455,25 +700,62 @@ Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
 
 @_typing.final
 class UpdateSessionRequest(_message.Message):
-    """Request for UpdateSession."""
+    """Request for UpdateSession. Only the fields named in update_mask change."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SESSION_ID_FIELD_NUMBER: _builtins.int
-    BODY_JSON_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    UPDATE_MASK_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
-    body_json: _builtins.str
-    """The validated update body as wire JSON."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The new metadata, replacing the old."""
+
+    @_builtins.property
+    def agent(self) -> _session_pb2.AgentConfig:
+        """New agent snapshot fields: model, reasoning effort, service tier, tools."""
+
+    @_builtins.property
+    def update_mask(self) -> _field_mask_pb2.FieldMask:
+        """The fields to change: "metadata", "agent.model", "agent.reasoning.effort",
+        "agent.service_tier" and "agent.tools". A named field left unset is
+        reset ("agent.model" must be set).
+        """
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
-        body_json: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        agent: _session_pb2.AgentConfig | None = ...,
+        update_mask: _field_mask_pb2.FieldMask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_json", b"body_json", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,246 @@
+"""Session input: queued turns, cancellation and function call results,
+applied in one transaction per submission."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import Table, insert, select, update
+
+from services.core.errors import Conflict, FailedPrecondition, InvalidArgument
+from services.core.ids import new_id
+from services.session import repository as repo
+from services.session import views, wire
+from services.session.models import FunctionCallRow, SessionRow, TurnRow
+from services.session.runner import ClaimedTurn, TurnRunner
+from services.session.states import RUNNING_TURN_STATUSES, TurnStatus
+from services.session.store import Store, Unit
+
+__all__ = ["SessionInput", "SubmitResult", "UnknownToolCall", "enqueue_turn", "input_messages"]
+
+# Built once (see services/session/repository.py on prepared statements).
+_INSERT_TURN = insert(cast(Table, TurnRow.__table__))
+
+
+class UnknownToolCall(InvalidArgument):
+    """A tool result for a call that is not (yet) registered. The gateway
+    renders it with code ``invalid_request_error``: the SDK's tool dispatcher
+    retries on exactly that code plus the message ``Unknown pending tool call:
+    <call_id>`` (openai/lib/streaming/agents/_tools.py)."""
+
+    reason = "UNKNOWN_TOOL_CALL"
+
+
+@dataclass
+class SubmitResult:
+    turn_ids: list[str]
+    sequence: int
+
+
+
+def input_messages(messages: Any) -> list[list[dict[str, Any]]]:
+    """Typed user messages as the stored lists of content parts."""
+    out: list[list[dict[str, Any]]] = []
+    for message in messages:
+        parts: list[dict[str, Any]] = []
+        for part in message.content:
+            if part.WhichOneof("content") == "image_url":
+                parts.append({"type": "input_image", "image_url": part.image_url})
+            else:
+                parts.append({"type": "input_text", "text": part.text})
+        out.append(parts)
+    return out
+
+
+
+def _user_messages(value: Any, param: str) -> list[list[dict[str, Any]]]:
+    """Input messages as lists of content parts. A string is one message."""
+    if isinstance(value, str):
+        if not value:
+            raise InvalidArgument(f"{param} must not be empty", param=param)
+        return [[{"type": "input_text", "text": value}]]
+    if not isinstance(value, list) or not value:
+        raise InvalidArgument(f"{param} must be a non-empty list of messages", param=param)
+    messages: list[list[dict[str, Any]]] = []
+    for i, message in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidArgument(f"{p} must be an object", param=p)
+        if message.get("role") != "user":
+            raise InvalidArgument(f"{p}.role must be 'user'", param=f"{p}.role")
+        if message.get("type", "message") != "message":
+            raise InvalidArgument(f"{p}.type must be 'message'", param=f"{p}.type")
+        content = message.get("content")
+        if isinstance(content, str):
+            content = [{"type": "input_text", "text": content}]
+        messages.append(_parts(content, f"{p}.content"))
+    return messages
+
+
+
+def _parts(content: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(content, list) or not content:
+        raise InvalidArgument(f"{param} must be a non-empty list", param=param)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        pp = f"{param}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_text" and isinstance(part.get("text"), str):
+            parts.append({"type": "input_text", "text": part["text"]})
+        elif isinstance(part, dict) and part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "input_image", "image_url": part["image_url"]})
+        else:
+            raise InvalidArgument(f"{pp} must be an input_text or input_image part", param=pp)
+    return parts
+
+
+
+async def enqueue_turn(u: Unit, row: SessionRow, messages: list[list[dict[str, Any]]]) -> str:
+    """Queues a turn; it runs after the active one (FIFO). Its user messages
+    become items when it starts, so history stays in conversation order."""
+    now = time.time()
+    values: dict[str, Any] = {
+        "id": new_id("turn"),
+        "session_id": row.id,
+        "org_id": row.org_id,
+        "agent_id": row.agent_id,
+        "status": TurnStatus.QUEUED,
+        "created_at": now,
+        "started_at": None,
+        "completed_at": None,
+        "error_code": "",
+        "error_message": "",
+        "usage_json": "",
+        "cancel_requested": False,
+        "worker_id": "",
+        "lease_expires_at": 0.0,
+        "input_json": json.dumps(messages),
+        "next_output_index": 0,
+    }
+    # A Core insert: the ORM's unit of work costs more than the statement.
+    await u.session.execute(_INSERT_TURN, values)
+    turn = TurnRow(**values)
+    await u.emit(row.id, wire.turn_event("agent.session.turn.created", views.turn_json(turn)), touch={"last_active_at": now})
+    return turn.id
+
+
+class SessionInput:
+    def __init__(self, store: Store, runner: TurnRunner) -> None:
+        self.store = store
+        self.runner = runner
+
+    async def submit_events(self, org: str, session_id: str, events: Any) -> SubmitResult:
+        if not isinstance(events, list) or not events:
+            raise InvalidArgument("events must be a non-empty list", param="events")
+        turn_ids: list[str] = []
+        kick = False
+        cancel: list[str] = []
+
+        started: ClaimedTurn | None = None
+
+        async def apply(u: Unit) -> int:
+            nonlocal kick, started
+            row = await repo.get_session(u.session, org, session_id)
+            for i, event in enumerate(events):
+                p = f"events[{i}]"
+                if not isinstance(event, dict):
+                    raise InvalidArgument(f"{p} must be an object", param=p)
+                kind = event.get("type")
+                if kind == "agent.session.input.message":
+                    turn_ids.append(await enqueue_turn(u, row, _user_messages(event.get("input"), f"{p}.input")))
+                    kick = True
+                elif kind == "agent.session.input.cancel":
+                    turn_id = await self._request_cancel(u, row)
+                    if turn_id:
+                        turn_ids.append(turn_id)
+                        cancel.append(turn_id)
+                elif kind == "agent.session.input.tool_result":
+                    turn_ids.append(await self._answer_call(u, row, event, p))
+                elif kind in (
+                    "agent.session.input.mcp_approval_request_result",
+                    "agent.session.input.computer_use_approval_request_result",
+                ):
+                    raise InvalidArgument(
+                        f"there is no pending approval request {event.get('request_id')!r}", param=f"{p}.request_id"
+                    )
+                else:
+                    raise InvalidArgument(f"unsupported input event type {kind!r}", param=f"{p}.type")
+            # The loaded row follows the counter updates of this transaction.
+            sequence = row.event_seq
+            if kick and row.active_turn_id is None:
+                # An idle session starts its turn in this same transaction.
+                started = await self.runner.start_in(u, org, session_id)
+            return sequence
+
+        sequence = await self.store.transact(apply)
+        for turn_id in cancel:
+            self.runner.cancel_local(turn_id)
+        if started is not None:
+            self.runner.run_started(started)
+        elif kick:
+            self.runner.kick(session_id, org)
+        return SubmitResult(list(dict.fromkeys(turn_ids)), sequence)
+
+    async def _request_cancel(self, u: Unit, row: SessionRow) -> str:
+        """Cancels the session's active turn; queued turns stay queued and run
+        next (the SDK documents input.cancel as cancelling the active turn).
+        Without an active turn this is a no-op."""
+        turn_id = row.active_turn_id
+        if turn_id is None:
+            return ""
+        await u.session.execute(
+            update(TurnRow)
+            .where(TurnRow.id == turn_id, TurnRow.status.in_(RUNNING_TURN_STATUSES))
+            .values(cancel_requested=True)
+        )
+        return turn_id
+
+    async def _answer_call(self, u: Unit, row: SessionRow, event: dict[str, Any], p: str) -> str:
+        call_id = event.get("call_id")
+        turn_id = event.get("turn_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidArgument("call_id is required", param=f"{p}.call_id")
+        if not isinstance(turn_id, str) or not turn_id:
+            raise InvalidArgument("turn_id is required", param=f"{p}.turn_id")
+        success = event.get("success")
+        if not isinstance(success, bool):
+            raise InvalidArgument("success must be a boolean", param=f"{p}.success")
+        call = (
+            await u.session.execute(
+                select(FunctionCallRow).where(FunctionCallRow.call_id == call_id, FunctionCallRow.session_id == row.id)
+            )
+        ).scalar_one_or_none()
+        if call is None:
+            # The SDK's helpers match this exact message for their retry.
+            raise UnknownToolCall(f"Unknown pending tool call: {call_id}", param=f"{p}.call_id")
+        if call.turn_id != turn_id:
+            raise InvalidArgument(f"call {call_id} does not belong to turn {turn_id}", param=f"{p}.turn_id")
+        if call.state == "cancelled":
+            raise FailedPrecondition(f"turn {turn_id} is no longer waiting for call {call_id}", param=f"{p}.call_id")
+        if call.state != "pending":
+            raise Conflict(f"call {call_id} was already answered", param=f"{p}.call_id")
+        output = event.get("output")
+        error = event.get("error")
+        if success:
+            if isinstance(output, list):
+                output = _parts(output, f"{p}.output") if output else []
+            elif output is not None and not isinstance(output, str):
+                raise InvalidArgument("output must be a string or a list of content parts", param=f"{p}.output")
+        elif error is not None and not isinstance(error, str):
+            raise InvalidArgument("error must be a string", param=f"{p}.error")
+        result = await u.session.execute(
+            update(FunctionCallRow)
+            .where(FunctionCallRow.call_id == call_id, FunctionCallRow.state == "pending")
+            .values(
+                state="answered",
+                success=success,
+                output_json=json.dumps(output if success else None),
+                error=None if success else (error or "the function call failed"),
+            )
+        )
+        if not result.rowcount:  # type: ignore[attr-defined]
+            raise Conflict(f"call {call_id} was already answered", param=f"{p}.call_id")
+        u.wake_key(f"calls:{turn_id}")
+        return turn_id

@@ -1,0 +1,239 @@
+"""Sessions: create (snapshotting the agent and binding the environment),
+read, list, update and delete, scoped by the caller's organization
+(``current_org()``); another organization's session is ``NotFound``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import grpc
+from sqlalchemy import exists, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from berth.environment.v1 import environment_pb2
+from berth.session.v1 import session_service_pb2 as svc_pb
+from services.core.errors import FailedPrecondition, InvalidArgument, SessionActive
+from services.core.ids import new_id
+from services.core.logging import get_logger
+from services.session import repository as repo
+from services.session import views, wire
+from services.session.agents import apply_config, new_config
+from services.session.artifacts import BlobStore
+from services.session.environment_client import EnvironmentClient
+from services.session.mcp_connections import McpConnections
+from services.session.models import SessionRow, TurnRow
+from services.session.repository import Page
+from services.session.runner import TurnRunner
+from services.session.saved_agents import config_paths
+from services.session.session_input import enqueue_turn, input_messages
+from services.session.states import ACTIVE_TURN_STATUSES, SessionStatus
+from services.session.store import Store, Unit
+
+__all__ = ["Sessions", "CreatedSession"]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class CreatedSession:
+    view: views.SessionView
+    turn_id: str
+    created_sequence: int
+
+
+
+class Sessions:
+    def __init__(
+        self,
+        store: Store,
+        env_client: EnvironmentClient | None,
+        runner: TurnRunner,
+        blobs: BlobStore,
+        mcp: McpConnections | None = None,
+    ) -> None:
+        self.store = store
+        self.env = env_client
+        self.runner = runner
+        self.blobs = blobs
+        self.mcp = mcp
+
+    async def _environment(self, row: SessionRow) -> environment_pb2.Environment | None:
+        if row.environment_kind != "hosted" or self.env is None:
+            return None
+        try:
+            return await self.env.get_environment(row.environment_id)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("environment_lookup_failed", environment_id=row.environment_id, code=exc.code().name)
+            return None
+
+    async def _bind_environment(
+        self, env_param: svc_pb.SessionEnvironment, session_id: str, vault_ids: list[str]
+    ) -> tuple[str, str, environment_pb2.Environment | None]:
+        """Returns (kind, environment_id, environment) after creating or attaching."""
+        kind = env_param.WhichOneof("environment")
+        if kind in (None, "none"):
+            return "none", "", None
+        if self.env is None:
+            raise FailedPrecondition("no environment service is configured", param="environment")
+        if kind == "environment_id":
+            environment_id = env_param.environment_id
+            if not environment_id:
+                raise InvalidArgument("environment.environment_id is required", param="environment.environment_id")
+            environment = await self.env.attach_session(environment_id, session_id)
+            return "hosted", environment.id or environment_id, environment
+        environment = await self.env.create_environment(env_param.inline, vault_ids=vault_ids, owner_session_id=session_id)
+        return "hosted", environment.id, environment
+
+    async def create_session(self, org: str, request: svc_pb.CreateSessionRequest) -> CreatedSession:
+        """Snapshots the saved agent with the given overrides (the fields of
+        ``agent_mask``), or the inline agent, and binds the environment."""
+        agent_id = request.agent_id
+        name: str | None = None
+        if agent_id:
+            saved_id = agent_id
+            saved = await self.store.query(lambda s: repo.get_agent(s, org, saved_id))
+            name = saved.name
+            config = apply_config(
+                json.loads(saved.config_json), request.agent, set(request.agent_mask.paths), prefix="agent", persisted=False
+            )
+        else:
+            agent_id = new_id("agent")
+            config = new_config(request.agent, prefix="agent", persisted=False)
+        metadata = dict(request.metadata)
+        vault_ids = list(request.vault_ids)
+        messages = input_messages(request.input)
+
+        session_id = new_id("sess")
+        kind, environment_id, environment = await self._bind_environment(request.environment, session_id, vault_ids)
+        now = time.time()
+        row = SessionRow(
+            id=session_id,
+            org_id=org,
+            agent_id=agent_id,
+            agent_config_json=json.dumps({"id": agent_id, "name": name, "config": config}),
+            environment_kind=kind,
+            environment_id=environment_id,
+            status=SessionStatus.IDLE,
+            error="",
+            metadata_json=json.dumps(metadata),
+            vault_ids_json=json.dumps(vault_ids),
+            usage_json="",
+            created_at=now,
+            last_active_at=now,
+            event_seq=0,
+            active_turn_id=None,
+        )
+
+        async def insert(u: Unit) -> tuple[views.SessionView, int, str]:
+            u.session.add(row)
+            await u.session.flush()
+            # An environment whose setup already failed shows on the new session at once.
+            view = await views.session_view(u.session, row, environment)
+            (created,) = await u.emit(session_id, wire.session_event("agent.session.created", view.wire))
+            turn_id = await enqueue_turn(u, row, messages) if messages else ""
+            return view, created.sequence, turn_id
+
+        try:
+            view, created_sequence, turn_id = await self.store.transact(insert)
+        except BaseException:
+            if kind == "hosted" and self.env is not None:
+                await self._detach_quietly(environment_id, session_id)
+            raise
+        if turn_id:
+            self.runner.kick(session_id, org)
+        log.info("session_created", session_id=session_id, environment_id=environment_id or None)
+        return CreatedSession(view, turn_id, created_sequence)
+
+    async def _detach_quietly(self, environment_id: str, session_id: str) -> None:
+        assert self.env is not None
+        try:
+            await asyncio.shield(self.env.detach_session(environment_id, session_id))
+        except Exception:
+            log.warning("environment_detach_failed", environment_id=environment_id, session_id=session_id, exc_info=True)
+
+    async def get_session(self, org: str, session_id: str) -> views.SessionView:
+        row = await self.store.query(lambda s: repo.get_session(s, org, session_id))
+        environment = await self._environment(row)
+        return await self.store.query(lambda s: views.session_view(s, row, environment))
+
+    async def list_sessions(self, org: str, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
+        scope = [SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING]
+        if agent_id:
+            scope.append(SessionRow.agent_id == agent_id)
+        rows, more = await self.store.query(lambda s: repo.paginate(s, SessionRow, scope, page))
+        environments = await asyncio.gather(*(self._environment(r) for r in rows))
+
+        async def render(s: AsyncSession) -> list[views.SessionView]:
+            return [await views.session_view(s, r, e) for r, e in zip(rows, environments, strict=True)]
+
+        return await self.store.query(render), more
+
+    async def update_session(self, org: str, request: svc_pb.UpdateSessionRequest) -> views.SessionView:
+        """Changes the fields named in the update mask."""
+        session_id = request.session_id
+        paths = set(request.update_mask.paths)
+        agent_paths = config_paths(paths, "agent.")
+
+        async def update_row(u: Unit) -> None:
+            row = await repo.get_session(u.session, org, session_id)
+            if "metadata" in paths:
+                row.metadata_json = json.dumps(dict(request.metadata))
+            if agent_paths:
+                snap = views.snapshot(row)
+                snap["config"] = apply_config(snap["config"], request.agent, agent_paths, prefix="agent", persisted=False)
+                row.agent_config_json = json.dumps(snap)
+
+        await self.store.transact(update_row)
+        return await self.get_session(org, session_id)
+
+    async def delete_session(self, org: str, session_id: str) -> str:
+        """Refuses while a turn is queued or running. Detaches the environment
+        (a never-shared private one is deleted with its sandbox by the
+        Environment service; a shared one closes the upstream of every HTTP
+        MCP label the session used, even though peers share it), closes the
+        session's own MCP connections, then deletes turns, items, events and
+        artifacts. Stdio MCP servers keep running."""
+
+        async def mark(u: Unit) -> tuple[SessionRow, str]:
+            row = await repo.get_session(u.session, org, session_id)
+            busy = (
+                await u.session.execute(
+                    select(exists().where(TurnRow.session_id == session_id, TurnRow.status.in_(ACTIVE_TURN_STATUSES)))
+                )
+            ).scalar()
+            if busy or row.active_turn_id is not None:
+                raise SessionActive(f"session {session_id} has a turn in progress; cancel it first", param="session_id")
+            previous = row.status
+            # New input is refused from here on (the session reads as absent).
+            row.status = SessionStatus.DELETING
+            return row, previous
+
+        row, previous_status = await self.store.transact(mark)
+        if row.environment_kind == "hosted" and self.env is not None:
+            try:
+                await self.env.detach_session(row.environment_id, session_id)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+
+                    async def restore(u: Unit) -> None:
+                        await u.session.execute(
+                            update(SessionRow).where(SessionRow.id == session_id).values(status=previous_status)
+                        )
+
+                    await self.store.transact(restore)
+                    raise
+        if self.mcp is not None:
+            await self.mcp.close_session(session_id)
+        self.runner.forget(session_id)
+
+        async def remove(u: Unit) -> list[str]:
+            shas = await repo.delete_session_rows(u.session, session_id)
+            u.wake_key(f"events:{session_id}")
+            return await repo.unreferenced_blobs(u.session, shas)
+
+        self.blobs.delete(await self.store.transact(remove))
+        log.info("session_deleted", session_id=session_id)
+        return session_id
