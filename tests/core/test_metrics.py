@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import httpx
 import prometheus_client
 import pytest
 from grpc_support import internal_channel
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
@@ -45,14 +45,6 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(2))
     return None
-
-
-async def _eventually(check: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -88,7 +80,7 @@ async def test_rpcs_are_counted_by_method_and_code_and_pending_environments_are_
     assert (_sample(text, "berth_rpc_latency_seconds_count", method=GET, code="NOT_FOUND") or 0) >= 1
     assert _sample(text, "berth_rpc_latency_seconds_bucket", method=CREATE, code="OK", le="+Inf") is not None
     # The gauge is refreshed from the database shortly after a transition.
-    await _eventually(lambda: (_sample(exposition(), "berth_environments", status="pending") or 0) >= 1)
+    await wait_until(lambda: (_sample(exposition(), "berth_environments", status="pending") or 0) >= 1)
 
 
 async def test_the_gateway_serves_metrics_without_a_key(tmp_path: Path, environment_service: ServiceHandle) -> None:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
@@ -19,8 +18,6 @@ from openai.types.beta.agents.sessions.turn import Turn
 
 BETA = {"OpenAI-Beta": "agents=v1"}
 TERMINAL_TURN_EVENTS = ("agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled")
-
-T = TypeVar("T")
 
 
 def b64(data: bytes | str) -> str:
@@ -68,20 +65,6 @@ def environment_of(session: AgentSession) -> str:
     env = session.environment
     assert env.type == "openai_hosted", env
     return env.id
-
-
-async def eventually(check: Callable[[], Awaitable[T | None]], *, timeout: float = 15.0, what: str = "condition") -> T:
-    """Polls ``check`` until it returns something truthy, within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.1)
 
 
 async def send_script(client: openai.AsyncOpenAI, session_id: str, script: str) -> set[str]:

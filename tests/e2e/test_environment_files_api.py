@@ -15,11 +15,11 @@ from e2e_support import (
     b64,
     create_environment,
     environment_of,
-    eventually,
     run_script,
     sandbox_dirs,
     workspace_file,
 )
+from waiting import wait_until
 
 
 async def test_stored_file_becomes_an_initial_environment_file(stack) -> None:
@@ -193,7 +193,7 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
             assert exc.code == "sandbox_unavailable"
             return None
 
-    assert await eventually(listed, timeout=20, what="the sandbox service to answer again") == ["/workspace/keep.txt"]
+    assert await wait_until(listed, timeout=20, what="the sandbox service to answer again") == ["/workspace/keep.txt"]
     assert sandbox_dirs(stack.data_dir)[env.id] == sandbox
     await client.beta.agents.environments.files.create(env.id, type="inline", data=b64("after"), path="/workspace/after.txt")
     assert workspace_file(stack.data_dir, env.id, "/workspace/keep.txt").read_text() == "before"

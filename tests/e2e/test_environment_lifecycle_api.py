@@ -14,7 +14,6 @@ from e2e_support import (
     create_environment,
     delete_environment,
     environment_of,
-    eventually,
     inline_session,
     run_script,
     sandbox_dirs,
@@ -22,6 +21,7 @@ from e2e_support import (
     setup_commands,
     workspace_file,
 )
+from waiting import wait_until
 
 
 async def test_http_example_shares_one_environment_between_two_sessions_until_it_is_deleted(stack) -> None:
@@ -189,7 +189,7 @@ async def test_environment_cannot_be_deleted_or_referenced_while_its_setup_runs(
                 stack.data_dir, env.id, "/workspace/setup-started"
             ).exists()
 
-        await eventually(setup_started, what="setup to start")
+        await wait_until(setup_started, timeout=15, what="setup to start")
         # Initializing is still "pending" on the wire (the SDK has no such state).
         assert (await client.beta.agents.environments.retrieve(env.id)).status == "pending"
 

@@ -16,7 +16,6 @@ from e2e_support import (
     create_environment,
     delete_environment,
     environment_of,
-    eventually,
     inline_session,
     next_turn_end,
     run_script,
@@ -25,6 +24,7 @@ from e2e_support import (
     setup_commands,
     workspace_file,
 )
+from waiting import wait_until
 
 SESSIONS = 50
 
@@ -149,7 +149,7 @@ async def test_cancelling_the_turn_that_started_setup_leaves_setup_running_for_p
             stack.data_dir, env.id, "/workspace/setup.log"
         ).exists()
 
-    await eventually(setup_running, what="the starter's tool call to start setup")
+    await wait_until(setup_running, timeout=15, what="the starter's tool call to start setup")
     await client.beta.agents.sessions.events.create(starter.id, events=[{"type": "agent.session.input.cancel"}])
     cancelled = await next_turn_end(client, starter.id, known)
     assert cancelled.status == "cancelled"

@@ -14,7 +14,6 @@ from e2e_support import (
     assert_error,
     attach_session,
     create_environment,
-    eventually,
     inline_session,
     run_script,
     sandbox_dirs,
@@ -29,7 +28,6 @@ from turns_support import (
     message,
     new_turn,
     open_events,
-    polled,
     session_processes,
     session_status,
     strict_client,
@@ -37,6 +35,7 @@ from turns_support import (
     turn_ids,
     turn_status,
 )
+from waiting import wait_until
 
 TERMINAL = ("completed", "failed", "cancelled")
 TICKER = "$ nohup sh -c 'while true; do date +%s%N > /workspace/tick; sleep 0.2; done' >/dev/null 2>&1 &"
@@ -61,7 +60,7 @@ async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and
     known = await turn_ids(client, session.id)
     await submit(client, session.id, message("$ echo started; sleep 60\nnever said"))
     turn_id = await new_turn(client, session.id, known)
-    await eventually(polled(lambda: _sleeping(session.id)), what="sleep 60 to start")
+    await wait_until(lambda: _sleeping(session.id), timeout=15, what="sleep 60 to start")
 
     cancelled_at = time.monotonic()
     await submit(client, session.id, CANCEL)
@@ -71,11 +70,11 @@ async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and
     assert (await client.beta.agents.sessions.retrieve(session.id)).status == "idle"
 
     # No sleep 60 survives the cancel; the ticker from an earlier turn does.
-    await eventually(polled(lambda: not _sleeping(session.id)), timeout=5, what="sleep 60 to be gone")
+    await wait_until(lambda: not _sleeping(session.id), timeout=5, what="sleep 60 to be gone")
     ticking = [argv for _, argv in session_processes(session.id) if argv[:2] == ["sh", "-c"] and "tick" in argv[-1]]
     assert len(ticking) == 1, session_processes(session.id)
     seen = tick.read_text()
-    await eventually(polled(lambda: tick.read_text() != seen), timeout=5, what="the ticker to tick again")
+    await wait_until(lambda: tick.read_text() != seen, timeout=5, what="the ticker to tick again")
 
     items = [i async for i in client.beta.agents.sessions.turns.items.list(turn_id, session_id=session.id)]
     (command,) = [i for i in items if i.type == "command_execution"]
@@ -125,7 +124,7 @@ async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) ->
     async def sandbox_exists() -> Path | None:
         return sandbox_dirs(stack.data_dir).get(session.environment.id)  # type: ignore[union-attr]
 
-    await eventually(sandbox_exists, what="the session's sandbox")
+    await wait_until(sandbox_exists, timeout=15, what="the session's sandbox")
     workspace_file(stack.data_dir, session.environment.id, "/workspace/go").touch()  # type: ignore[union-attr]
     turns = [await turn_status(client, session.id, t, TERMINAL) for t in (first, second, third)]
     assert [t.status for t in turns] == ["completed"] * 3
@@ -198,7 +197,7 @@ async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress
     session = await inline_session(client)
     await submit(client, session.id, message("$ sleep 60"))
     turn_id = await new_turn(client, session.id, [])
-    await eventually(polled(lambda: _sleeping(session.id)), what="sleep 60 to start")
+    await wait_until(lambda: _sleeping(session.id), timeout=15, what="sleep 60 to start")
 
     async with stack.http() as http:
         busy = await http.delete(f"/agents/sessions/{session.id}")
@@ -255,7 +254,7 @@ async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_
             stack.data_dir, env.id, "/workspace/setup.log"
         ).exists()
 
-    await eventually(setup_running, what="the starter's turn to start setup")
+    await wait_until(setup_running, timeout=15, what="the starter's turn to start setup")
     await submit(client, peer.id, message("$ echo peer >> /workspace/ran.log\npeer done"))
     peer_turn = await new_turn(client, peer.id, [])
     async with stack.http() as http, asyncio.timeout(30):

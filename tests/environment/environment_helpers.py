@@ -3,15 +3,11 @@ so it is unique across the suite)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from grpc_support import internal_channel
@@ -41,20 +37,6 @@ def reason_of(exc: grpc.aio.AioRpcError) -> str:
             detail.Unpack(info)
             return str(info.reason)
     return ""
-
-
-async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
-    """Polls ``predicate`` until true; fails after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s: {what}")
-        await asyncio.sleep(0.01)
 
 
 @dataclass

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 from environment_fakes import ExecCall, FakeCompute
-from environment_helpers import EnvService, create_env, ensure, get_env, md, reason_of, setup_config, wait_until
+from environment_helpers import EnvService, create_env, ensure, get_env, md, reason_of, setup_config
+from waiting import wait_until
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb

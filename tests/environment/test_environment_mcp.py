@@ -13,10 +13,11 @@ from typing import Any
 import grpc
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import Cluster, EnvService, SandboxService, create_env, get_env, md, reason_of, run_command, setup_config, wait_until
+from environment_helpers import Cluster, EnvService, SandboxService, create_env, get_env, md, reason_of, run_command, setup_config
 from hosts_support import TestHost, make_test_host
 from mcp_test_support import COUNT_SERVERS, SANDBOX_MOUNTS, http_mcp_server, require_host_python_mcp, stdio_transport
 from grpc_support import internal_channel
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc

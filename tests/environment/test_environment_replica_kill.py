@@ -25,9 +25,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config, wait_until
+from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2

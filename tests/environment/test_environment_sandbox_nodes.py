@@ -25,9 +25,9 @@ from environment_helpers import (
     md,
     reason_of,
     run_command,
-    wait_until,
 )
 from grpc_support import credentials
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2 as sb

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from environment_helpers import Cluster, EnvService, SandboxService, create_env, ensure, md, run_command, wait_until
+from environment_helpers import Cluster, EnvService, SandboxService, create_env, ensure, md, run_command
 from prometheus_client import REGISTRY
 from grpc_support import credentials
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as sb

@@ -8,17 +8,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from sandbox_support import Sandbox, SandboxFactory, WaitFor, wait_until
+from sandbox_support import Sandbox, SandboxFactory
 
 from services.sandbox.backends.base import NetworkPolicy, SandboxSpec
 from services.sandbox.backends.local import Isolation, LocalBackend
 from services.sandbox.daemon_client import DaemonClient
 from services.sandbox.isolation.sizes import DEFAULT_SIZE, ContainerSize
-
-
-@pytest.fixture
-def wait_for() -> WaitFor:
-    return wait_until
 
 
 @pytest.fixture(autouse=True)

@@ -11,30 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from services.sandbox.backends.base import BackendHandle
 from services.sandbox.backends.local import LocalBackend
 from services.sandbox.daemon_client import DaemonClient
 
-__all__ = ["WaitFor", "wait_until", "Sandbox", "SandboxFactory", "host_listener"]
-
-WaitFor = Callable[..., Awaitable[None]]
-
-
-async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, message: str = "") -> None:
-    """Polls ``predicate`` until it holds, failing the test after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() >= deadline:
-            pytest.fail(f"condition not met within {timeout}s: {message or predicate}")
-        await asyncio.sleep(0.01)
+__all__ = ["Sandbox", "SandboxFactory", "host_listener"]
 
 
 @dataclass
@@ -53,8 +34,6 @@ class Sandbox:
 
 
 SandboxFactory = Callable[..., Awaitable[Sandbox]]
-
-
 
 
 @contextlib.asynccontextmanager

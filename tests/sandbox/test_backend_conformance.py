@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
-from sandbox_support import host_listener, wait_until
+from sandbox_support import host_listener
+from waiting import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxBackend, SandboxSpec
@@ -42,9 +43,8 @@ def _require_bwrap() -> None:
     parameter needs bwrap (see ``harness``)."""
 
 
-async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 20.0, message: str = "") -> None:
-    """``wait_until`` with the longer default these backends need (docker)."""
-    await wait_until(predicate, timeout, message)
+# The longer bound these backends need (docker).
+WAIT_S = 20.0
 
 
 @dataclass
@@ -256,7 +256,7 @@ async def test_killing_a_process_leaves_no_descendant_alive(shared: Sandbox) -> 
     async def all_started() -> bool:
         return all([await _marked_pids(shared.client, m) for m in markers])
 
-    await wait_for(all_started, message="the whole tree started")
+    await wait_until(all_started, WAIT_S, what="the whole tree started")
     after = await shared.client.kill_process(proc.process_id)
 
     assert after is not None and not after.running
@@ -328,7 +328,7 @@ async def test_a_counter_does_not_advance_while_paused(make_sandbox: Any) -> Non
         except (OSError, ValueError):
             return 0
 
-    await wait_for(lambda: value() > 5, message="counter runs")
+    await wait_until(lambda: value() > 5, WAIT_S, what="counter runs")
     await sandbox.backend.pause(sandbox.handle)
     frozen = value()
     # Proving that nothing happens needs an observation window; 0.5 s is
@@ -339,7 +339,7 @@ async def test_a_counter_does_not_advance_while_paused(make_sandbox: Any) -> Non
         assert value() == frozen, "counter advanced while paused"
         await asyncio.sleep(0.02)
     await sandbox.backend.resume(sandbox.handle)
-    await wait_for(lambda: value() > frozen + 5, message="counter advances after resume")
+    await wait_until(lambda: value() > frozen + 5, WAIT_S, what="counter advances after resume")
 
 
 # ---------------------------------------------------------------- restart of the service

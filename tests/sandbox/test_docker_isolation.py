@@ -21,7 +21,8 @@ import docker
 import docker.errors
 import pytest
 from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
-from sandbox_support import WaitFor, host_listener
+from sandbox_support import host_listener
+from waiting import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxSpec
@@ -114,15 +115,13 @@ async def _connect(client: DaemonClient, host: str, port: int) -> tuple[int, str
 
 async def _wait_for_exit_code(run: Callable[[], Awaitable[tuple[int, str]]], code: int, timeout: float = 20.0) -> str:
     """Runs ``run`` until it exits with ``code`` (bounded); its output."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
+
+    async def exited_with_code() -> tuple[str] | None:
         got, output = await run()
-        if got == code:
-            return output
-        if loop.time() >= deadline:
-            pytest.fail(f"still exit code {got} after {timeout}s: {output}")
-        await asyncio.sleep(0.05)
+        return (output,) if got == code else None
+
+    (output,) = await wait_until(exited_with_code, timeout, what=f"exit code {code}")
+    return output
 
 
 # ---------------------------------------------------------------- identity

@@ -7,6 +7,7 @@ import contextlib
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
 
@@ -70,7 +71,7 @@ async def test_hung_exec_does_not_block_another_exec_on_the_same_connection(sand
             await hung
 
 
-async def test_cancelling_an_exec_kills_its_process_group(sandbox: Any, wait_for: Any) -> None:
+async def test_cancelling_an_exec_kills_its_process_group(sandbox: Any) -> None:
     stream = sandbox.client.exec(shell="sleep 600 & echo $!; wait")
     first = await anext(stream)
     assert isinstance(first, OutputChunk)
@@ -78,15 +79,15 @@ async def test_cancelling_an_exec_kills_its_process_group(sandbox: Any, wait_for
 
     await stream.aclose()
 
-    await wait_for(lambda: _pid_gone(sandbox.client, child))
+    await wait_until(lambda: _pid_gone(sandbox.client, child))
 
 
-async def test_exec_timeout_kills_the_process_group_and_reports_timed_out(sandbox: Any, wait_for: Any) -> None:
+async def test_exec_timeout_kills_the_process_group_and_reports_timed_out(sandbox: Any) -> None:
     result = await sandbox.client.run(shell="sleep 600 & echo $!; wait", timeout_s=0.5)
     child = int(result.stdout.split()[0])
 
     assert (result.exit_code, result.timed_out) == (124, True)
-    await wait_for(lambda: _pid_gone(sandbox.client, child))
+    await wait_until(lambda: _pid_gone(sandbox.client, child))
 
 
 async def test_warm_exec_reuses_one_connection(sandbox: Any) -> None:
@@ -101,7 +102,7 @@ async def test_warm_exec_reuses_one_connection(sandbox: Any) -> None:
     assert per_exec < 0.05
 
 
-async def test_closing_the_connection_kills_a_running_exec(sandbox: Any, wait_for: Any) -> None:
+async def test_closing_the_connection_kills_a_running_exec(sandbox: Any) -> None:
     other = DaemonClient(sandbox.handle.socket_path)
     stream = other.exec(shell="sleep 600 & echo $!; wait")
     first = await anext(stream)
@@ -110,4 +111,4 @@ async def test_closing_the_connection_kills_a_running_exec(sandbox: Any, wait_fo
 
     await other.close()
 
-    await wait_for(lambda: _pid_gone(sandbox.client, child))
+    await wait_until(lambda: _pid_gone(sandbox.client, child))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from hosts_support import http_server_on, make_test_host
+from waiting import wait_until
 
 from services.sandbox.backends.base import SandboxSpec
 from services.sandbox.isolation.network import host_addresses
@@ -210,11 +211,11 @@ async def test_a_background_processs_output_never_lands_on_the_hosts_disk(make_s
     assert after.stdout == b"alive\n"
 
 
-async def test_recreating_a_sandbox_that_died_stops_the_user_network_it_left(make_sandbox: Any, wait_for: Any) -> None:
+async def test_recreating_a_sandbox_that_died_stops_the_user_network_it_left(make_sandbox: Any) -> None:
     sandbox = await make_sandbox("phoenix", network="enabled")
     first_slirp = int(sandbox.handle.private["user_network"]["pid"])
     os.kill(int(sandbox.handle.private["pid"]), 9)
-    await wait_for(lambda: not sandbox.backend._alive(sandbox.handle), message="the sandbox died")
+    await wait_until(lambda: not sandbox.backend._alive(sandbox.handle), what="the sandbox died")
 
     again = await sandbox.backend.create(SandboxSpec(sandbox_id="phoenix", network="enabled"))
 
@@ -224,6 +225,6 @@ async def test_recreating_a_sandbox_that_died_stops_the_user_network_it_left(mak
         except OSError:
             return True
 
-    await wait_for(first_slirp_gone, message="the dead sandbox's slirp4netns ended")
+    await wait_until(first_slirp_gone, what="the dead sandbox's slirp4netns ended")
     assert int(again.private["user_network"]["pid"]) != first_slirp
     await sandbox.backend.destroy(again)

@@ -26,6 +26,7 @@ import grpc
 import pytest
 from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
 from hosts_support import TestHost, free_port_on, make_test_host
+from waiting import wait_until
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
@@ -221,15 +222,11 @@ async def list_brokers(stub: Stub, sandbox_id: str) -> dict[str, sandbox_pb2.Mcp
 
 
 async def wait_until_dead(stub: Stub, sandbox_id: str, label: str) -> sandbox_pb2.McpBroker:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while True:
+    async def dead() -> sandbox_pb2.McpBroker | None:
         broker = (await list_brokers(stub, sandbox_id))[label]
-        if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD:
-            return broker
-        if loop.time() > deadline:
-            pytest.fail(f"broker {label} did not die")
-        await asyncio.sleep(0.02)
+        return broker if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD else None
+
+    return await wait_until(dead, what=f"broker {label} died")
 
 
 async def shell(stub: Stub, sandbox_id: str, command: str) -> tuple[int, str]:

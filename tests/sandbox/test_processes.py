@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
 
@@ -71,7 +72,7 @@ def _host_pids_with_marker(process_id: str) -> list[int]:
     return found
 
 
-async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait_for: Any) -> None:
+async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any) -> None:
     first_client = DaemonClient(sandbox.handle.socket_path)
     proc = await first_client.start_process(name="numbers", argv=["python3", "-c", NUMBERED_LINES])
     early = first_client.attach_process(proc.process_id)
@@ -101,24 +102,24 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait
     await second_client.close()
 
 
-async def test_background_process_survives_the_connection_that_started_it(sandbox: Any, wait_for: Any) -> None:
+async def test_background_process_survives_the_connection_that_started_it(sandbox: Any) -> None:
     starter = DaemonClient(sandbox.handle.socket_path)
     proc = await starter.start_process(
         name="ticker", shell="i=0; while :; do i=$((i+1)); echo $i > tick.tmp; mv tick.tmp tick; sleep 0.01; done"
     )
     await starter.close()
     tick = sandbox.workspace / "tick"
-    await wait_for(tick.exists)
+    await wait_until(tick.exists)
     after_close = int(tick.read_text())
 
-    await wait_for(lambda: int(tick.read_text() or 0) > after_close + 3, message="ticker kept running")
+    await wait_until(lambda: int(tick.read_text() or 0) > after_close + 3, what="ticker kept running")
     listed = {p.process_id: p for p in await sandbox.client.list_processes()}
     assert listed[proc.process_id].running
     assert listed[proc.process_id].name == "ticker"
     await sandbox.client.kill_process(proc.process_id)
 
 
-async def test_killing_a_process_leaves_no_descendant_alive(sandbox: Any, wait_for: Any) -> None:
+async def test_killing_a_process_leaves_no_descendant_alive(sandbox: Any) -> None:
     script = """
 sleep 600 & echo $! > group_child.pid
 setsid sh -c 'echo $$ > session_child.pid; exec sleep 600' &
@@ -127,13 +128,13 @@ wait
 """
     proc = await sandbox.client.start_process(name="tree", shell=script)
     pid_files = [sandbox.workspace / name for name in ("group_child.pid", "session_child.pid", "orphan.pid")]
-    await wait_for(lambda: all(f.exists() and f.read_text().strip() for f in pid_files))
+    await wait_until(lambda: all(f.exists() and f.read_text().strip() for f in pid_files))
     assert len(_host_pids_with_marker(proc.process_id)) >= 4
 
     after = await sandbox.client.kill_process(proc.process_id)
 
     assert after is not None and not after.running and after.exit_code == -9
-    await wait_for(lambda: not _host_pids_with_marker(proc.process_id), message="every member of the tree is gone")
+    await wait_until(lambda: not _host_pids_with_marker(proc.process_id), what="every member of the tree is gone")
     for pid_file in pid_files:
         pid = pid_file.read_text().strip()
         check = await sandbox.client.run(shell=f"test -e /proc/{pid}")

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 from grpc_support import internal_channel
+from waiting import wait_until
 
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.service import ServiceHandle
@@ -73,7 +74,7 @@ async def _state(stub: sandbox_service_pb2_grpc.SandboxServiceStub, sandbox_id: 
 
 
 async def test_destroying_a_local_sandbox_lost_in_a_restart_deletes_its_directory(
-    tmp_path: Path, bwrap_available: None, wait_for: Any
+    tmp_path: Path, bwrap_available: None
 ) -> None:
     service = Running(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0))
     home = tmp_path / "berth" / "sandboxes" / "sbx_lost"
@@ -85,7 +86,7 @@ async def test_destroying_a_local_sandbox_lost_in_a_restart_deletes_its_director
         # The sandbox dies while no service watches it (a host reboot, an OOM kill).
         (handle,) = await LocalBackend(tmp_path / "berth", isolation="none").adopt()
         _kill_every_process(handle)
-        await wait_for(lambda: _none_alive(tmp_path / "berth"), message="the sandbox died")
+        await wait_until(lambda: _none_alive(tmp_path / "berth"), what="the sandbox died")
 
         stub = await service.start()
         assert await _state(stub, "sbx_lost") == sandbox_pb2.SANDBOX_STATE_ERROR
