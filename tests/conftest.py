@@ -1,6 +1,7 @@
-"""Fixtures shared by the whole suite: the PostgreSQL database, the
-requirement switches CI sets (BERTH_REQUIRE_*), so required components are
-never skipped silently there, and the internal token every service expects."""
+"""Fixtures shared by the whole suite: the service database (SQLite and
+PostgreSQL), the requirement switches CI sets (BERTH_REQUIRE_*), so required
+components are never skipped silently there, and the internal token every
+service expects."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from grpc_support import TEST_INTERNAL_TOKEN
@@ -96,3 +98,26 @@ def postgres_database() -> Iterator[str]:
         yield POSTGRES_SERVER_URL.rsplit("/", 1)[0] + f"/{name}"
     finally:
         admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A service database on SQLite, in the test's temporary directory."""
+    return f"sqlite+berth:///{tmp_path / 'service.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def database_url(request: pytest.FixtureRequest, sqlite_url: str) -> str:
+    """A service database, once on SQLite (``sqlite_url``) and once on
+    PostgreSQL (an empty schema per test)."""
+    if request.param == "sqlite":
+        return sqlite_url
+    import asyncpg
+
+    dsn: str = request.getfixturevalue("postgres_database")
+    conn = await asyncpg.connect(dsn, timeout=3)
+    try:
+        await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
+    finally:
+        await conn.close()
+    return dsn

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,11 +15,8 @@ from services.sandbox.isolation.sizes import DEFAULT_SIZE, ContainerSize
 
 
 @pytest.fixture(autouse=True)
-def _require_bwrap() -> None:
-    if shutil.which("bwrap") is None:
-        if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
-            pytest.fail("bubblewrap is required (BERTH_REQUIRE_BWRAP=1) but bwrap is not installed")
-        pytest.skip("bubblewrap (bwrap) is not installed")
+def _require_bwrap(bwrap_available: None) -> None:
+    """Every sandbox test here needs bubblewrap unless its module overrides this."""
 
 
 @pytest.fixture
