@@ -38,16 +38,13 @@ def bwrap_available() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _reap_sandboxes(tmp_path: object) -> object:
+def _reap_sandboxes(tmp_path: Path) -> Iterator[None]:
     """Sandboxes deliberately outlive the service that created them, so every
     test destroys the local sandboxes left under its temporary directory."""
     yield
-    import asyncio
-    from pathlib import Path
-
     from services.sandbox.backends.local import LocalBackend
 
-    root = Path(str(tmp_path))
+    root = tmp_path
     data_dirs = {p.parent for p in root.glob("**/sandboxes") if p.is_dir()}
     if not data_dirs:
         return

@@ -9,6 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from e2e_stack import Stack
 from e2e_support import (
     api_error,
     assert_error,
@@ -50,7 +51,7 @@ def _sleeping(session_id: str) -> list[int]:
     return [pid for pid, argv in session_processes(session_id) if argv == ["sleep", "60"]]
 
 
-async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and_kills_only_that_command(stack) -> None:
+async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and_kills_only_that_command(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     ticker = await run_script(client, session.id, TICKER)
@@ -86,7 +87,7 @@ async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and
     assert after.status == "completed"
 
 
-async def test_a_cancelled_turn_streams_its_end_and_publishes_nothing(stack) -> None:
+async def test_a_cancelled_turn_streams_its_end_and_publishes_nothing(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     async with stack.http() as http, asyncio.timeout(30):
@@ -106,7 +107,7 @@ async def test_a_cancelled_turn_streams_its_end_and_publishes_nothing(stack) -> 
     assert [a async for a in client.beta.agents.sessions.artifacts.list(session.id)] == []
 
 
-async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) -> None:
+async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     await submit(client, session.id, message(_gate("go") + "\nfirst"))
@@ -159,7 +160,7 @@ async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) ->
     assert answers == ["first", "second", "third"]
 
 
-async def test_a_cancel_after_a_turn_completed_leaves_it_completed(stack) -> None:
+async def test_a_cancel_after_a_turn_completed_leaves_it_completed(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     done = await run_script(client, session.id, "$ echo done\nfinished")
@@ -178,7 +179,7 @@ async def test_a_cancel_after_a_turn_completed_leaves_it_completed(stack) -> Non
     assert (await client.beta.agents.sessions.turns.retrieve(later, session_id=session.id)).status == "completed"
 
 
-async def test_a_cancel_after_a_turn_failed_leaves_it_failed(stack) -> None:
+async def test_a_cancel_after_a_turn_failed_leaves_it_failed(stack: Stack) -> None:
     client = strict_client(stack)
     session = await client.beta.agents.sessions.create(
         agent=SCRIPTED, environment={"type": "openai_hosted", "setup_commands": setup_commands("exit 3")}
@@ -192,7 +193,7 @@ async def test_a_cancel_after_a_turn_failed_leaves_it_failed(stack) -> None:
     assert (await client.beta.agents.sessions.retrieve(session.id)).status == "failed"
 
 
-async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress(stack) -> None:
+async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     await submit(client, session.id, message("$ sleep 60"))
@@ -214,7 +215,7 @@ async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress
     assert gone.status_code == 404
 
 
-async def test_a_session_with_queued_turns_cannot_be_deleted_until_the_queue_drained(stack) -> None:
+async def test_a_session_with_queued_turns_cannot_be_deleted_until_the_queue_drained(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     await submit(client, session.id, message(_gate("go")))
@@ -233,7 +234,7 @@ async def test_a_session_with_queued_turns_cannot_be_deleted_until_the_queue_dra
     assert (await client.beta.agents.sessions.delete(session.id)).deleted is True
 
 
-async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_setup_and_run(stack) -> None:
+async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_setup_and_run(stack: Stack) -> None:
     client = strict_client(stack)
     env = await create_environment(
         client,
@@ -281,7 +282,7 @@ async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_
     assert [a async for a in client.beta.agents.sessions.artifacts.list(starter.id)] == []
 
 
-async def test_a_session_created_with_input_runs_its_turn_without_a_subscriber(stack) -> None:
+async def test_a_session_created_with_input_runs_its_turn_without_a_subscriber(stack: Stack) -> None:
     client = strict_client(stack)
     session = await client.beta.agents.sessions.create(
         agent=SCRIPTED, environment=HOSTED, input="$ echo unattended > /workspace/u.txt\nok"

@@ -4,6 +4,7 @@ items, and turn shapes under strict validation."""
 
 from __future__ import annotations
 
+from e2e_stack import Stack
 from e2e_support import inline_session, run_script
 from turns_support import strict_client
 
@@ -18,7 +19,7 @@ async def _three_turns(stack):  # type: ignore[no-untyped-def]
     return client, session, turns
 
 
-async def test_items_paged_two_at_a_time_auto_paginate_to_every_item_in_order(stack) -> None:
+async def test_items_paged_two_at_a_time_auto_paginate_to_every_item_in_order(stack: Stack) -> None:
     client, session, turns = await _three_turns(stack)
     items = client.beta.agents.sessions.items
 
@@ -44,7 +45,7 @@ async def test_items_paged_two_at_a_time_auto_paginate_to_every_item_in_order(st
     assert ([i.id for i in last_page.data], last_page.has_more) == ([everything[-1].id], False)
 
 
-async def test_a_turns_items_page_with_the_conversation_cursor(stack) -> None:
+async def test_a_turns_items_page_with_the_conversation_cursor(stack: Stack) -> None:
     client, session, turns = await _three_turns(stack)
     middle = turns[1]
     items = client.beta.agents.sessions.turns.items
@@ -58,7 +59,7 @@ async def test_a_turns_items_page_with_the_conversation_cursor(stack) -> None:
     assert paged[2].content[0].text == "second"  # type: ignore[union-attr]
 
 
-async def test_turns_list_and_retrieve_parse_as_sdk_turns(stack) -> None:
+async def test_turns_list_and_retrieve_parse_as_sdk_turns(stack: Stack) -> None:
     client, session, turns = await _three_turns(stack)
 
     listed = [t async for t in client.beta.agents.sessions.turns.list(session.id, limit=1)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
 import pytest_asyncio
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
@@ -433,7 +434,7 @@ async def test_docker_adopt_removes_containers_whose_data_dir_is_gone(docker_tes
 
 
 @pytest.mark.docker
-async def test_docker_create_with_a_missing_image_is_backend_unavailable(docker_engine: Any, tmp_path: Path) -> None:
+async def test_docker_create_with_a_missing_image_is_backend_unavailable(docker_engine: docker.DockerClient, tmp_path: Path) -> None:
     backend = DockerBackend(Settings(data_dir=tmp_path / "data", docker_image="berth-test-missing:none"))
 
     with pytest.raises(BackendUnavailable):

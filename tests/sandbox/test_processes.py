@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_support import Sandbox
 from waiting import wait_until
 
 from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
@@ -72,7 +73,7 @@ def _host_pids_with_marker(process_id: str) -> list[int]:
     return found
 
 
-async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any) -> None:
+async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Sandbox) -> None:
     first_client = DaemonClient(sandbox.handle.socket_path)
     proc = await first_client.start_process(name="numbers", argv=["python3", "-c", NUMBERED_LINES])
     early = first_client.attach_process(proc.process_id)
@@ -102,7 +103,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any) -> N
     await second_client.close()
 
 
-async def test_background_process_survives_the_connection_that_started_it(sandbox: Any) -> None:
+async def test_background_process_survives_the_connection_that_started_it(sandbox: Sandbox) -> None:
     starter = DaemonClient(sandbox.handle.socket_path)
     proc = await starter.start_process(
         name="ticker", shell="i=0; while :; do i=$((i+1)); echo $i > tick.tmp; mv tick.tmp tick; sleep 0.01; done"
@@ -119,7 +120,7 @@ async def test_background_process_survives_the_connection_that_started_it(sandbo
     await sandbox.client.kill_process(proc.process_id)
 
 
-async def test_killing_a_process_leaves_no_descendant_alive(sandbox: Any) -> None:
+async def test_killing_a_process_leaves_no_descendant_alive(sandbox: Sandbox) -> None:
     script = """
 sleep 600 & echo $! > group_child.pid
 setsid sh -c 'echo $$ > session_child.pid; exec sleep 600' &
@@ -141,7 +142,7 @@ wait
         assert check.exit_code != 0, f"{pid_file.name} pid {pid} survived"
 
 
-async def test_exit_codes_are_kept_after_a_process_exits(sandbox: Any) -> None:
+async def test_exit_codes_are_kept_after_a_process_exits(sandbox: Sandbox) -> None:
     quick = await sandbox.client.start_process(name="quick", shell="echo bye; exit 3")
     slow = await sandbox.client.start_process(name="slow", argv=["sleep", "600"])
 

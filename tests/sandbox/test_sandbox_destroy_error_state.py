@@ -9,9 +9,9 @@ import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import grpc
+import docker
 import pytest
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 from grpc_support import internal_channel
@@ -147,7 +147,7 @@ async def test_a_destroy_that_arrives_during_create_leaves_the_sandbox_destroyed
 
 @pytest.mark.docker
 async def test_destroying_a_docker_sandbox_lost_in_a_restart_removes_its_container_and_directory(
-    tmp_path: Path, docker_engine: Any, docker_test_image: str  # noqa: F811 (fixtures)
+    tmp_path: Path, docker_engine: docker.DockerClient, docker_test_image: str  # noqa: F811 (fixtures)
 ) -> None:
     import docker.errors
 
