@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import ORGS, Cluster, EnvService, SandboxNodePool, SandboxService, md
-from grpc_support import internal_channel
+from environment_helpers import Cluster, EnvService, SandboxNodePool, SandboxService, running_sandbox_service
 
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
 
@@ -40,23 +38,8 @@ async def env_service(cluster: Cluster, sqlite_url: str, fake: FakeCompute) -> E
 @pytest.fixture
 async def sandbox_service(tmp_path: Path, bwrap_available: None) -> AsyncIterator[SandboxService]:
     """The real Sandbox service on bubblewrap; its sandboxes are destroyed at teardown."""
-    from services.sandbox.server import start_sandbox_service
-
-    settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0)
-    handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = internal_channel(handle.address)
-    service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
-    try:
+    async with running_sandbox_service(Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0)) as service:
         yield service
-    finally:
-        for org in ORGS:
-            listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
-            for sandbox in listed.sandboxes:
-                await service.stub.DestroySandbox(
-                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
-                )
-        await channel.close()
-        await handle.stop(0.2)
 
 
 @pytest.fixture

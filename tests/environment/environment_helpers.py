@@ -3,6 +3,8 @@ so it is unique across the suite)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,29 @@ class SandboxService:
     channel: grpc.aio.Channel
     stub: sandbox_service_pb2_grpc.SandboxServiceStub
 
+    @classmethod
+    async def start(cls, settings: Settings) -> SandboxService:
+        """The real Sandbox service on port 0, with an authenticated stub."""
+        from services.sandbox.server import start_sandbox_service
+
+        handle = await start_sandbox_service(settings, address="127.0.0.1:0")
+        channel = internal_channel(handle.address)
+        return cls(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
+
+    async def destroy_sandboxes(self) -> None:
+        """Destroys every sandbox of every test organization."""
+        for org in ORGS:
+            listed = await self.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
+            for sandbox in listed.sandboxes:
+                await self.stub.DestroySandbox(
+                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
+                )
+
+    async def stop(self) -> None:
+        """Stops the service; its sandboxes outlive it, as on a real host."""
+        await self.channel.close()
+        await self.handle.stop(0.2)
+
     @property
     def address(self) -> str:
         return self.handle.address
@@ -93,6 +118,17 @@ class SandboxService:
         async for chunk in self.stub.ReadFile(request, metadata=md(org)):
             data += chunk.data
         return data
+
+
+@contextlib.asynccontextmanager
+async def running_sandbox_service(settings: Settings) -> AsyncIterator[SandboxService]:
+    """A real Sandbox service whose sandboxes are destroyed when it stops."""
+    service = await SandboxService.start(settings)
+    try:
+        yield service
+    finally:
+        await service.destroy_sandboxes()
+        await service.stop()
 
 
 @dataclass
@@ -112,12 +148,7 @@ class SandboxNodePool:
         return self.data_dir(name) / "sandboxes" / sandbox_id / "workspace"
 
     async def start(self, name: str) -> SandboxService:
-        from services.sandbox.server import start_sandbox_service
-
-        settings = Settings(data_dir=self.data_dir(name), sandbox_idle_pause_s=0)
-        handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-        channel = internal_channel(handle.address)
-        service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
+        service = await SandboxService.start(Settings(data_dir=self.data_dir(name), sandbox_idle_pause_s=0))
         self.running[name] = service
         if name not in self.started:
             self.started.append(name)
@@ -125,9 +156,7 @@ class SandboxNodePool:
 
     async def stop(self, name: str) -> None:
         """Takes the node down; its sandboxes outlive it, as on a real host."""
-        service = self.running.pop(name)
-        await service.channel.close()
-        await service.handle.stop(0.2)
+        await self.running.pop(name).stop()
 
     def addrs(self, *names: str) -> list[str]:
         """``BERTH_SANDBOX_ADDRS`` entries of running nodes, in this order."""
@@ -147,12 +176,7 @@ class SandboxNodePool:
         stopped node again for that), then stops them."""
         for name in self.started:
             service = self.running.get(name) or await self.start(name)
-            for org in ORGS:
-                listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
-                for sandbox in listed.sandboxes:
-                    await service.stub.DestroySandbox(
-                        sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
-                    )
+            await service.destroy_sandboxes()
             await self.stop(name)
 
 

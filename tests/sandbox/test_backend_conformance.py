@@ -21,7 +21,7 @@ import docker
 import pytest
 import pytest_asyncio
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
-from sandbox_support import host_listener
+from sandbox_support import collect_output, host_listener
 from waiting import wait_until
 
 from services.core.settings import Settings
@@ -31,7 +31,7 @@ from services.sandbox.isolation.quota import unmount_under
 from services.sandbox.isolation.sizes import SIZES
 from services.sandbox.backends.docker import DockerBackend
 from services.sandbox.backends.local import LocalBackend
-from services.sandbox.daemon_client import DaemonClient, DaemonError, ExitStatus, OutputChunk
+from services.sandbox.daemon_client import DaemonClient, DaemonError, OutputChunk
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
@@ -134,17 +134,6 @@ async def make_sandbox(harness: Harness) -> AsyncIterator[Callable[..., Awaitabl
         await harness.cleanup(sandbox)
 
 
-async def _collect(stream: Any) -> tuple[list[OutputChunk], ExitStatus | None]:
-    chunks: list[OutputChunk] = []
-    status: ExitStatus | None = None
-    async for item in stream:
-        if isinstance(item, OutputChunk):
-            chunks.append(item)
-        else:
-            status = item
-    return chunks, status
-
-
 # Lists the sandbox's live processes whose argv carries a marker word.
 _FIND_MARKED = """
 import os, sys
@@ -211,7 +200,7 @@ async def test_background_process_survives_the_connection_that_started_it(shared
     assert listed[proc.process_id].running
     await shared.client.write_file("survive-go", b"")
     status = await shared.client.wait_process(proc.process_id, timeout_s=20)
-    chunks, final = await _collect(shared.client.attach_process(proc.process_id))
+    chunks, final = await collect_output(shared.client.attach_process(proc.process_id))
 
     assert status is not None and status.exit_code == 0
     assert b"".join(c.data for c in chunks) == b"started\nfinished\n" and final == status
@@ -236,7 +225,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(shared: Sandbox) -
 
     assert all(isinstance(item, OutputChunk) for item in seen)
     await shared.client.write_file("reattach-go", b"")
-    rest, status = await _collect(shared.client.attach_process(proc.process_id, from_seq=seen[-1].seq + 1))  # type: ignore[union-attr]
+    rest, status = await collect_output(shared.client.attach_process(proc.process_id, from_seq=seen[-1].seq + 1))  # type: ignore[union-attr]
     chunks = [c for c in seen if isinstance(c, OutputChunk)] + rest
 
     assert status is not None and status.exit_code == 0
@@ -365,7 +354,7 @@ async def test_sandbox_and_its_processes_survive_a_new_backend_instance(harness:
         assert await client.read_file_bytes("before-restart.txt") == b"kept"
         await client.write_file("restart-go", b"")
         status = await client.wait_process(proc.process_id, timeout_s=20)
-        chunks, _ = await _collect(client.attach_process(proc.process_id))
+        chunks, _ = await collect_output(client.attach_process(proc.process_id))
     assert status is not None and status.exit_code == 0
     assert b"".join(c.data for c in chunks) == b"before\nafter\n"
 

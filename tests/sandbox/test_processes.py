@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sandbox_support import Sandbox
+from sandbox_support import Sandbox, collect_output
 from waiting import wait_until
 
-from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
+from services.sandbox.daemon_client import DaemonClient, OutputChunk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,17 +30,6 @@ for i in range({FIRST_LINES}, {LAST_LINE}):
     out.write("%08d\\n" % i)
 out.flush()
 """
-
-
-async def _collect(stream: Any) -> tuple[list[OutputChunk], ExitStatus | None]:
-    chunks: list[OutputChunk] = []
-    status: ExitStatus | None = None
-    async for item in stream:
-        if isinstance(item, OutputChunk):
-            chunks.append(item)
-        else:
-            status = item
-    return chunks, status
 
 
 def _read_log(path: Path) -> list[tuple[int, int, bytes]]:
@@ -83,7 +71,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Sandbox) 
 
     second_client = DaemonClient(sandbox.handle.socket_path)
     await second_client.write_file("go", b"")
-    chunks, status = await _collect(second_client.attach_process(proc.process_id, from_seq=0))
+    chunks, status = await collect_output(second_client.attach_process(proc.process_id, from_seq=0))
 
     assert status is not None and status.exit_code == 0
     assert [c.seq for c in chunks] == list(range(len(chunks)))
@@ -91,7 +79,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Sandbox) 
     assert chunks[:3] == seen
 
     later = len(chunks) // 2
-    tail, _ = await _collect(second_client.attach_process(proc.process_id, from_seq=later))
+    tail, _ = await collect_output(second_client.attach_process(proc.process_id, from_seq=later))
     assert tail == chunks[later:]
 
     # The first megabyte left the ring, so it was replayed from the log.
@@ -149,7 +137,7 @@ async def test_exit_codes_are_kept_after_a_process_exits(sandbox: Sandbox) -> No
     status = await sandbox.client.wait_process(quick.process_id, timeout_s=10)
     still_running = await sandbox.client.wait_process(slow.process_id, timeout_s=0.1)
     listed = {p.process_id: p for p in await sandbox.client.list_processes()}
-    replay, final = await _collect(sandbox.client.attach_process(quick.process_id))
+    replay, final = await collect_output(sandbox.client.attach_process(quick.process_id))
 
     assert status is not None and status.exit_code == 3
     assert still_running is None

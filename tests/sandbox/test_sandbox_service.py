@@ -7,35 +7,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_support import internal_channel
+from sandbox_support import RestartableSandboxService as Service
 from waiting import wait_until
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
-from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.sandbox.server import start_sandbox_service
 
 ORG_A = (("x-berth-org", "org_a"),)
 ORG_B = (("x-berth-org", "org_b"),)
-
-
-class Service:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.handle: ServiceHandle | None = None
-        self.channel: grpc.aio.Channel | None = None
-
-    async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
-        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
-        self.channel = internal_channel(self.handle.address)
-        return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
-
-    async def stop(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-        if self.handle is not None:
-            await self.handle.stop(0.2)
 
 
 @pytest.fixture
