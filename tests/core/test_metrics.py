@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ import httpx
 import prometheus_client
 import pytest
 from grpc_support import internal_channel
+from hosts_support import free_port
 from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
@@ -102,12 +102,6 @@ async def test_the_gateway_serves_metrics_without_a_key(tmp_path: Path, environm
         await gateway.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _first_rpc(service: str, address: str) -> str:
     """One Berth RPC against the service; returns its full method name."""
     async with internal_channel(address) as channel:
@@ -129,7 +123,7 @@ async def _first_rpc(service: str, address: str) -> str:
 
 @pytest.mark.parametrize("service", ["session", "environment", "sandbox"])
 async def test_a_service_process_serves_its_request_metrics_on_the_metrics_port(service: str, tmp_path: Path) -> None:
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     env = {
         **os.environ,
         "BERTH_DATA_DIR": str(tmp_path / "berth"),

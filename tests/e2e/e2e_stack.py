@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from reaping import destroy_local_sandboxes as destroy_sandboxes
 
 from services.core.settings import Settings
 
@@ -104,18 +105,3 @@ async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Calla
         start_sandbox=start_sandbox,
     )
     return stack, stop
-
-
-async def destroy_sandboxes(data_dir: Path) -> None:
-    """Destroys the local sandboxes of a stack whose data directory is not
-    under a test's ``tmp_path`` (the autouse reaper covers those)."""
-    from services.sandbox.backends.local import LocalBackend
-
-    if not (data_dir / "sandboxes").is_dir():
-        return
-    backend = LocalBackend(data_dir, isolation="none")
-    for handle in await backend.adopt():
-        try:
-            await backend.destroy(handle)
-        except Exception:
-            pass

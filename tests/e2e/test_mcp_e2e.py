@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from e2e_support import (
     run_script,
     send_script,
 )
-from hosts_support import TestHost, make_test_host
+from hosts_support import TestHost
 from mcp_test_support import COUNT_SERVERS, SANDBOX_MOUNTS, http_mcp_server, require_host_python_mcp, stdio_transport
 from openai.types.beta.agent_mcp_call_item import AgentMcpCallItem
 from openai.types.beta.agent_session import AgentSession
@@ -33,13 +33,6 @@ from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
 from services.cli import main as berth_main
-
-
-@pytest.fixture
-def test_host() -> Iterator[TestHost]:
-    """Where HTTP MCP servers run: sandboxes never reach the Berth host itself."""
-    with make_test_host() as host:
-        yield host
 
 
 @pytest.fixture

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
-import sysconfig
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +21,16 @@ from typing import Any
 import grpc
 import pytest
 from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
-from hosts_support import TestHost, free_port_on, make_test_host
+from hosts_support import TestHost, free_port, free_port_on
+from mcp_test_support import (
+    HOST_PYTHON,
+    SANDBOX_MOUNTS,
+    SERVER_IN_SANDBOX,
+    SERVER_SCRIPT,
+    SITE_IN_SANDBOX,
+    SITE_PACKAGES,
+    require_host_python_mcp,
+)
 from waiting import wait_until
 
 from berth.common.v1 import common_pb2
@@ -41,12 +46,6 @@ from services.sandbox.servicer import SandboxServicer
 
 ORG_A = (("x-berth-org", "org_a"),)
 ORG_B = (("x-berth-org", "org_b"),)
-HOST_PYTHON = "/usr/bin/python3"
-SITE_PACKAGES = sysconfig.get_paths()["purelib"]
-SERVERS_DIR = Path(__file__).parent / "mcp_servers"
-SERVER_SCRIPT = SERVERS_DIR / "test_server.py"
-SITE_IN_SANDBOX = "/opt/berth-site"
-SERVER_IN_SANDBOX = "/opt/berth-mcp/test_server.py"
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "sandbox" / "migrations" / "versions"
 PROTOCOL_VERSION = "2025-06-18"
 
@@ -54,41 +53,17 @@ Stub = sandbox_service_pb2_grpc.SandboxServiceStub
 Json = dict[str, Any]
 
 
-def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def host_python_runs_mcp() -> None:
     """The server's interpreter must import the venv's ``mcp`` and its
     compiled dependencies."""
-    if not os.path.exists(HOST_PYTHON):
-        _skip_or_fail(f"{HOST_PYTHON} is not installed")
-    probe = subprocess.run(
-        [HOST_PYTHON, "-c", "import sys, pydantic_core, mcp.server; print('%d.%d' % sys.version_info[:2])"],
-        env={"PYTHONPATH": SITE_PACKAGES, "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-    )
-    expected = "%d.%d" % sys.version_info[:2]
-    if probe.returncode != 0 or probe.stdout.strip() != expected:
-        _skip_or_fail(f"{HOST_PYTHON} cannot import mcp from {SITE_PACKAGES} (needs Python {expected}): {probe.stderr[-500:]}")
+    require_host_python_mcp()
 
 
 @dataclass
 class Service:
     stub: Stub
     address: str
-
-
-@pytest.fixture
-def test_host() -> Iterator[TestHost]:
-    """The host the HTTP MCP test server runs on: not the Berth host, whose
-    addresses no sandbox reaches."""
-    with make_test_host() as host:
-        yield host
 
 
 @pytest.fixture
@@ -103,7 +78,7 @@ async def service(
     backend = LocalBackend(
         settings.data_dir.resolve(),
         "bwrap",
-        extra_ro_mounts={SITE_PACKAGES: SITE_IN_SANDBOX, SERVERS_DIR: os.path.dirname(SERVER_IN_SANDBOX)},
+        extra_ro_mounts=SANDBOX_MOUNTS,
         allow_cidrs=[test_host.cidr],
     )
     manager = SandboxManager(db, backend, backend_name="local", isolation="bwrap", idle_pause_s=0)
@@ -133,12 +108,6 @@ async def second_client(service: Service) -> AsyncIterator[Stub]:
         yield Stub(channel)
     finally:
         await channel.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(params=["sse", "json"])
@@ -459,7 +428,7 @@ async def test_closing_the_upstream_session_reinitializes_transparently_on_the_n
 async def test_an_unreachable_http_server_answers_with_a_jsonrpc_error(service: Service) -> None:
     stub = service.stub
     await create_sandbox(stub, "sbx_nohttp", network=True)
-    url = f"http://127.0.0.1:{_free_port()}/mcp"
+    url = f"http://127.0.0.1:{free_port()}/mcp"
     await start(stub, "sbx_nohttp", "gone", sandbox_pb2.McpTransport(http=sandbox_pb2.McpHttpTransport(server_url=url)))
     response = await send(stub, "sbx_nohttp", "gone", initialize(5))
     assert response is not None and response["id"] == 5
