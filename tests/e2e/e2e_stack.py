@@ -32,7 +32,7 @@ class Stack:
     base_url: str
     key: str
     database: object
-    new_key: Callable[..., object]
+    new_key: Callable[..., Awaitable[str]]
     stop_sandbox: Callable[[], Awaitable[None]] = field(default=_no_op)
     start_sandbox: Callable[[], Awaitable[None]] = field(default=_no_op)
 
@@ -53,7 +53,7 @@ class Stack:
         return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=30)
 
 
-async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Callable[[], object]]:
+async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Callable[[], Awaitable[None]]]:
     from gateway.app import start_gateway
     from gateway.keys import create_key
     from services.core.service import ServiceHandle

@@ -14,6 +14,7 @@ import httpx
 import openai
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.environment_info import EnvironmentInfo
+from openai.types.beta.setup_command_param import SetupCommandParam
 from openai.types.beta.agents.sessions.turn import Turn
 
 BETA = {"OpenAI-Beta": "agents=v1"}
@@ -24,7 +25,7 @@ def b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
-def setup_commands(*commands: str) -> list[dict[str, str]]:
+def setup_commands(*commands: str) -> list[SetupCommandParam]:
     return [{"command": c} for c in commands]
 
 

@@ -83,7 +83,7 @@ async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack: 
     assert info.status == "failed"
     assert info.error["code"] == "setup_command_failed"  # type: ignore[attr-defined]
     assert info.error["message"]  # type: ignore[attr-defined]
-    assert "exit 3" not in info.error["message"]  # setup command bodies stay confidential  # type: ignore[attr-defined]
+    assert "exit 3" not in info.error["message"]  # type: ignore[attr-defined]  # setup command bodies stay confidential
     assert info.id == env.id
 
     for session in (first, second):
@@ -91,7 +91,7 @@ async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack: 
         assert seen.status == "failed"
         assert seen.error
         assert seen.environment.type == "openai_hosted"
-        assert (seen.environment.id, seen.environment.status) == (env.id, "failed")  # type: ignore[union-attr]
+        assert (seen.environment.id, seen.environment.status) == (env.id, "failed")  # type: ignore[union-attr, attr-defined]
 
     async with stack.http() as http:
         write = await http.post(

@@ -78,11 +78,11 @@ async def test_a_streamed_turn_sends_its_events_in_lifecycle_order_and_the_sdk_p
     assert {getattr(e, "turn_id", None) for e in scoped} == {turn_id}
     assert {e.item.turn_id for e in events if hasattr(e, "item")} == {turn_id}  # type: ignore[attr-defined]
 
-    command = next(e.item for e in events if _shape(e) == ("agent.session.turn.item.done", "command_execution"))
-    assert (command.command, command.status, command.exit_code, command.output) == ("echo hi", "completed", 0, "hi\n")
+    command = next(e.item for e in events if _shape(e) == ("agent.session.turn.item.done", "command_execution"))  # type: ignore[union-attr]
+    assert (command.command, command.status, command.exit_code, command.output) == ("echo hi", "completed", 0, "hi\n")  # type: ignore[union-attr]
     answer = next(e for e in events if _shape(e) == ("agent.session.turn.item.done", "message:assistant"))
     assert [p.text for p in answer.item.content] == ["all done"]  # type: ignore[union-attr]
-    assert answer.item.phase == "final_answer" and answer.output_index > 0  # type: ignore[union-attr]
+    assert answer.item.phase == "final_answer" and answer.output_index > 0  # type: ignore[union-attr, operator]
     completed, idle = events[-2], events[-1]
     assert completed.turn.status == "completed" and completed.turn.id == turn_id  # type: ignore[union-attr]
     assert idle.session.status == "idle" and idle.session.id == session_id  # type: ignore[union-attr]

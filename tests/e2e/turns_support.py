@@ -20,10 +20,11 @@ import pydantic
 from e2e_stack import Stack
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agent_session_event import AgentSessionEvent
+from openai.types.beta.agents import session_create_params
 from openai.types.beta.agents.sessions.turn import Turn
 from waiting import wait_until
 
-SCRIPTED = {"model": "scripted"}
+SCRIPTED: session_create_params.Agent = {"model": "scripted"}
 HOSTED: Any = {"type": "openai_hosted"}
 NO_ENVIRONMENT: Any = {"type": "none"}
 CANCEL = {"type": "agent.session.input.cancel"}

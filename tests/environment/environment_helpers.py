@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.rpc import error_details_pb2
@@ -22,7 +22,7 @@ from services.environment.compute import Compute
 from services.environment.server import start_environment_service
 
 ORGS = ("org_a", "org_b")
-EnvStub = environment_service_pb2_grpc.EnvironmentServiceStub
+EnvStub: TypeAlias = environment_service_pb2_grpc.EnvironmentServiceStub
 
 
 def md(org: str = "org_a") -> tuple[tuple[str, str], ...]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import docker
 import docker.errors
 import pytest
-from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
+from conftest_docker import docker_engine, docker_test_image, host_address, remove_containers_of  # noqa: F401 (fixtures)
 from sandbox_support import host_listener
 from waiting import wait_until
 
@@ -90,9 +90,7 @@ async def sandboxes(docker_engine: docker.DockerClient, docker_test_image: str, 
             await backend.destroy(handle)
     # Whatever a failed test left behind.
     for data_dir in made.data_dirs:
-        label = f"berth.installation={installation_id(data_dir)}"
-        for container in docker_engine.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
+        remove_containers_of(docker_engine, data_dir)
     await unmount_under(made.root)
 
 

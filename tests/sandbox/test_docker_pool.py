@@ -18,7 +18,7 @@ from typing import Any
 import docker
 import docker.errors
 import pytest
-from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
+from conftest_docker import docker_engine, docker_test_image, remove_containers_of  # noqa: F401 (fixtures)
 from waiting import wait_until
 
 from services.core.settings import Settings
@@ -116,9 +116,7 @@ async def pools(docker_engine: docker.DockerClient, docker_test_image: str, tmp_
     for backend in pools.backends:
         await backend.close()
     # Whatever a failed test left behind.
-    label = f"berth.installation={pools.installation}"
-    for container in docker_engine.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
+    remove_containers_of(docker_engine, pools.data_dir)
     await unmount_under(pools.data_dir)
 
 

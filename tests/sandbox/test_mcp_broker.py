@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -24,9 +25,9 @@ from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
 from hosts_support import TestHost, free_port, free_port_on
 from mcp_test_support import (
     HOST_PYTHON,
-    SANDBOX_MOUNTS,
     SERVER_IN_SANDBOX,
     SERVER_SCRIPT,
+    SERVERS_DIR,
     SITE_IN_SANDBOX,
     SITE_PACKAGES,
     require_host_python_mcp,
@@ -49,7 +50,7 @@ ORG_B = (("x-berth-org", "org_b"),)
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "sandbox" / "migrations" / "versions"
 PROTOCOL_VERSION = "2025-06-18"
 
-Stub = sandbox_service_pb2_grpc.SandboxServiceStub
+Stub: TypeAlias = sandbox_service_pb2_grpc.SandboxServiceStub
 Json = dict[str, Any]
 
 
@@ -78,7 +79,7 @@ async def service(
     backend = LocalBackend(
         settings.data_dir.resolve(),
         "bwrap",
-        extra_ro_mounts=SANDBOX_MOUNTS,
+        extra_ro_mounts={SITE_PACKAGES: SITE_IN_SANDBOX, SERVERS_DIR: os.path.dirname(SERVER_IN_SANDBOX)},
         allow_cidrs=[test_host.cidr],
     )
     manager = SandboxManager(db, backend, backend_name="local", isolation="bwrap", idle_pause_s=0)

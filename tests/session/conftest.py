@@ -286,7 +286,7 @@ class Client:
 
     async def events(self, session_id: str, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
         """The persisted backlog (no follow)."""
-        out = []
+        out: list[tuple[int, dict[str, Any]]] = []
         call = self.stub.StreamSessionEvents(
             session_service_pb2.StreamSessionEventsRequest(session_id=session_id, after_sequence=after, follow=False),
             metadata=self.md,

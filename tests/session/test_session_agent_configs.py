@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from openai.types.beta.agent_session import AgentSession
+from openai.types.beta import agent_session
 from pydantic import TypeAdapter
 
 from services.core.errors import InvalidArgument
@@ -14,7 +14,7 @@ from services.session.agents import (
     resolve_session_agent,
 )
 
-SNAPSHOT = TypeAdapter(AgentSession.model_fields["agent"].annotation)
+SNAPSHOT = TypeAdapter(agent_session.Agent)
 
 
 def test_session_overrides_replace_saved_fields_and_merge_experimental_settings() -> None:

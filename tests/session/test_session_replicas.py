@@ -87,7 +87,7 @@ async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_swe
     session_id = created.session.id
     await a.wait_for(session_id, lambda e: e["type"] == "agent.session.requires_action")
 
-    migrations = Path(__import__("services.session.server", fromlist=["x"]).__file__).parent / "migrations" / "versions"
+    migrations = Path(str(__import__("services.session.server", fromlist=["x"]).__file__)).parent / "migrations" / "versions"
     url = Settings(session_database_url=database_url).database_url("session")
     db = await open_database(url, "session", migrations)
     store = Store(db)
