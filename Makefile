@@ -26,11 +26,20 @@ protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 	$(BIN)/buf lint
 
+# Each test package has a conftest.py of its own, so mypy checks the suite's
+# root modules and each package in a run of its own (tests/mypy.ini).
+TEST_PACKAGES := core e2e environment gateway sandbox session
+
 lint: $(STAMP)
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against ".git#ref=HEAD~1"
 	$(BIN)/lint-imports
 	$(BIN)/mypy services gateway
+	MYPYPATH=tests $(BIN)/mypy --config-file tests/mypy.ini tests/*.py
+	for package in $(TEST_PACKAGES); do \
+	  MYPYPATH=tests:tests/$$package:tests/sandbox $(BIN)/mypy --config-file tests/mypy.ini \
+	    $$(find tests/$$package -name '*.py' -not -path '*/mcp_servers/*') || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

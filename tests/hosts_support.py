@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["TestHost", "make_test_host", "http_server_on", "free_port_on"]
+__all__ = ["TestHost", "make_test_host", "http_server_on", "free_port", "free_port_on"]
 
 
 @dataclass
@@ -81,6 +81,13 @@ def make_test_host() -> Iterator[TestHost]:
             process.wait()
         subprocess.run(["ip", "link", "del", outer], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def free_port() -> int:
+    """A TCP port on the Berth host's 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def free_port_on(host: TestHost) -> int:

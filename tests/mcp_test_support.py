@@ -17,13 +17,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hosts_support import TestHost, free_port_on
+from hosts_support import TestHost, free_port, free_port_on
+from waiting import wait_until
 
 HOST_PYTHON = "/usr/bin/python3"
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
@@ -71,12 +71,6 @@ def stdio_transport(env_vars: tuple[str, ...] = (), **env: str) -> dict[str, Any
     }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def http_mcp_server(host: TestHost | None = None) -> AsyncIterator[str]:
     """The test server over streamable HTTP on 127.0.0.1 or, given ``host``,
@@ -93,16 +87,18 @@ async def http_mcp_server(host: TestHost | None = None) -> AsyncIterator[str]:
     server = subprocess.Popen(
         [sys.executable, str(SERVER_SCRIPT), "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
+
+    def listening() -> bool:
+        if server.poll() is not None:
+            pytest.fail("the HTTP MCP test server exited")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("the HTTP MCP test server did not start")
-                await asyncio.sleep(0.02)
+        await wait_until(listening, 15, what="the HTTP MCP test server to listen")
         yield f"http://127.0.0.1:{port}/mcp"
     finally:
         server.kill()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -41,10 +43,10 @@ def test_domain_errors_carry_grpc_code_and_error_info_reason(cls: type[errors.Be
     assert info.metadata["param"] == "x"
 
 
-def test_database_urls_select_async_drivers(tmp_path: object) -> None:
+def test_database_urls_select_async_drivers(tmp_path: Path) -> None:
     assert normalize_database_url("postgresql://u@h/db").startswith("postgresql+asyncpg://")
     assert normalize_database_url("postgres://u@h/db").startswith("postgresql+asyncpg://")
     assert normalize_database_url("sqlite:///x.db") == "sqlite+berth:///x.db"
-    s = Settings(data_dir=tmp_path)  # type: ignore[arg-type]
+    s = Settings(data_dir=tmp_path)
     assert s.database_url("session").endswith("session.db")
     assert s.database_url("session") != s.database_url("environment")

@@ -9,10 +9,8 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +19,8 @@ import httpx
 import prometheus_client
 import pytest
 from grpc_support import internal_channel
+from hosts_support import free_port
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
@@ -45,14 +45,6 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(2))
     return None
-
-
-async def _eventually(check: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -88,7 +80,7 @@ async def test_rpcs_are_counted_by_method_and_code_and_pending_environments_are_
     assert (_sample(text, "berth_rpc_latency_seconds_count", method=GET, code="NOT_FOUND") or 0) >= 1
     assert _sample(text, "berth_rpc_latency_seconds_bucket", method=CREATE, code="OK", le="+Inf") is not None
     # The gauge is refreshed from the database shortly after a transition.
-    await _eventually(lambda: (_sample(exposition(), "berth_environments", status="pending") or 0) >= 1)
+    await wait_until(lambda: (_sample(exposition(), "berth_environments", status="pending") or 0) >= 1)
 
 
 async def test_the_gateway_serves_metrics_without_a_key(tmp_path: Path, environment_service: ServiceHandle) -> None:
@@ -108,12 +100,6 @@ async def test_the_gateway_serves_metrics_without_a_key(tmp_path: Path, environm
         assert (_sample(response.text, "berth_http_requests_total", method="GET", status="401") or 0) >= 1
     finally:
         await gateway.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _first_rpc(service: str, address: str) -> str:
@@ -137,7 +123,7 @@ async def _first_rpc(service: str, address: str) -> str:
 
 @pytest.mark.parametrize("service", ["session", "environment", "sandbox"])
 async def test_a_service_process_serves_its_request_metrics_on_the_metrics_port(service: str, tmp_path: Path) -> None:
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     env = {
         **os.environ,
         "BERTH_DATA_DIR": str(tmp_path / "berth"),

@@ -18,4 +18,4 @@ async def stack(tmp_path: Path, bwrap_available: None) -> AsyncIterator[Stack]:
     try:
         yield s
     finally:
-        await stop()  # type: ignore[misc]
+        await stop()

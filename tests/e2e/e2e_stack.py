@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import openai
+from reaping import destroy_local_sandboxes as destroy_sandboxes
 
 from services.core.settings import Settings
 
@@ -31,7 +32,7 @@ class Stack:
     base_url: str
     key: str
     database: object
-    new_key: Callable[..., object]
+    new_key: Callable[..., Awaitable[str]]
     stop_sandbox: Callable[[], Awaitable[None]] = field(default=_no_op)
     start_sandbox: Callable[[], Awaitable[None]] = field(default=_no_op)
 
@@ -52,7 +53,7 @@ class Stack:
         return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=30)
 
 
-async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Callable[[], object]]:
+async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Callable[[], Awaitable[None]]]:
     from gateway.app import start_gateway
     from gateway.keys import create_key
     from services.core.service import ServiceHandle
@@ -104,18 +105,3 @@ async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Calla
         start_sandbox=start_sandbox,
     )
     return stack, stop
-
-
-async def destroy_sandboxes(data_dir: Path) -> None:
-    """Destroys the local sandboxes of a stack whose data directory is not
-    under a test's ``tmp_path`` (the autouse reaper covers those)."""
-    from services.sandbox.backends.local import LocalBackend
-
-    if not (data_dir / "sandboxes").is_dir():
-        return
-    backend = LocalBackend(data_dir, isolation="none")
-    for handle in await backend.adopt():
-        try:
-            await backend.destroy(handle)
-        except Exception:
-            pass

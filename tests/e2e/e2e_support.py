@@ -6,28 +6,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.environment_info import EnvironmentInfo
+from openai.types.beta.setup_command_param import SetupCommandParam
 from openai.types.beta.agents.sessions.turn import Turn
 
 BETA = {"OpenAI-Beta": "agents=v1"}
 TERMINAL_TURN_EVENTS = ("agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled")
-
-T = TypeVar("T")
 
 
 def b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
-def setup_commands(*commands: str) -> list[dict[str, str]]:
+def setup_commands(*commands: str) -> list[SetupCommandParam]:
     return [{"command": c} for c in commands]
 
 
@@ -68,20 +66,6 @@ def environment_of(session: AgentSession) -> str:
     env = session.environment
     assert env.type == "openai_hosted", env
     return env.id
-
-
-async def eventually(check: Callable[[], Awaitable[T | None]], *, timeout: float = 15.0, what: str = "condition") -> T:
-    """Polls ``check`` until it returns something truthy, within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.1)
 
 
 async def send_script(client: openai.AsyncOpenAI, session_id: str, script: str) -> set[str]:

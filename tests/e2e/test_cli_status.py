@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from e2e_stack import Stack
 
 from services import cli
 
@@ -18,7 +19,7 @@ def _status_env(monkeypatch: pytest.MonkeyPatch, stack: object, gateway_port: in
     monkeypatch.setenv("BERTH_SANDBOX_ADDR", settings.sandbox_addr)
 
 
-async def test_status_reports_every_service_serving(stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_status_reports_every_service_serving(stack: Stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     port = int(stack.base_url.rsplit(":", 1)[1].split("/", 1)[0])
     _status_env(monkeypatch, stack, port)
     code = await asyncio.to_thread(cli.main, ["status"])
@@ -29,7 +30,7 @@ async def test_status_reports_every_service_serving(stack, monkeypatch: pytest.M
     assert code == 0
 
 
-async def test_status_fails_when_a_service_is_down(stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_status_fails_when_a_service_is_down(stack: Stack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     port = int(stack.base_url.rsplit(":", 1)[1].split("/", 1)[0])
     _status_env(monkeypatch, stack, port)
     await stack.stop_sandbox()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import openai
 
+from e2e_stack import Stack
 from e2e_support import (
     api_error,
     assert_error,
@@ -15,14 +16,14 @@ from e2e_support import (
     b64,
     create_environment,
     environment_of,
-    eventually,
     run_script,
     sandbox_dirs,
     workspace_file,
 )
+from waiting import wait_until
 
 
-async def test_stored_file_becomes_an_initial_environment_file(stack) -> None:
+async def test_stored_file_becomes_an_initial_environment_file(stack: Stack) -> None:
     client = stack.aclient()
     stored = await client.files.create(file=("data.csv", b"a,b\n1,2\n", "text/csv"), purpose="user_data")
     assert (stored.object, stored.bytes, stored.filename, stored.purpose) == ("file", 8, "data.csv", "user_data")
@@ -44,7 +45,7 @@ async def test_stored_file_becomes_an_initial_environment_file(stack) -> None:
     assert [f.path async for f in client.beta.agents.environments.files.list(env.id)] == ["/workspace/in/data.csv"]
 
 
-async def test_files_are_written_inline_and_by_file_id(stack) -> None:
+async def test_files_are_written_inline_and_by_file_id(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     stored = await client.files.create(file=("notes.md", b"# notes\n"), purpose="user_data")
@@ -75,7 +76,7 @@ async def test_files_are_written_inline_and_by_file_id(stack) -> None:
     assert (unknown.status_code, unknown.code, unknown.param) == (400, "validation_error", "file_id")
 
 
-async def test_sdk_upload_helper_stages_a_local_file(stack, tmp_path: Path) -> None:
+async def test_sdk_upload_helper_stages_a_local_file(stack: Stack, tmp_path: Path) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     local = tmp_path / "report.txt"
@@ -90,7 +91,7 @@ async def test_sdk_upload_helper_stages_a_local_file(stack, tmp_path: Path) -> N
     await client.files.delete(staged.uploaded_file_id)
 
 
-async def test_sdk_prepare_helpers_feed_new_environments_and_sessions(stack, tmp_path: Path) -> None:
+async def test_sdk_prepare_helpers_feed_new_environments_and_sessions(stack: Stack, tmp_path: Path) -> None:
     client = stack.aclient()
     single = tmp_path / "single.json"
     single.write_text('{"a": 1}')
@@ -124,7 +125,7 @@ async def test_sdk_prepare_helpers_feed_new_environments_and_sessions(stack, tmp
         await client.files.delete(file_id)
 
 
-async def test_file_listing_pages_through_every_file_by_path(stack) -> None:
+async def test_file_listing_pages_through_every_file_by_path(stack: Stack) -> None:
     client = stack.aclient()
     names = ["a.txt", "b.txt", "c.txt", "d/e.txt", "d/f.txt", "d/g/h.txt", "z.txt"]
     env = await create_environment(
@@ -152,7 +153,7 @@ async def test_file_listing_pages_through_every_file_by_path(stack) -> None:
         assert_error(mismatch, 400, "validation_error", param="page")
 
 
-async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environment(stack) -> None:
+async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environment(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     session = await attach_session(client, env.id)
@@ -193,7 +194,7 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
             assert exc.code == "sandbox_unavailable"
             return None
 
-    assert await eventually(listed, timeout=20, what="the sandbox service to answer again") == ["/workspace/keep.txt"]
+    assert await wait_until(listed, timeout=20, what="the sandbox service to answer again") == ["/workspace/keep.txt"]
     assert sandbox_dirs(stack.data_dir)[env.id] == sandbox
     await client.beta.agents.environments.files.create(env.id, type="inline", data=b64("after"), path="/workspace/after.txt")
     assert workspace_file(stack.data_dir, env.id, "/workspace/keep.txt").read_text() == "before"
@@ -203,7 +204,7 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
     assert workspace_file(stack.data_dir, env.id, "/workspace/during.txt").read_text() == "before"
 
 
-async def test_unreachable_sandbox_service_before_setup_leaves_the_environment_pending(stack) -> None:
+async def test_unreachable_sandbox_service_before_setup_leaves_the_environment_pending(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client, setup_commands=[{"command": "echo once >> /workspace/setup.log"}])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from e2e_stack import Stack
 from e2e_support import (
     api_error,
     assert_error,
@@ -14,7 +15,6 @@ from e2e_support import (
     create_environment,
     delete_environment,
     environment_of,
-    eventually,
     inline_session,
     run_script,
     sandbox_dirs,
@@ -22,9 +22,10 @@ from e2e_support import (
     setup_commands,
     workspace_file,
 )
+from waiting import wait_until
 
 
-async def test_http_example_shares_one_environment_between_two_sessions_until_it_is_deleted(stack) -> None:
+async def test_http_example_shares_one_environment_between_two_sessions_until_it_is_deleted(stack: Stack) -> None:
     client = stack.aclient()
     async with stack.http() as http:
         created = await http.post("/agents/environments", json={"environment": {"type": "openai_hosted"}})
@@ -75,7 +76,7 @@ async def test_http_example_shares_one_environment_between_two_sessions_until_it
     assert (missing.status_code, missing.code) == (404, "not_found")
 
 
-async def test_openai_hosted_with_an_environment_id_attaches_like_a_reference(stack) -> None:
+async def test_openai_hosted_with_an_environment_id_attaches_like_a_reference(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
 
@@ -87,7 +88,7 @@ async def test_openai_hosted_with_an_environment_id_attaches_like_a_reference(st
     assert (retrieved.lifetime, retrieved.session_count) == ("shared", 2)  # type: ignore[attr-defined]
 
 
-async def test_a_reference_makes_an_inline_environment_shared_for_good(stack) -> None:
+async def test_a_reference_makes_an_inline_environment_shared_for_good(stack: Stack) -> None:
     client = stack.aclient()
     owner = await inline_session(client)
     environment_id = environment_of(owner)
@@ -103,7 +104,7 @@ async def test_a_reference_makes_an_inline_environment_shared_for_good(stack) ->
     assert (still_shared.lifetime, still_shared.session_count) == ("shared", 1)  # type: ignore[attr-defined]
 
 
-async def test_a_session_cannot_switch_environments(stack) -> None:
+async def test_a_session_cannot_switch_environments(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     other = await create_environment(client)
@@ -120,7 +121,7 @@ async def test_a_session_cannot_switch_environments(stack) -> None:
     assert (await client.beta.agents.environments.retrieve(other.id)).session_count == 0  # type: ignore[attr-defined]
 
 
-async def test_creating_environments_sessions_and_agents_allocates_no_sandbox(stack) -> None:
+async def test_creating_environments_sessions_and_agents_allocates_no_sandbox(stack: Stack) -> None:
     client = stack.aclient()
     standalone = await create_environment(client, files=[{"type": "inline", "path": "/workspace/in.txt", "data": b64("x")}])
     inline = await inline_session(client)
@@ -152,7 +153,7 @@ async def test_creating_environments_sessions_and_agents_allocates_no_sandbox(st
     assert (await client.beta.agents.environments.retrieve(environment_of(from_agent))).status == "pending"
 
 
-async def test_environment_with_an_attached_session_is_in_use(stack) -> None:
+async def test_environment_with_an_attached_session_is_in_use(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     session = await attach_session(client, env.id)
@@ -167,7 +168,7 @@ async def test_environment_with_an_attached_session_is_in_use(stack) -> None:
     assert (await delete_environment(client, env.id))["deleted"] is True
 
 
-async def test_environment_cannot_be_deleted_or_referenced_while_its_setup_runs(stack) -> None:
+async def test_environment_cannot_be_deleted_or_referenced_while_its_setup_runs(stack: Stack) -> None:
     client = stack.aclient()
     # Setup announces itself, then holds until the test releases it.
     env = await create_environment(
@@ -189,7 +190,7 @@ async def test_environment_cannot_be_deleted_or_referenced_while_its_setup_runs(
                 stack.data_dir, env.id, "/workspace/setup-started"
             ).exists()
 
-        await eventually(setup_started, what="setup to start")
+        await wait_until(setup_started, timeout=15, what="setup to start")
         # Initializing is still "pending" on the wire (the SDK has no such state).
         assert (await client.beta.agents.environments.retrieve(env.id)).status == "pending"
 
@@ -214,7 +215,7 @@ async def test_environment_cannot_be_deleted_or_referenced_while_its_setup_runs(
     assert env.id not in sandbox_dirs(stack.data_dir)
 
 
-async def test_private_inline_environment_is_deleted_with_its_session(stack) -> None:
+async def test_private_inline_environment_is_deleted_with_its_session(stack: Stack) -> None:
     client = stack.aclient()
     session = await inline_session(client)
     environment_id = environment_of(session)
@@ -233,7 +234,7 @@ async def test_private_inline_environment_is_deleted_with_its_session(stack) -> 
     assert environment_id not in sandbox_dirs(stack.data_dir)
 
 
-async def test_never_initialized_private_environment_is_deleted_with_its_session(stack) -> None:
+async def test_never_initialized_private_environment_is_deleted_with_its_session(stack: Stack) -> None:
     client = stack.aclient()
     session = await inline_session(client)
     environment_id = environment_of(session)
@@ -245,7 +246,7 @@ async def test_never_initialized_private_environment_is_deleted_with_its_session
     assert not sandbox_dirs(stack.data_dir)
 
 
-async def test_shared_environment_keeps_its_files_after_its_last_session_is_deleted(stack) -> None:
+async def test_shared_environment_keeps_its_files_after_its_last_session_is_deleted(stack: Stack) -> None:
     client = stack.aclient()
     owner = await inline_session(client)
     environment_id = environment_of(owner)
@@ -267,7 +268,7 @@ async def test_shared_environment_keeps_its_files_after_its_last_session_is_dele
     assert not sandbox.exists()
 
 
-async def test_deleted_environment_is_not_found_on_every_route(stack) -> None:
+async def test_deleted_environment_is_not_found_on_every_route(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     await client.beta.agents.environments.files.list(env.id)  # initialized, so a sandbox is destroyed too
@@ -295,7 +296,7 @@ async def test_deleted_environment_is_not_found_on_every_route(stack) -> None:
     assert not sandbox_dirs(stack.data_dir)
 
 
-async def test_deleting_a_saved_agent_keeps_its_sessions_and_environments(stack) -> None:
+async def test_deleting_a_saved_agent_keeps_its_sessions_and_environments(stack: Stack) -> None:
     client = stack.aclient()
     agent = await client.beta.agents.create(model="scripted")
     session = await client.beta.agents.sessions.create(agent_id=agent.id, environment={"type": "openai_hosted"})

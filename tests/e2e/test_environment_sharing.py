@@ -8,6 +8,7 @@ import asyncio
 
 import httpx
 import pytest
+from e2e_stack import Stack
 from e2e_support import (
     api_error,
     assert_error,
@@ -16,7 +17,6 @@ from e2e_support import (
     create_environment,
     delete_environment,
     environment_of,
-    eventually,
     inline_session,
     next_turn_end,
     run_script,
@@ -25,11 +25,12 @@ from e2e_support import (
     setup_commands,
     workspace_file,
 )
+from waiting import wait_until
 
 SESSIONS = 50
 
 
-async def test_fifty_sessions_initialize_their_environment_once(stack) -> None:
+async def test_fifty_sessions_initialize_their_environment_once(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client, setup_commands=setup_commands("echo setup >> /workspace/setup.log"))
     sessions = [await attach_session(client, env.id) for _ in range(SESSIONS)]
@@ -67,7 +68,7 @@ async def test_fifty_sessions_initialize_their_environment_once(stack) -> None:
     assert workspace_file(stack.data_dir, env.id, "/workspace/setup.log").read_text() == "setup\n"
 
 
-async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack) -> None:
+async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(
         client, setup_commands=setup_commands("echo attempt >> /workspace/setup.log", "exit 3", "echo never > /workspace/never")
@@ -82,7 +83,7 @@ async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack) 
     assert info.status == "failed"
     assert info.error["code"] == "setup_command_failed"  # type: ignore[attr-defined]
     assert info.error["message"]  # type: ignore[attr-defined]
-    assert "exit 3" not in info.error["message"]  # setup command bodies stay confidential  # type: ignore[attr-defined]
+    assert "exit 3" not in info.error["message"]  # type: ignore[attr-defined]  # setup command bodies stay confidential
     assert info.id == env.id
 
     for session in (first, second):
@@ -90,7 +91,7 @@ async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack) 
         assert seen.status == "failed"
         assert seen.error
         assert seen.environment.type == "openai_hosted"
-        assert (seen.environment.id, seen.environment.status) == (env.id, "failed")  # type: ignore[union-attr]
+        assert (seen.environment.id, seen.environment.status) == (env.id, "failed")  # type: ignore[union-attr, attr-defined]
 
     async with stack.http() as http:
         write = await http.post(
@@ -118,7 +119,7 @@ async def test_failed_setup_is_reported_on_every_session_and_never_rerun(stack) 
     assert not sandbox.exists()
 
 
-async def test_session_attached_after_setup_failed_is_created_reporting_the_failure(stack) -> None:
+async def test_session_attached_after_setup_failed_is_created_reporting_the_failure(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client, setup_commands=setup_commands("exit 1"))
     await api_error(client.beta.agents.environments.files.list(env.id))
@@ -129,7 +130,7 @@ async def test_session_attached_after_setup_failed_is_created_reporting_the_fail
     assert (late.status, bool(late.error)) == ("failed", True)
 
 
-async def test_cancelling_the_turn_that_started_setup_leaves_setup_running_for_peers(stack) -> None:
+async def test_cancelling_the_turn_that_started_setup_leaves_setup_running_for_peers(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(
         client,
@@ -149,7 +150,7 @@ async def test_cancelling_the_turn_that_started_setup_leaves_setup_running_for_p
             stack.data_dir, env.id, "/workspace/setup.log"
         ).exists()
 
-    await eventually(setup_running, what="the starter's tool call to start setup")
+    await wait_until(setup_running, timeout=15, what="the starter's tool call to start setup")
     await client.beta.agents.sessions.events.create(starter.id, events=[{"type": "agent.session.input.cancel"}])
     cancelled = await next_turn_end(client, starter.id, known)
     assert cancelled.status == "cancelled"
@@ -172,7 +173,7 @@ async def test_cancelling_the_turn_that_started_setup_leaves_setup_running_for_p
     assert (await client.beta.agents.sessions.retrieve(peer.id)).status == "idle"
 
 
-async def test_each_session_writes_to_its_own_output_directory(stack) -> None:
+async def test_each_session_writes_to_its_own_output_directory(stack: Stack) -> None:
     client = stack.aclient()
     owner = await inline_session(client)
     environment_id = environment_of(owner)
@@ -202,7 +203,7 @@ async def test_each_session_writes_to_its_own_output_directory(stack) -> None:
     ]
 
 
-async def test_sessions_on_a_standalone_environment_all_use_session_subdirectories(stack) -> None:
+async def test_sessions_on_a_standalone_environment_all_use_session_subdirectories(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client)
     first = await attach_session(client, env.id)
@@ -215,7 +216,7 @@ async def test_sessions_on_a_standalone_environment_all_use_session_subdirectori
         assert written == f"/workspace/outputs/sessions/{session.id}"
 
 
-async def test_each_session_publishes_only_its_own_outputs_as_artifacts(stack) -> None:
+async def test_each_session_publishes_only_its_own_outputs_as_artifacts(stack: Stack) -> None:
     client = stack.aclient()
     owner = await inline_session(client)
     environment_id = environment_of(owner)
@@ -243,7 +244,7 @@ async def test_each_session_publishes_only_its_own_outputs_as_artifacts(stack) -
     assert (foreign.status_code, foreign.code) == (404, "not_found")
 
 
-async def test_artifact_path_is_the_absolute_path_in_the_environment(stack) -> None:
+async def test_artifact_path_is_the_absolute_path_in_the_environment(stack: Stack) -> None:
     client = stack.aclient()
     owner = await inline_session(client)
     helper = await attach_session(client, environment_of(owner))
@@ -256,7 +257,7 @@ async def test_artifact_path_is_the_absolute_path_in_the_environment(stack) -> N
     assert helper_paths == [f"/workspace/outputs/sessions/{helper.id}/report.txt"]
 
 
-async def test_attached_sessions_share_files_but_not_history(stack) -> None:
+async def test_attached_sessions_share_files_but_not_history(stack: Stack) -> None:
     client = stack.aclient()
     env = await create_environment(client, files=[{"type": "inline", "path": "/workspace/shared.txt", "data": b64("v1")}])
     first = await attach_session(client, env.id)
@@ -278,7 +279,7 @@ async def test_attached_sessions_share_files_but_not_history(stack) -> None:
     assert all(i.turn_id == second_turns[0] for i in second_items)
 
 
-async def test_inline_environments_stay_separate_for_sessions_of_the_same_agent(stack) -> None:
+async def test_inline_environments_stay_separate_for_sessions_of_the_same_agent(stack: Stack) -> None:
     client = stack.aclient()
     agent = await client.beta.agents.create(model="scripted")
     first = await client.beta.agents.sessions.create(agent_id=agent.id, environment={"type": "openai_hosted"})

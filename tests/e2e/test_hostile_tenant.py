@@ -22,7 +22,7 @@ import grpc
 import openai
 import pytest
 from e2e_stack import Stack
-from e2e_support import environment_of, eventually, inline_session
+from e2e_support import environment_of, inline_session
 from grpc_support import internal_channel
 from hostile_support import (
     DISK_PROBE,
@@ -41,6 +41,7 @@ from hostile_support import (
     run_probe,
     sandbox_of,
 )
+from waiting import wait_until
 
 from berth.environment.v1 import environment_service_pb2 as env_pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2 as sbx_pb, sandbox_service_pb2_grpc
@@ -110,7 +111,7 @@ async def _settled(listener: CountingListener, expected: int) -> int:
     async def counted() -> bool:
         return len(listener.accepted) >= expected
 
-    await eventually(counted, timeout=5, what="the listener to accept")
+    await wait_until(counted, timeout=5, what="the listener to accept")
     return len(listener.accepted)
 
 

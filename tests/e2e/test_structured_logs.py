@@ -9,6 +9,7 @@ import io
 import json
 from typing import Any
 
+from e2e_stack import Stack
 from e2e_support import environment_of, inline_session, run_script
 
 from services.core.logging import capture_json_logs
@@ -26,7 +27,7 @@ def _lines(stream: io.StringIO) -> list[dict[str, Any]]:
     return out
 
 
-async def test_log_lines_of_a_turn_carry_the_org_session_environment_and_turn_ids(stack: Any) -> None:
+async def test_log_lines_of_a_turn_carry_the_org_session_environment_and_turn_ids(stack: Stack) -> None:
     client = stack.aclient()
     stream = io.StringIO()
     with capture_json_logs(stream):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from e2e_stack import Stack
 from e2e_support import api_error, assert_error, environment_of, inline_session, run_script
 from openai.lib.beta.agents import AgentTurnResult
 from turns_support import HOSTED, SCRIPTED, strict_client
@@ -22,7 +23,7 @@ async def _run(client: openai.AsyncOpenAI, session_id: str, script: str) -> Agen
     return AgentTurnResult(turn=turn, messages=[])
 
 
-async def test_a_command_writing_to_the_output_directory_publishes_an_artifact_of_its_bytes(stack, tmp_path: Path) -> None:
+async def test_a_command_writing_to_the_output_directory_publishes_an_artifact_of_its_bytes(stack: Stack, tmp_path: Path) -> None:
     client = strict_client(stack)
     async with asyncio.timeout(60):
         stream = await client.beta.agents.sessions.create(
@@ -47,7 +48,7 @@ async def test_a_command_writing_to_the_output_directory_publishes_an_artifact_o
     assert (tmp_path / "a.txt").read_bytes() == b"hi\n"
 
 
-async def test_published_artifacts_keep_their_bytes_when_the_output_file_changes_or_goes(stack) -> None:
+async def test_published_artifacts_keep_their_bytes_when_the_output_file_changes_or_goes(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     first = await _run(client, session.id, "$ echo v1 > $REBYTE_OUTPUT_DIR/report.txt")
@@ -66,7 +67,7 @@ async def test_published_artifacts_keep_their_bytes_when_the_output_file_changes
             await client.beta.agents.sessions.artifacts.for_result(later).content(path)
 
 
-async def test_another_sessions_artifact_is_not_found_through_this_session_or_another_org(stack) -> None:
+async def test_another_sessions_artifact_is_not_found_through_this_session_or_another_org(stack: Stack) -> None:
     client = strict_client(stack)
     mine = await inline_session(client)
     theirs = await inline_session(client)
@@ -89,7 +90,7 @@ async def test_another_sessions_artifact_is_not_found_through_this_session_or_an
         assert_error(response, 404, "not_found")
 
 
-async def test_artifacts_live_as_long_as_their_session_and_go_with_it(stack) -> None:
+async def test_artifacts_live_as_long_as_their_session_and_go_with_it(stack: Stack) -> None:
     client = strict_client(stack)
     doomed = await inline_session(client)
     kept = await inline_session(client)

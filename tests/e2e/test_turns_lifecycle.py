@@ -9,12 +9,12 @@ import asyncio
 import time
 from pathlib import Path
 
+from e2e_stack import Stack
 from e2e_support import (
     api_error,
     assert_error,
     attach_session,
     create_environment,
-    eventually,
     inline_session,
     run_script,
     sandbox_dirs,
@@ -29,7 +29,6 @@ from turns_support import (
     message,
     new_turn,
     open_events,
-    polled,
     session_processes,
     session_status,
     strict_client,
@@ -37,6 +36,7 @@ from turns_support import (
     turn_ids,
     turn_status,
 )
+from waiting import wait_until
 
 TERMINAL = ("completed", "failed", "cancelled")
 TICKER = "$ nohup sh -c 'while true; do date +%s%N > /workspace/tick; sleep 0.2; done' >/dev/null 2>&1 &"
@@ -51,7 +51,7 @@ def _sleeping(session_id: str) -> list[int]:
     return [pid for pid, argv in session_processes(session_id) if argv == ["sleep", "60"]]
 
 
-async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and_kills_only_that_command(stack) -> None:
+async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and_kills_only_that_command(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     ticker = await run_script(client, session.id, TICKER)
@@ -61,7 +61,7 @@ async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and
     known = await turn_ids(client, session.id)
     await submit(client, session.id, message("$ echo started; sleep 60\nnever said"))
     turn_id = await new_turn(client, session.id, known)
-    await eventually(polled(lambda: _sleeping(session.id)), what="sleep 60 to start")
+    await wait_until(lambda: _sleeping(session.id), timeout=15, what="sleep 60 to start")
 
     cancelled_at = time.monotonic()
     await submit(client, session.id, CANCEL)
@@ -71,11 +71,11 @@ async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and
     assert (await client.beta.agents.sessions.retrieve(session.id)).status == "idle"
 
     # No sleep 60 survives the cancel; the ticker from an earlier turn does.
-    await eventually(polled(lambda: not _sleeping(session.id)), timeout=5, what="sleep 60 to be gone")
+    await wait_until(lambda: not _sleeping(session.id), timeout=5, what="sleep 60 to be gone")
     ticking = [argv for _, argv in session_processes(session.id) if argv[:2] == ["sh", "-c"] and "tick" in argv[-1]]
     assert len(ticking) == 1, session_processes(session.id)
     seen = tick.read_text()
-    await eventually(polled(lambda: tick.read_text() != seen), timeout=5, what="the ticker to tick again")
+    await wait_until(lambda: tick.read_text() != seen, timeout=5, what="the ticker to tick again")
 
     items = [i async for i in client.beta.agents.sessions.turns.items.list(turn_id, session_id=session.id)]
     (command,) = [i for i in items if i.type == "command_execution"]
@@ -87,7 +87,7 @@ async def test_cancel_during_a_long_command_ends_the_turn_within_two_seconds_and
     assert after.status == "completed"
 
 
-async def test_a_cancelled_turn_streams_its_end_and_publishes_nothing(stack) -> None:
+async def test_a_cancelled_turn_streams_its_end_and_publishes_nothing(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     async with stack.http() as http, asyncio.timeout(30):
@@ -107,7 +107,7 @@ async def test_a_cancelled_turn_streams_its_end_and_publishes_nothing(stack) -> 
     assert [a async for a in client.beta.agents.sessions.artifacts.list(session.id)] == []
 
 
-async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) -> None:
+async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     await submit(client, session.id, message(_gate("go") + "\nfirst"))
@@ -125,7 +125,7 @@ async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) ->
     async def sandbox_exists() -> Path | None:
         return sandbox_dirs(stack.data_dir).get(session.environment.id)  # type: ignore[union-attr]
 
-    await eventually(sandbox_exists, what="the session's sandbox")
+    await wait_until(sandbox_exists, timeout=15, what="the session's sandbox")
     workspace_file(stack.data_dir, session.environment.id, "/workspace/go").touch()  # type: ignore[union-attr]
     turns = [await turn_status(client, session.id, t, TERMINAL) for t in (first, second, third)]
     assert [t.status for t in turns] == ["completed"] * 3
@@ -160,7 +160,7 @@ async def test_messages_sent_during_a_turn_queue_and_run_next_in_order(stack) ->
     assert answers == ["first", "second", "third"]
 
 
-async def test_a_cancel_after_a_turn_completed_leaves_it_completed(stack) -> None:
+async def test_a_cancel_after_a_turn_completed_leaves_it_completed(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     done = await run_script(client, session.id, "$ echo done\nfinished")
@@ -179,7 +179,7 @@ async def test_a_cancel_after_a_turn_completed_leaves_it_completed(stack) -> Non
     assert (await client.beta.agents.sessions.turns.retrieve(later, session_id=session.id)).status == "completed"
 
 
-async def test_a_cancel_after_a_turn_failed_leaves_it_failed(stack) -> None:
+async def test_a_cancel_after_a_turn_failed_leaves_it_failed(stack: Stack) -> None:
     client = strict_client(stack)
     session = await client.beta.agents.sessions.create(
         agent=SCRIPTED, environment={"type": "openai_hosted", "setup_commands": setup_commands("exit 3")}
@@ -193,12 +193,12 @@ async def test_a_cancel_after_a_turn_failed_leaves_it_failed(stack) -> None:
     assert (await client.beta.agents.sessions.retrieve(session.id)).status == "failed"
 
 
-async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress(stack) -> None:
+async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     await submit(client, session.id, message("$ sleep 60"))
     turn_id = await new_turn(client, session.id, [])
-    await eventually(polled(lambda: _sleeping(session.id)), what="sleep 60 to start")
+    await wait_until(lambda: _sleeping(session.id), timeout=15, what="sleep 60 to start")
 
     async with stack.http() as http:
         busy = await http.delete(f"/agents/sessions/{session.id}")
@@ -215,7 +215,7 @@ async def test_deleting_a_session_with_a_running_turn_is_409_session_in_progress
     assert gone.status_code == 404
 
 
-async def test_a_session_with_queued_turns_cannot_be_deleted_until_the_queue_drained(stack) -> None:
+async def test_a_session_with_queued_turns_cannot_be_deleted_until_the_queue_drained(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     await submit(client, session.id, message(_gate("go")))
@@ -234,7 +234,7 @@ async def test_a_session_with_queued_turns_cannot_be_deleted_until_the_queue_dra
     assert (await client.beta.agents.sessions.delete(session.id)).deleted is True
 
 
-async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_setup_and_run(stack) -> None:
+async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_setup_and_run(stack: Stack) -> None:
     client = strict_client(stack)
     env = await create_environment(
         client,
@@ -255,7 +255,7 @@ async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_
             stack.data_dir, env.id, "/workspace/setup.log"
         ).exists()
 
-    await eventually(setup_running, what="the starter's turn to start setup")
+    await wait_until(setup_running, timeout=15, what="the starter's turn to start setup")
     await submit(client, peer.id, message("$ echo peer >> /workspace/ran.log\npeer done"))
     peer_turn = await new_turn(client, peer.id, [])
     async with stack.http() as http, asyncio.timeout(30):
@@ -282,7 +282,7 @@ async def test_cancelling_the_turn_that_started_setup_lets_a_peer_turn_wait_for_
     assert [a async for a in client.beta.agents.sessions.artifacts.list(starter.id)] == []
 
 
-async def test_a_session_created_with_input_runs_its_turn_without_a_subscriber(stack) -> None:
+async def test_a_session_created_with_input_runs_its_turn_without_a_subscriber(stack: Stack) -> None:
     client = strict_client(stack)
     session = await client.beta.agents.sessions.create(
         agent=SCRIPTED, environment=HOSTED, input="$ echo unattended > /workspace/u.txt\nok"

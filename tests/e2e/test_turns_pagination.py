@@ -4,13 +4,17 @@ items, and turn shapes under strict validation."""
 
 from __future__ import annotations
 
+import openai
+from e2e_stack import Stack
 from e2e_support import inline_session, run_script
+from openai.types.beta.agent_session import AgentSession
+from openai.types.beta.agents.sessions.turn import Turn
 from turns_support import strict_client
 
 SCRIPTS = ("$ echo one\nfirst", "$ echo two\nsecond", "$ echo three\nthird")
 
 
-async def _three_turns(stack):  # type: ignore[no-untyped-def]
+async def _three_turns(stack: Stack) -> tuple[openai.AsyncOpenAI, AgentSession, list[Turn]]:
     client = strict_client(stack)
     session = await inline_session(client)
     turns = [await run_script(client, session.id, script) for script in SCRIPTS]
@@ -18,7 +22,7 @@ async def _three_turns(stack):  # type: ignore[no-untyped-def]
     return client, session, turns
 
 
-async def test_items_paged_two_at_a_time_auto_paginate_to_every_item_in_order(stack) -> None:
+async def test_items_paged_two_at_a_time_auto_paginate_to_every_item_in_order(stack: Stack) -> None:
     client, session, turns = await _three_turns(stack)
     items = client.beta.agents.sessions.items
 
@@ -40,11 +44,11 @@ async def test_items_paged_two_at_a_time_auto_paginate_to_every_item_in_order(st
     # The default order is newest first.
     assert [i.id async for i in items.list(session.id, limit=4)] == [i.id for i in reversed(everything)]
 
-    last_page = await items.list(session.id, order="asc", limit=2, after=everything[-2].id)
+    last_page = await items.list(session.id, order="asc", limit=2, after=everything[-2].id)  # type: ignore[arg-type]
     assert ([i.id for i in last_page.data], last_page.has_more) == ([everything[-1].id], False)
 
 
-async def test_a_turns_items_page_with_the_conversation_cursor(stack) -> None:
+async def test_a_turns_items_page_with_the_conversation_cursor(stack: Stack) -> None:
     client, session, turns = await _three_turns(stack)
     middle = turns[1]
     items = client.beta.agents.sessions.turns.items
@@ -58,7 +62,7 @@ async def test_a_turns_items_page_with_the_conversation_cursor(stack) -> None:
     assert paged[2].content[0].text == "second"  # type: ignore[union-attr]
 
 
-async def test_turns_list_and_retrieve_parse_as_sdk_turns(stack) -> None:
+async def test_turns_list_and_retrieve_parse_as_sdk_turns(stack: Stack) -> None:
     client, session, turns = await _three_turns(stack)
 
     listed = [t async for t in client.beta.agents.sessions.turns.list(session.id, limit=1)]

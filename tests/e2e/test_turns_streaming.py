@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from e2e_stack import Stack
 from e2e_support import inline_session
 from turns_support import (
     EVENT_ADAPTER,
@@ -33,7 +34,7 @@ def _shape(event: Any) -> tuple[str, str]:
     return event.type, f"{item.type}:{item.role}" if item.type == "message" else item.type
 
 
-async def test_a_streamed_turn_sends_its_events_in_lifecycle_order_and_the_sdk_parses_each(stack) -> None:
+async def test_a_streamed_turn_sends_its_events_in_lifecycle_order_and_the_sdk_parses_each(stack: Stack) -> None:
     client = strict_client(stack)
     async with asyncio.timeout(60):
         stream = await client.beta.agents.sessions.create(
@@ -77,11 +78,11 @@ async def test_a_streamed_turn_sends_its_events_in_lifecycle_order_and_the_sdk_p
     assert {getattr(e, "turn_id", None) for e in scoped} == {turn_id}
     assert {e.item.turn_id for e in events if hasattr(e, "item")} == {turn_id}  # type: ignore[attr-defined]
 
-    command = next(e.item for e in events if _shape(e) == ("agent.session.turn.item.done", "command_execution"))
-    assert (command.command, command.status, command.exit_code, command.output) == ("echo hi", "completed", 0, "hi\n")
+    command = next(e.item for e in events if _shape(e) == ("agent.session.turn.item.done", "command_execution"))  # type: ignore[union-attr]
+    assert (command.command, command.status, command.exit_code, command.output) == ("echo hi", "completed", 0, "hi\n")  # type: ignore[union-attr]
     answer = next(e for e in events if _shape(e) == ("agent.session.turn.item.done", "message:assistant"))
     assert [p.text for p in answer.item.content] == ["all done"]  # type: ignore[union-attr]
-    assert answer.item.phase == "final_answer" and answer.output_index > 0  # type: ignore[union-attr]
+    assert answer.item.phase == "final_answer" and answer.output_index > 0  # type: ignore[union-attr, operator]
     completed, idle = events[-2], events[-1]
     assert completed.turn.status == "completed" and completed.turn.id == turn_id  # type: ignore[union-attr]
     assert idle.session.status == "idle" and idle.session.id == session_id  # type: ignore[union-attr]
@@ -90,7 +91,7 @@ async def test_a_streamed_turn_sends_its_events_in_lifecycle_order_and_the_sdk_p
     assert (turn.status, turn.session_id) == ("completed", session_id)
 
 
-async def test_a_streamed_session_creation_yields_the_final_output_through_get_final_result(stack) -> None:
+async def test_a_streamed_session_creation_yields_the_final_output_through_get_final_result(stack: Stack) -> None:
     client = strict_client(stack)
     async with asyncio.timeout(60):
         stream = await client.beta.agents.sessions.create(
@@ -104,7 +105,7 @@ async def test_a_streamed_session_creation_yields_the_final_output_through_get_f
     assert (await client.beta.agents.sessions.retrieve(result.session_id)).status == "idle"
 
 
-async def test_the_sessions_stream_helper_yields_the_submitted_turns_final_output(stack) -> None:
+async def test_the_sessions_stream_helper_yields_the_submitted_turns_final_output(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     async with asyncio.timeout(60):
@@ -115,7 +116,7 @@ async def test_the_sessions_stream_helper_yields_the_submitted_turns_final_outpu
     assert (result.session_id, result.turn.status) == (session.id, "completed")
 
 
-async def test_iterating_the_sessions_stream_helper_ends_at_the_idle_after_the_turn(stack) -> None:
+async def test_iterating_the_sessions_stream_helper_ends_at_the_idle_after_the_turn(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     async with asyncio.timeout(60):
@@ -126,7 +127,7 @@ async def test_iterating_the_sessions_stream_helper_ends_at_the_idle_after_the_t
     assert kinds[-2:] == ["agent.session.turn.completed", "agent.session.idle"]
 
 
-async def test_the_sessions_stream_helper_on_a_later_turn_yields_only_that_turn(stack) -> None:
+async def test_the_sessions_stream_helper_on_a_later_turn_yields_only_that_turn(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     async with asyncio.timeout(60):
@@ -138,7 +139,7 @@ async def test_the_sessions_stream_helper_on_a_later_turn_yields_only_that_turn(
             assert result.output_text == answer
 
 
-async def test_a_stream_disconnected_mid_turn_resumes_from_last_event_id_without_gaps_or_duplicates(stack) -> None:
+async def test_a_stream_disconnected_mid_turn_resumes_from_last_event_id_without_gaps_or_duplicates(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
 
@@ -168,7 +169,7 @@ async def test_a_stream_disconnected_mid_turn_resumes_from_last_event_id_without
     assert [e.type for e in after[-2:]] == ["agent.session.turn.completed", "agent.session.idle"]
 
 
-async def test_a_subscriber_naming_any_earlier_sequence_receives_every_later_event_once(stack) -> None:
+async def test_a_subscriber_naming_any_earlier_sequence_receives_every_later_event_once(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     async with stack.http() as http, asyncio.timeout(60):

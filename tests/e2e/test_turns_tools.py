@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Any
 
+from e2e_stack import Stack
 from e2e_support import api_error, inline_session
 from turns_support import (
     NO_ENVIRONMENT,
@@ -28,7 +29,7 @@ AGENT: Any = {"model": "scripted", "tools": [WEATHER]}
 SCRIPT = 'call get_weather {"city": "Paris"}\nforecast delivered'
 
 
-async def test_a_function_call_waits_in_requires_action_until_its_tool_result_is_posted(stack) -> None:
+async def test_a_function_call_waits_in_requires_action_until_its_tool_result_is_posted(stack: Stack) -> None:
     client = strict_client(stack)
     session = await client.beta.agents.sessions.create(agent=AGENT, environment=NO_ENVIRONMENT, input=SCRIPT)
     turn_id = await new_turn(client, session.id, [])
@@ -71,7 +72,7 @@ async def test_a_function_call_waits_in_requires_action_until_its_tool_result_is
     assert (again.status_code, again.code) == (409, "conflict")
 
 
-async def test_a_tool_result_for_an_unknown_call_is_rejected_without_touching_the_turn(stack) -> None:
+async def test_a_tool_result_for_an_unknown_call_is_rejected_without_touching_the_turn(stack: Stack) -> None:
     client = strict_client(stack)
     session = await client.beta.agents.sessions.create(agent=AGENT, environment=NO_ENVIRONMENT, input=SCRIPT)
     turn_id = await new_turn(client, session.id, [])
@@ -87,7 +88,7 @@ async def test_a_tool_result_for_an_unknown_call_is_rejected_without_touching_th
     assert (await turn_status(client, session.id, turn_id, ("completed", "cancelled"))).status == "cancelled"
 
 
-async def test_the_sdk_tool_handler_answers_the_call_during_a_streamed_creation(stack) -> None:
+async def test_the_sdk_tool_handler_answers_the_call_during_a_streamed_creation(stack: Stack) -> None:
     client = strict_client(stack)
     received: list[dict[str, Any]] = []
 
@@ -108,7 +109,7 @@ async def test_the_sdk_tool_handler_answers_the_call_during_a_streamed_creation(
     assert json.loads(output.output) == {"temp_c": 21}  # type: ignore[union-attr, arg-type]
 
 
-async def test_the_sessions_stream_helper_dispatches_tool_handlers_on_an_idle_session(stack) -> None:
+async def test_the_sessions_stream_helper_dispatches_tool_handlers_on_an_idle_session(stack: Stack) -> None:
     client = strict_client(stack)
     session = await inline_session(client)
     session = await client.beta.agents.sessions.update(session.id, agent={"model": "scripted", "tools": [WEATHER]})

@@ -8,24 +8,23 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, TypeVar, get_args
+from typing import Any, get_args
 
 import httpx
 import openai
 import pydantic
 from e2e_stack import Stack
-from e2e_support import eventually
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agent_session_event import AgentSessionEvent
+from openai.types.beta.agents import session_create_params
 from openai.types.beta.agents.sessions.turn import Turn
+from waiting import wait_until
 
-T = TypeVar("T")
-
-SCRIPTED = {"model": "scripted"}
+SCRIPTED: session_create_params.Agent = {"model": "scripted"}
 HOSTED: Any = {"type": "openai_hosted"}
 NO_ENVIRONMENT: Any = {"type": "none"}
 CANCEL = {"type": "agent.session.input.cancel"}
@@ -66,15 +65,6 @@ async def submit(client: openai.AsyncOpenAI, session_id: str, *events: dict[str,
     await client.beta.agents.sessions.events.create(session_id, events=list(events))  # type: ignore[arg-type]
 
 
-def polled(check: Callable[[], T]) -> Callable[[], Awaitable[T]]:
-    """A synchronous check (e.g. of the host's /proc) for ``eventually``."""
-
-    async def run() -> T:
-        return check()
-
-    return run
-
-
 async def turn_ids(client: openai.AsyncOpenAI, session_id: str) -> list[str]:
     """The session's turns, oldest first."""
     return [t.id async for t in client.beta.agents.sessions.turns.list(session_id, order="asc")]
@@ -87,7 +77,7 @@ async def new_turn(client: openai.AsyncOpenAI, session_id: str, known: list[str]
         fresh = [t for t in await turn_ids(client, session_id) if t not in known]
         return fresh[0] if len(fresh) == 1 else None
 
-    return await eventually(created, what="the new turn")
+    return await wait_until(created, timeout=15, what="the new turn")
 
 
 async def turn_status(
@@ -100,7 +90,7 @@ async def turn_status(
         turn = await client.beta.agents.sessions.turns.retrieve(turn_id, session_id=session_id)
         return turn if turn.status in wanted else None
 
-    return await eventually(reached, timeout=timeout, what=f"turn {turn_id} to be {'/'.join(wanted)}")
+    return await wait_until(reached, timeout=timeout, what=f"turn {turn_id} to be {'/'.join(wanted)}")
 
 
 async def session_status(
@@ -110,7 +100,7 @@ async def session_status(
         session = await client.beta.agents.sessions.retrieve(session_id)
         return session if session.status == status else None
 
-    return await eventually(reached, timeout=timeout, what=f"session {session_id} to be {status}")
+    return await wait_until(reached, timeout=timeout, what=f"session {session_id} to be {status}")
 
 
 # --- raw server-sent events ---------------------------------------------------------------

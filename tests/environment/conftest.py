@@ -1,48 +1,17 @@
-"""Fixtures for Environment service tests: databases (SQLite and
-PostgreSQL), the service on port 0 with the in-memory compute or the real
-Sandbox service."""
+"""Fixtures for Environment service tests: the service on port 0 with the
+in-memory compute or the real Sandbox service (the databases come from the
+root conftest)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import ORGS, Cluster, EnvService, SandboxNodePool, SandboxService, md
-from grpc_support import internal_channel
+from environment_helpers import Cluster, EnvService, SandboxNodePool, SandboxService, running_sandbox_service
 
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
-
-def _require_or_skip(what: str, flag: str, reason: str) -> None:
-    if os.environ.get(flag) == "1":
-        pytest.fail(f"{what} is required ({flag}=1) but unavailable: {reason}")
-    pytest.skip(f"{what} unavailable: {reason}")
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The Environment service database, once on SQLite and once on PostgreSQL
-    (an empty schema per test)."""
-    if request.param == "sqlite":
-        return f"sqlite+berth:///{tmp_path / 'environment.db'}"
-    import asyncpg
-
-    dsn: str = request.getfixturevalue("postgres_database")
-    conn = await asyncpg.connect(dsn, timeout=3)
-    try:
-        await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
-    finally:
-        await conn.close()
-    return dsn
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite+berth:///{tmp_path / 'environment.db'}"
 
 
 @pytest.fixture
@@ -67,35 +36,16 @@ async def env_service(cluster: Cluster, sqlite_url: str, fake: FakeCompute) -> E
 
 
 @pytest.fixture
-async def sandbox_service(tmp_path: Path) -> AsyncIterator[SandboxService]:
+async def sandbox_service(tmp_path: Path, bwrap_available: None) -> AsyncIterator[SandboxService]:
     """The real Sandbox service on bubblewrap; its sandboxes are destroyed at teardown."""
-    if shutil.which("bwrap") is None:
-        _require_or_skip("bubblewrap", "BERTH_REQUIRE_BWRAP", "bwrap is not installed (apt-get install -y bubblewrap)")
-    from services.sandbox.server import start_sandbox_service
-
-    settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0)
-    handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = internal_channel(handle.address)
-    service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
-    try:
+    async with running_sandbox_service(Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0)) as service:
         yield service
-    finally:
-        for org in ORGS:
-            listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
-            for sandbox in listed.sandboxes:
-                await service.stub.DestroySandbox(
-                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
-                )
-        await channel.close()
-        await handle.stop(0.2)
 
 
 @pytest.fixture
-async def sandbox_nodes(tmp_path: Path) -> AsyncIterator[SandboxNodePool]:
+async def sandbox_nodes(tmp_path: Path, bwrap_available: None) -> AsyncIterator[SandboxNodePool]:
     """Two real Sandbox services on bubblewrap, nodes ``a`` and ``b``; every
     sandbox on them is destroyed at teardown."""
-    if shutil.which("bwrap") is None:
-        _require_or_skip("bubblewrap", "BERTH_REQUIRE_BWRAP", "bwrap is not installed (apt-get install -y bubblewrap)")
     pool = SandboxNodePool(tmp_path)
     try:
         await pool.start("a")

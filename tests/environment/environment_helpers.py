@@ -3,15 +3,13 @@ so it is unique across the suite)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
-import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from grpc_support import internal_channel
@@ -24,7 +22,7 @@ from services.environment.compute import Compute
 from services.environment.server import start_environment_service
 
 ORGS = ("org_a", "org_b")
-EnvStub = environment_service_pb2_grpc.EnvironmentServiceStub
+EnvStub: TypeAlias = environment_service_pb2_grpc.EnvironmentServiceStub
 
 
 def md(org: str = "org_a") -> tuple[tuple[str, str], ...]:
@@ -41,20 +39,6 @@ def reason_of(exc: grpc.aio.AioRpcError) -> str:
             detail.Unpack(info)
             return str(info.reason)
     return ""
-
-
-async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
-    """Polls ``predicate`` until true; fails after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout}s: {what}")
-        await asyncio.sleep(0.01)
 
 
 @dataclass
@@ -101,6 +85,29 @@ class SandboxService:
     channel: grpc.aio.Channel
     stub: sandbox_service_pb2_grpc.SandboxServiceStub
 
+    @classmethod
+    async def start(cls, settings: Settings) -> SandboxService:
+        """The real Sandbox service on port 0, with an authenticated stub."""
+        from services.sandbox.server import start_sandbox_service
+
+        handle = await start_sandbox_service(settings, address="127.0.0.1:0")
+        channel = internal_channel(handle.address)
+        return cls(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
+
+    async def destroy_sandboxes(self) -> None:
+        """Destroys every sandbox of every test organization."""
+        for org in ORGS:
+            listed = await self.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
+            for sandbox in listed.sandboxes:
+                await self.stub.DestroySandbox(
+                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
+                )
+
+    async def stop(self) -> None:
+        """Stops the service; its sandboxes outlive it, as on a real host."""
+        await self.channel.close()
+        await self.handle.stop(0.2)
+
     @property
     def address(self) -> str:
         return self.handle.address
@@ -111,6 +118,17 @@ class SandboxService:
         async for chunk in self.stub.ReadFile(request, metadata=md(org)):
             data += chunk.data
         return data
+
+
+@contextlib.asynccontextmanager
+async def running_sandbox_service(settings: Settings) -> AsyncIterator[SandboxService]:
+    """A real Sandbox service whose sandboxes are destroyed when it stops."""
+    service = await SandboxService.start(settings)
+    try:
+        yield service
+    finally:
+        await service.destroy_sandboxes()
+        await service.stop()
 
 
 @dataclass
@@ -130,12 +148,7 @@ class SandboxNodePool:
         return self.data_dir(name) / "sandboxes" / sandbox_id / "workspace"
 
     async def start(self, name: str) -> SandboxService:
-        from services.sandbox.server import start_sandbox_service
-
-        settings = Settings(data_dir=self.data_dir(name), sandbox_idle_pause_s=0)
-        handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-        channel = internal_channel(handle.address)
-        service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
+        service = await SandboxService.start(Settings(data_dir=self.data_dir(name), sandbox_idle_pause_s=0))
         self.running[name] = service
         if name not in self.started:
             self.started.append(name)
@@ -143,9 +156,7 @@ class SandboxNodePool:
 
     async def stop(self, name: str) -> None:
         """Takes the node down; its sandboxes outlive it, as on a real host."""
-        service = self.running.pop(name)
-        await service.channel.close()
-        await service.handle.stop(0.2)
+        await self.running.pop(name).stop()
 
     def addrs(self, *names: str) -> list[str]:
         """``BERTH_SANDBOX_ADDRS`` entries of running nodes, in this order."""
@@ -165,12 +176,7 @@ class SandboxNodePool:
         stopped node again for that), then stops them."""
         for name in self.started:
             service = self.running.get(name) or await self.start(name)
-            for org in ORGS:
-                listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
-                for sandbox in listed.sandboxes:
-                    await service.stub.DestroySandbox(
-                        sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
-                    )
+            await service.destroy_sandboxes()
             await self.stop(name)
 
 

@@ -9,9 +9,10 @@ import time
 import grpc
 import pytest
 from environment_fakes import ExecCall, FakeCompute
-from environment_helpers import Cluster, EnvService, create_env, ensure, get_env, md, reason_of, run_command, setup_config, wait_until
+from environment_helpers import Cluster, EnvService, create_env, ensure, get_env, md, reason_of, run_command, setup_config
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from services.core.settings import normalize_database_url

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 from environment_fakes import ExecCall, FakeCompute
-from environment_helpers import EnvService, create_env, ensure, get_env, md, reason_of, setup_config, wait_until
+from environment_helpers import EnvService, create_env, ensure, get_env, md, reason_of, setup_config
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
@@ -258,9 +258,3 @@ async def test_blocked_domains_are_accepted_with_restricted_access(env_service: 
     )
     env = (await create_env(env_service.stub, config=config)).environment
     assert list(env.config.network.blocked_domains) == ["example.com"]
-
-
-async def test_waiting_helper_is_bounded(env_service: EnvService) -> None:
-    # Guards the helper the other tests rely on: a false condition fails in time.
-    with pytest.raises(pytest.fail.Exception):
-        await wait_until(lambda: False, timeout=0.05, what="never")

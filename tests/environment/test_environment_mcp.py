@@ -6,20 +6,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import Cluster, EnvService, SandboxService, create_env, get_env, md, reason_of, run_command, setup_config, wait_until
-from hosts_support import TestHost, make_test_host
+from environment_helpers import (
+    Cluster,
+    EnvService,
+    SandboxService,
+    create_env,
+    get_env,
+    md,
+    reason_of,
+    run_command,
+    running_sandbox_service,
+    setup_config,
+)
+from hosts_support import TestHost
 from mcp_test_support import COUNT_SERVERS, SANDBOX_MOUNTS, http_mcp_server, require_host_python_mcp, stdio_transport
-from grpc_support import internal_channel
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
 SESSION_A = "sess_a"
@@ -30,37 +40,19 @@ Json = dict[str, Any]
 
 
 @pytest.fixture
-def test_host() -> Iterator[TestHost]:
-    """Where HTTP MCP servers run: sandboxes never reach the Berth host itself."""
-    with make_test_host() as host:
-        yield host
-
-
-@pytest.fixture
 async def mcp_sandbox(tmp_path: Path, bwrap_available: None, test_host: TestHost) -> AsyncIterator[SandboxService]:
     """The real Sandbox service with the test MCP server and the venv's
     site-packages mounted into every sandbox, whose network reaches the test
     host; its sandboxes are destroyed at teardown."""
     require_host_python_mcp()
-    from services.sandbox.server import start_sandbox_service
-
     settings = Settings(
         data_dir=tmp_path / "sandbox",
         sandbox_idle_pause_s=0,
         sandbox_extra_ro_mounts=SANDBOX_MOUNTS,
         sandbox_allow_cidrs=[test_host.cidr],
     )
-    handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = internal_channel(handle.address)
-    service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
-    try:
+    async with running_sandbox_service(settings) as service:
         yield service
-    finally:
-        listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md())
-        for sandbox in listed.sandboxes:
-            await service.stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md())
-        await channel.close()
-        await handle.stop(0.2)
 
 
 async def shared_environment(service: EnvService, *sessions: str, **config: Any) -> str:

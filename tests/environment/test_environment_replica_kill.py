@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +23,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config, wait_until
+from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
+from hosts_support import free_port
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_service_pb2
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(120)]
 
-PG_SERVER = os.environ.get("BERTH_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 1.5
 FAILED = environment_pb2.ENVIRONMENT_STATUS_FAILED
@@ -58,38 +57,6 @@ for pid in os.listdir("/proc"):
     if state != "Z" and sys.argv[1].encode() in cmdline:
         print(pid)
 """
-
-
-async def _admin(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(PG_SERVER, timeout=3)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
-async def fresh_database() -> AsyncIterator[str]:
-    """A PostgreSQL database of this test alone, dropped afterwards."""
-    name = f"berth_kill_{secrets.token_hex(4)}"
-    try:
-        await _admin(f'CREATE DATABASE "{name}"')
-    except Exception as exc:  # unreachable server, authentication, ...
-        if os.environ.get("BERTH_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"PostgreSQL is required (BERTH_REQUIRE_POSTGRES=1) but unavailable: {PG_SERVER}: {exc!r}")
-        pytest.skip(f"PostgreSQL unavailable at {PG_SERVER}: {exc!r}")
-    try:
-        yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        await _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -119,7 +86,7 @@ class Replicas:
         self.started: list[Replica] = []
 
     def spawn(self, name: str) -> Replica:
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
         env.update(
             BERTH_ENVIRONMENT_ADDR=address,
@@ -166,8 +133,8 @@ class Replicas:
 
 
 @pytest.fixture
-async def replicas(tmp_path: Path, fresh_database: str, sandbox_service: SandboxService) -> AsyncIterator[Replicas]:
-    group = Replicas(tmp_path, fresh_database, sandbox_service.address)
+async def replicas(tmp_path: Path, fresh_postgres_database: str, sandbox_service: SandboxService) -> AsyncIterator[Replicas]:
+    group = Replicas(tmp_path, fresh_postgres_database, sandbox_service.address)
     try:
         yield group
     finally:

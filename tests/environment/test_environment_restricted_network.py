@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from environment_helpers import Cluster, SandboxService, create_env, md, run_command
-from grpc_support import internal_channel
+from environment_helpers import Cluster, SandboxService, create_env, run_command, running_sandbox_service
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,20 +58,9 @@ def local_names_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 @pytest.fixture
 async def lenient_sandbox_service(tmp_path: Path, local_names_only: list[str], bwrap_available: None) -> AsyncIterator[SandboxService]:
     """The real Sandbox service whose egress proxies may reach the host's loopback."""
-    from services.sandbox.server import start_sandbox_service
-
     settings = Settings(data_dir=tmp_path / "sandbox", sandbox_idle_pause_s=0, sandbox_egress_allow_private=True)
-    handle = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = internal_channel(handle.address)
-    service = SandboxService(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
-    try:
+    async with running_sandbox_service(settings) as service:
         yield service
-    finally:
-        listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md())
-        for sandbox in listed.sandboxes:
-            await service.stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md())
-        await channel.close()
-        await handle.stop(0.2)
 
 
 async def test_an_environment_with_restricted_network_reaches_only_its_allowed_domains(

@@ -21,8 +21,8 @@ from environment_helpers import (
     reason_of,
     run_command,
     setup_config,
-    wait_until,
 )
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2

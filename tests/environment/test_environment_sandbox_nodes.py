@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -25,9 +26,9 @@ from environment_helpers import (
     md,
     reason_of,
     run_command,
-    wait_until,
 )
 from grpc_support import credentials
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2 as sb
@@ -53,7 +54,7 @@ PENDING = environment_pb2.ENVIRONMENT_STATUS_PENDING
 CLOSED_PORT = "127.0.0.1:1"
 
 
-async def start(cluster: Cluster, database_url: str, nodes: list[str], **overrides: object) -> EnvService:
+async def start(cluster: Cluster, database_url: str, nodes: list[str], **overrides: Any) -> EnvService:
     """An Environment service on these ``BERTH_SANDBOX_ADDRS`` entries, without a reconciler of its own."""
     overrides.setdefault("environment_reconcile_interval_s", 0)
     return await cluster.start(database_url, sandbox_addrs=nodes, **overrides)

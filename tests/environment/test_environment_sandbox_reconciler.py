@@ -11,9 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from environment_helpers import Cluster, EnvService, SandboxService, create_env, ensure, md, run_command, wait_until
+from environment_helpers import Cluster, EnvService, SandboxService, create_env, ensure, md, run_command
 from prometheus_client import REGISTRY
 from grpc_support import credentials
+from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as sb
@@ -216,7 +217,7 @@ async def test_two_reconcilers_running_at_once_destroy_each_orphan_and_keep_the_
         assert not await exists(sandbox_service, orphan, org=org)
     assert await exists(sandbox_service, sandbox_id)
     assert await run_command(service.stub, env_id, "true") == (0, b"")
-    assert await asyncio.gather(one.reconcile(), two.reconcile()) == [[], []]
+    assert list(await asyncio.gather(one.reconcile(), two.reconcile())) == [[], []]
 
 
 async def test_the_environment_service_reaps_orphans_when_it_starts(

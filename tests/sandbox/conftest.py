@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from sandbox_support import Sandbox, SandboxFactory, WaitFor, wait_until
+from sandbox_support import Sandbox, SandboxFactory
 
 from services.sandbox.backends.base import NetworkPolicy, SandboxSpec
 from services.sandbox.backends.local import Isolation, LocalBackend
@@ -16,17 +14,9 @@ from services.sandbox.daemon_client import DaemonClient
 from services.sandbox.isolation.sizes import DEFAULT_SIZE, ContainerSize
 
 
-@pytest.fixture
-def wait_for() -> WaitFor:
-    return wait_until
-
-
 @pytest.fixture(autouse=True)
-def _require_bwrap() -> None:
-    if shutil.which("bwrap") is None:
-        if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
-            pytest.fail("bubblewrap is required (BERTH_REQUIRE_BWRAP=1) but bwrap is not installed")
-        pytest.skip("bubblewrap (bwrap) is not installed")
+def _require_bwrap(bwrap_available: None) -> None:
+    """Every sandbox test here needs bubblewrap unless its module overrides this."""
 
 
 @pytest.fixture

@@ -17,8 +17,10 @@ import docker
 import docker.errors
 import pytest
 
+from services.sandbox.backends.docker import installation_id
 
-__all__ = ["DOCKER_TEST_IMAGE", "require_docker_or_skip", "docker_engine", "docker_test_image", "host_address"]
+
+__all__ = ["DOCKER_TEST_IMAGE", "require_docker_or_skip", "docker_engine", "docker_test_image", "host_address", "remove_containers_of"]
 
 DOCKER_TEST_IMAGE = os.environ.get("BERTH_TEST_DOCKER_IMAGE", "berth-base:bookworm")
 _BUILD_BASE = Path(__file__).resolve().parents[2] / "deploy" / "images" / "build-base.sh"
@@ -68,3 +70,11 @@ def host_address() -> str:
             if info.get("family") == "inet" and info.get("scope") == "global":
                 return str(info["local"])
     pytest.skip("this host has no IPv4 address besides loopback")
+
+
+def remove_containers_of(engine: docker.DockerClient, data_dir: Path) -> None:
+    """Removes every container of the installation at ``data_dir``: whatever
+    a failed test left behind."""
+    label = f"berth.installation={installation_id(data_dir)}"
+    for container in engine.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)

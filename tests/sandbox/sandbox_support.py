@@ -7,34 +7,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+import grpc
+from grpc_support import internal_channel
 
+from berth.sandbox.v1 import sandbox_service_pb2_grpc
+from services.core.service import ServiceHandle
+from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle
 from services.sandbox.backends.local import LocalBackend
-from services.sandbox.daemon_client import DaemonClient
+from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
+from services.sandbox.server import start_sandbox_service
 
-__all__ = ["WaitFor", "wait_until", "Sandbox", "SandboxFactory", "host_listener"]
-
-WaitFor = Callable[..., Awaitable[None]]
-
-
-async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, message: str = "") -> None:
-    """Polls ``predicate`` until it holds, failing the test after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = predicate()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() >= deadline:
-            pytest.fail(f"condition not met within {timeout}s: {message or predicate}")
-        await asyncio.sleep(0.01)
+__all__ = ["Sandbox", "SandboxFactory", "RestartableSandboxService", "collect_output", "host_listener"]
 
 
 @dataclass
@@ -55,6 +43,39 @@ class Sandbox:
 SandboxFactory = Callable[..., Awaitable[Sandbox]]
 
 
+class RestartableSandboxService:
+    """The Sandbox service on port 0 that a test can stop and start again
+    on the same settings (so the same data directory)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.handle: ServiceHandle | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
+        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
+        self.channel = internal_channel(self.handle.address)
+        return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.handle is not None:
+            await self.handle.stop(0.2)
+            self.handle = None
+
+
+async def collect_output(stream: AsyncIterable[OutputChunk | ExitStatus]) -> tuple[list[OutputChunk], ExitStatus | None]:
+    """Drains a daemon output stream: its chunks, and its exit status (if it ended)."""
+    chunks: list[OutputChunk] = []
+    status: ExitStatus | None = None
+    async for item in stream:
+        if isinstance(item, OutputChunk):
+            chunks.append(item)
+        else:
+            status = item
+    return chunks, status
 
 
 @contextlib.asynccontextmanager

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
 import pytest_asyncio
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
-from sandbox_support import host_listener, wait_until
+from sandbox_support import collect_output, host_listener
+from waiting import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxBackend, SandboxSpec
@@ -29,7 +31,7 @@ from services.sandbox.isolation.quota import unmount_under
 from services.sandbox.isolation.sizes import SIZES
 from services.sandbox.backends.docker import DockerBackend
 from services.sandbox.backends.local import LocalBackend
-from services.sandbox.daemon_client import DaemonClient, DaemonError, ExitStatus, OutputChunk
+from services.sandbox.daemon_client import DaemonClient, DaemonError, OutputChunk
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
@@ -42,9 +44,8 @@ def _require_bwrap() -> None:
     parameter needs bwrap (see ``harness``)."""
 
 
-async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 20.0, message: str = "") -> None:
-    """``wait_until`` with the longer default these backends need (docker)."""
-    await wait_until(predicate, timeout, message)
+# The longer bound these backends need (docker).
+WAIT_S = 20.0
 
 
 @dataclass
@@ -133,17 +134,6 @@ async def make_sandbox(harness: Harness) -> AsyncIterator[Callable[..., Awaitabl
         await harness.cleanup(sandbox)
 
 
-async def _collect(stream: Any) -> tuple[list[OutputChunk], ExitStatus | None]:
-    chunks: list[OutputChunk] = []
-    status: ExitStatus | None = None
-    async for item in stream:
-        if isinstance(item, OutputChunk):
-            chunks.append(item)
-        else:
-            status = item
-    return chunks, status
-
-
 # Lists the sandbox's live processes whose argv carries a marker word.
 _FIND_MARKED = """
 import os, sys
@@ -210,7 +200,7 @@ async def test_background_process_survives_the_connection_that_started_it(shared
     assert listed[proc.process_id].running
     await shared.client.write_file("survive-go", b"")
     status = await shared.client.wait_process(proc.process_id, timeout_s=20)
-    chunks, final = await _collect(shared.client.attach_process(proc.process_id))
+    chunks, final = await collect_output(shared.client.attach_process(proc.process_id))
 
     assert status is not None and status.exit_code == 0
     assert b"".join(c.data for c in chunks) == b"started\nfinished\n" and final == status
@@ -235,7 +225,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(shared: Sandbox) -
 
     assert all(isinstance(item, OutputChunk) for item in seen)
     await shared.client.write_file("reattach-go", b"")
-    rest, status = await _collect(shared.client.attach_process(proc.process_id, from_seq=seen[-1].seq + 1))  # type: ignore[union-attr]
+    rest, status = await collect_output(shared.client.attach_process(proc.process_id, from_seq=seen[-1].seq + 1))  # type: ignore[union-attr]
     chunks = [c for c in seen if isinstance(c, OutputChunk)] + rest
 
     assert status is not None and status.exit_code == 0
@@ -256,7 +246,7 @@ async def test_killing_a_process_leaves_no_descendant_alive(shared: Sandbox) -> 
     async def all_started() -> bool:
         return all([await _marked_pids(shared.client, m) for m in markers])
 
-    await wait_for(all_started, message="the whole tree started")
+    await wait_until(all_started, WAIT_S, what="the whole tree started")
     after = await shared.client.kill_process(proc.process_id)
 
     assert after is not None and not after.running
@@ -328,7 +318,7 @@ async def test_a_counter_does_not_advance_while_paused(make_sandbox: Any) -> Non
         except (OSError, ValueError):
             return 0
 
-    await wait_for(lambda: value() > 5, message="counter runs")
+    await wait_until(lambda: value() > 5, WAIT_S, what="counter runs")
     await sandbox.backend.pause(sandbox.handle)
     frozen = value()
     # Proving that nothing happens needs an observation window; 0.5 s is
@@ -339,7 +329,7 @@ async def test_a_counter_does_not_advance_while_paused(make_sandbox: Any) -> Non
         assert value() == frozen, "counter advanced while paused"
         await asyncio.sleep(0.02)
     await sandbox.backend.resume(sandbox.handle)
-    await wait_for(lambda: value() > frozen + 5, message="counter advances after resume")
+    await wait_until(lambda: value() > frozen + 5, WAIT_S, what="counter advances after resume")
 
 
 # ---------------------------------------------------------------- restart of the service
@@ -364,7 +354,7 @@ async def test_sandbox_and_its_processes_survive_a_new_backend_instance(harness:
         assert await client.read_file_bytes("before-restart.txt") == b"kept"
         await client.write_file("restart-go", b"")
         status = await client.wait_process(proc.process_id, timeout_s=20)
-        chunks, _ = await _collect(client.attach_process(proc.process_id))
+        chunks, _ = await collect_output(client.attach_process(proc.process_id))
     assert status is not None and status.exit_code == 0
     assert b"".join(c.data for c in chunks) == b"before\nafter\n"
 
@@ -433,7 +423,7 @@ async def test_docker_adopt_removes_containers_whose_data_dir_is_gone(docker_tes
 
 
 @pytest.mark.docker
-async def test_docker_create_with_a_missing_image_is_backend_unavailable(docker_engine: Any, tmp_path: Path) -> None:
+async def test_docker_create_with_a_missing_image_is_backend_unavailable(docker_engine: docker.DockerClient, tmp_path: Path) -> None:
     backend = DockerBackend(Settings(data_dir=tmp_path / "data", docker_image="berth-test-missing:none"))
 
     with pytest.raises(BackendUnavailable):

@@ -20,8 +20,9 @@ from pathlib import Path
 import docker
 import docker.errors
 import pytest
-from conftest_docker import docker_engine, docker_test_image, host_address  # noqa: F401 (fixtures)
-from sandbox_support import WaitFor, host_listener
+from conftest_docker import docker_engine, docker_test_image, host_address, remove_containers_of  # noqa: F401 (fixtures)
+from sandbox_support import host_listener
+from waiting import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import BackendHandle, BackendUnavailable, NetworkPolicy, SandboxSpec
@@ -89,9 +90,7 @@ async def sandboxes(docker_engine: docker.DockerClient, docker_test_image: str, 
             await backend.destroy(handle)
     # Whatever a failed test left behind.
     for data_dir in made.data_dirs:
-        label = f"berth.installation={installation_id(data_dir)}"
-        for container in docker_engine.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
+        remove_containers_of(docker_engine, data_dir)
     await unmount_under(made.root)
 
 
@@ -114,15 +113,13 @@ async def _connect(client: DaemonClient, host: str, port: int) -> tuple[int, str
 
 async def _wait_for_exit_code(run: Callable[[], Awaitable[tuple[int, str]]], code: int, timeout: float = 20.0) -> str:
     """Runs ``run`` until it exits with ``code`` (bounded); its output."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
+
+    async def exited_with_code() -> tuple[str] | None:
         got, output = await run()
-        if got == code:
-            return output
-        if loop.time() >= deadline:
-            pytest.fail(f"still exit code {got} after {timeout}s: {output}")
-        await asyncio.sleep(0.05)
+        return (output,) if got == code else None
+
+    (output,) = await wait_until(exited_with_code, timeout, what=f"exit code {code}")
+    return output
 
 
 # ---------------------------------------------------------------- identity

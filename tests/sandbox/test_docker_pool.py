@@ -18,8 +18,8 @@ from typing import Any
 import docker
 import docker.errors
 import pytest
-from sandbox_support import WaitFor
-from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
+from conftest_docker import docker_engine, docker_test_image, remove_containers_of  # noqa: F401 (fixtures)
+from waiting import wait_until
 
 from services.core.settings import Settings
 from services.sandbox.backends.base import EGRESS_SOCKET_IN_SANDBOX, BackendHandle, NetworkPolicy, SandboxSpec, egress_env
@@ -67,15 +67,15 @@ class Pools:
         self.backends.append(backend)
         return backend
 
-    async def started(self, wait_for: WaitFor, pool_size: int = 1) -> DockerBackend:
+    async def started(self, pool_size: int = 1) -> DockerBackend:
         """A started backend whose pool of the default size is full."""
         backend = self.backend(pool_size)
         await backend.start()
-        await self.full(backend, wait_for)
+        await self.full(backend)
         return backend
 
-    async def full(self, backend: DockerBackend, wait_for: WaitFor, size: ContainerSize = DEFAULT_SIZE) -> None:
-        await wait_for(lambda: backend.warm_count(size) == backend.pool_size, timeout=FILL_S, message=f"{size.name} pool full")
+    async def full(self, backend: DockerBackend, size: ContainerSize = DEFAULT_SIZE) -> None:
+        await wait_until(lambda: backend.warm_count(size) == backend.pool_size, timeout=FILL_S, what=f"{size.name} pool full")
 
     async def create(
         self, backend: DockerBackend, sandbox_id: str, network: NetworkPolicy = "disabled", size: ContainerSize = DEFAULT_SIZE
@@ -116,9 +116,7 @@ async def pools(docker_engine: docker.DockerClient, docker_test_image: str, tmp_
     for backend in pools.backends:
         await backend.close()
     # Whatever a failed test left behind.
-    label = f"berth.installation={pools.installation}"
-    for container in docker_engine.containers.list(all=True, filters={"label": label}):
-        container.remove(force=True)
+    remove_containers_of(docker_engine, pools.data_dir)
     await unmount_under(pools.data_dir)
 
 
@@ -173,9 +171,9 @@ def _engine_cpus(engine: docker.DockerClient) -> int:
 
 
 async def test_a_claimed_pool_container_becomes_the_sandbox_with_its_env_limits_and_an_empty_workspace(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    backend = await pools.started(wait_for)
+    backend = await pools.started()
     (warm,) = pools.pool_container_ids()
 
     handle = await pools.create(backend, "claimed")
@@ -263,13 +261,13 @@ def _private_without_identity(handle: BackendHandle) -> Any:
 
 @pytest.mark.parametrize("network", ["disabled", "enabled", "restricted"])
 async def test_a_claimed_sandbox_looks_the_same_inside_as_a_fresh_one(
-    pools: Pools, wait_for: WaitFor, network: NetworkPolicy
+    pools: Pools, network: NetworkPolicy
 ) -> None:
     backend = pools.backend(pool_size=1)
     # Before start() the pool is empty: this one is a fresh container.
     fresh = await pools.create(backend, "sbx-fresh-1", network=network)
     await backend.start()
-    await pools.full(backend, wait_for)
+    await pools.full(backend)
     warm = pools.pool_container_ids()
 
     claimed = await pools.create(backend, "sbx-pooled-1", network=network)
@@ -283,21 +281,21 @@ async def test_a_claimed_sandbox_looks_the_same_inside_as_a_fresh_one(
     assert ("user_network" in claimed.private) == ("user_network" in fresh.private) == (network == "enabled")
 
 
-async def test_the_pool_refills_after_a_claim(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for)
+async def test_the_pool_refills_after_a_claim(pools: Pools) -> None:
+    backend = await pools.started()
     (first,) = pools.pool_container_ids()
 
     await pools.create(backend, "takes-the-first")
 
-    await pools.full(backend, wait_for)
+    await pools.full(backend)
     (second,) = pools.pool_container_ids()
     assert second != first
     handle = await pools.create(backend, "takes-the-second")
     assert handle.private["container_id"] == second
 
 
-async def test_concurrent_creates_never_share_a_container(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for, pool_size=2)
+async def test_concurrent_creates_never_share_a_container(pools: Pools) -> None:
+    backend = await pools.started(pool_size=2)
     warm = pools.pool_container_ids()
 
     handles = await asyncio.gather(*(pools.create(backend, f"racer-{i}") for i in range(3)))
@@ -322,9 +320,9 @@ def _cmdline(pid: int) -> list[str]:
 
 
 async def test_an_enabled_sandbox_claimed_from_the_pool_gets_a_user_mode_network_of_its_own(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    backend = await pools.started(wait_for)
+    backend = await pools.started()
     (warm,) = pools.pool_container_ids()
 
     handle = await pools.create(backend, "online", network="enabled")
@@ -341,13 +339,13 @@ async def test_an_enabled_sandbox_claimed_from_the_pool_gets_a_user_mode_network
 
     await backend.destroy(handle)
 
-    await wait_for(lambda: "slirp4netns" not in "".join(_cmdline(slirp)), message="slirp4netns ended")
+    await wait_until(lambda: "slirp4netns" not in "".join(_cmdline(slirp)), what="slirp4netns ended")
 
 
 async def test_a_restricted_sandbox_is_claimed_from_the_one_pool_and_gets_the_egress_variables(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    backend = await pools.started(wait_for)
+    backend = await pools.started()
     (warm,) = pools.pool_container_ids()
 
     handle = await pools.create(backend, "fenced", network="restricted")
@@ -369,16 +367,16 @@ async def test_a_restricted_sandbox_is_claimed_from_the_one_pool_and_gets_the_eg
     assert {k: probed["env"].get(k) for k in SPEC_ENV} == SPEC_ENV
 
 
-async def test_a_size_not_pre_filled_is_kept_warm_after_its_first_use(pools: Pools, wait_for: WaitFor) -> None:
+async def test_a_size_not_pre_filled_is_kept_warm_after_its_first_use(pools: Pools) -> None:
     small = SIZES["small"]
-    backend = await pools.started(wait_for)
+    backend = await pools.started()
     pre_filled = pools.pool_container_ids()
     assert backend.warm_count(small) == 0
 
     first = await pools.create(backend, "first-small", size=small)
 
     assert first.private["container_id"] not in pre_filled
-    await pools.full(backend, wait_for, small)
+    await pools.full(backend, small)
     warm_small = pools.pool_container_ids() - pre_filled
     assert len(warm_small) == 1
     second = await pools.create(backend, "second-small", size=small)
@@ -387,13 +385,13 @@ async def test_a_size_not_pre_filled_is_kept_warm_after_its_first_use(pools: Poo
     assert probed["memory"] == str(small.memory_mib * 1024 * 1024)
     assert (probed["pids"], probed["tmp_mib"]) == (str(small.pids), small.tmp_mib)
     assert 0.9 * small.disk_mib <= probed["workspace_mib"] <= small.disk_mib
-    await pools.full(backend, wait_for, small)  # and it is topped up again
+    await pools.full(backend, small)  # and it is topped up again
 
 
 async def test_a_claimed_sandbox_made_again_after_its_container_died_keeps_its_files_and_uid(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    backend = await pools.started(wait_for)
+    backend = await pools.started()
     claimed = await pools.create(backend, "phoenix")
     async with DaemonClient(claimed.socket_path) as client:
         await client.write_file("kept.txt", b"kept")
@@ -409,13 +407,13 @@ async def test_a_claimed_sandbox_made_again_after_its_container_died_keeps_its_f
 
 
 async def test_adopt_after_a_restart_keeps_a_claimed_sandbox_and_removes_unclaimed_pool_containers(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    before = await pools.started(wait_for)
+    before = await pools.started()
     claimed = await pools.create(before, "survivor")
     async with DaemonClient(claimed.socket_path) as client:
         await client.write_file("kept.txt", b"kept")
-    await pools.full(before, wait_for)
+    await pools.full(before)
     assert len(pools.pool_container_ids()) == 1
     # The service dies without closing its backend; a new one adopts.
 
@@ -435,8 +433,8 @@ async def test_adopt_after_a_restart_keeps_a_claimed_sandbox_and_removes_unclaim
     assert result.stdout == b"kept hello pool\n"
 
 
-async def test_adopt_removes_a_claimed_sandbox_whose_directory_is_gone(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for)
+async def test_adopt_removes_a_claimed_sandbox_whose_directory_is_gone(pools: Pools) -> None:
+    backend = await pools.started()
     handle = await pools.create(backend, "orphaned")
     home = Path(str(handle.private["home"]))
     await unmount_under(home)
@@ -448,9 +446,9 @@ async def test_adopt_removes_a_claimed_sandbox_whose_directory_is_gone(pools: Po
 
 
 async def test_destroying_a_pooled_sandbox_removes_its_container_filesystems_and_directory(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    backend = await pools.started(wait_for)
+    backend = await pools.started()
     handle = await pools.create(backend, "short-lived")
     home = Path(str(handle.private["home"]))
     assert home.is_dir()
@@ -465,8 +463,8 @@ async def test_destroying_a_pooled_sandbox_removes_its_container_filesystems_and
     assert not await backend.is_alive(handle)
 
 
-async def test_pause_and_resume_work_on_a_pooled_sandbox(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for)
+async def test_pause_and_resume_work_on_a_pooled_sandbox(pools: Pools) -> None:
+    backend = await pools.started()
     handle = await pools.create(backend, "sleepy")
 
     await backend.pause(handle)
@@ -477,8 +475,8 @@ async def test_pause_and_resume_work_on_a_pooled_sandbox(pools: Pools, wait_for:
         assert (await client.run(argv=["true"])).exit_code == 0
 
 
-async def test_a_dead_pool_container_is_discarded_and_the_sandbox_starts_fresh(pools: Pools, wait_for: WaitFor) -> None:
-    backend = await pools.started(wait_for)
+async def test_a_dead_pool_container_is_discarded_and_the_sandbox_starts_fresh(pools: Pools) -> None:
+    backend = await pools.started()
     (dead,) = pools.pool_container_ids()
     pools.engine.containers.get(dead).kill()
 
@@ -493,9 +491,9 @@ async def test_a_dead_pool_container_is_discarded_and_the_sandbox_starts_fresh(p
 
 
 async def test_closing_the_backend_removes_unclaimed_pool_containers_but_not_sandboxes(
-    pools: Pools, wait_for: WaitFor
+    pools: Pools
 ) -> None:
-    backend = await pools.started(wait_for, pool_size=2)
+    backend = await pools.started(pool_size=2)
     handle = await pools.create(backend, "outlives-the-pool")
 
     await backend.close()

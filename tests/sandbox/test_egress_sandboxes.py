@@ -17,10 +17,10 @@ import docker
 import grpc
 import pytest
 import pytest_asyncio
-from sandbox_support import wait_until
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
 from egress_helpers import CONNECT, DIRECT, FETCH, Target, echo_target, http_target, local_names_only  # noqa: F401 (fixture)
 from grpc_support import internal_channel
+from waiting import wait_until
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
@@ -140,7 +140,7 @@ async def service(settings: Settings, request: pytest.FixtureRequest) -> AsyncIt
         pool = svc.backend if isinstance(svc.backend, DockerBackend) and svc.backend.pool_size else None
         if pool is not None:
             warm_count = pool.warm_count
-            await wait_until(lambda: warm_count() == 1, timeout=180, message="pool warm")
+            await wait_until(lambda: warm_count() == 1, timeout=180, what="pool warm")
         network = common_pb2.NetworkPolicy(
             access=common_pb2.NETWORK_ACCESS_RESTRICTED, allowed_domains=["localhost"], blocked_domains=["blocked.localhost"]
         )

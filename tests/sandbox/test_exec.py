@@ -7,6 +7,8 @@ import contextlib
 from typing import Any
 
 import pytest
+from sandbox_support import Sandbox
+from waiting import wait_until
 
 from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
 
@@ -19,7 +21,7 @@ async def _pid_gone(client: Any, pid: int) -> bool:
     return bool(result.exit_code != 0)
 
 
-async def test_exec_reports_exit_codes_and_keeps_stderr_separate(sandbox: Any) -> None:
+async def test_exec_reports_exit_codes_and_keeps_stderr_separate(sandbox: Sandbox) -> None:
     ok = await sandbox.client.run(argv=["true"])
     failed = await sandbox.client.run(shell="echo out; echo err >&2; exit 7")
     signalled = await sandbox.client.run(shell="kill -TERM $$")
@@ -31,7 +33,7 @@ async def test_exec_reports_exit_codes_and_keeps_stderr_separate(sandbox: Any) -
     assert missing.exit_code == 127
 
 
-async def test_exec_passes_cwd_env_and_stdin(sandbox: Any) -> None:
+async def test_exec_passes_cwd_env_and_stdin(sandbox: Sandbox) -> None:
     await sandbox.client.mkdir("/workspace/sub")
     result = await sandbox.client.run(
         shell='pwd; echo "$GREETING $HOME"; cat', cwd="/workspace/sub", env={"GREETING": "hello"}, stdin=b"from stdin"
@@ -40,7 +42,7 @@ async def test_exec_passes_cwd_env_and_stdin(sandbox: Any) -> None:
     assert result.stdout == b"/workspace/sub\nhello /workspace\nfrom stdin"
 
 
-async def test_exec_streams_ten_mebibytes_without_deadlock(sandbox: Any) -> None:
+async def test_exec_streams_ten_mebibytes_without_deadlock(sandbox: Sandbox) -> None:
     size = 10 * 1024 * 1024
     counts = {"stdout": 0, "stderr": 0}
     seqs: list[int] = []
@@ -58,7 +60,7 @@ async def test_exec_streams_ten_mebibytes_without_deadlock(sandbox: Any) -> None
     assert seqs == list(range(len(seqs)))
 
 
-async def test_hung_exec_does_not_block_another_exec_on_the_same_connection(sandbox: Any) -> None:
+async def test_hung_exec_does_not_block_another_exec_on_the_same_connection(sandbox: Sandbox) -> None:
     hung = asyncio.create_task(sandbox.client.run(argv=["sleep", "600"]))
     try:
         quick = await asyncio.wait_for(sandbox.client.run(argv=["echo", "still served"]), timeout=5)
@@ -70,7 +72,7 @@ async def test_hung_exec_does_not_block_another_exec_on_the_same_connection(sand
             await hung
 
 
-async def test_cancelling_an_exec_kills_its_process_group(sandbox: Any, wait_for: Any) -> None:
+async def test_cancelling_an_exec_kills_its_process_group(sandbox: Sandbox) -> None:
     stream = sandbox.client.exec(shell="sleep 600 & echo $!; wait")
     first = await anext(stream)
     assert isinstance(first, OutputChunk)
@@ -78,18 +80,18 @@ async def test_cancelling_an_exec_kills_its_process_group(sandbox: Any, wait_for
 
     await stream.aclose()
 
-    await wait_for(lambda: _pid_gone(sandbox.client, child))
+    await wait_until(lambda: _pid_gone(sandbox.client, child))
 
 
-async def test_exec_timeout_kills_the_process_group_and_reports_timed_out(sandbox: Any, wait_for: Any) -> None:
+async def test_exec_timeout_kills_the_process_group_and_reports_timed_out(sandbox: Sandbox) -> None:
     result = await sandbox.client.run(shell="sleep 600 & echo $!; wait", timeout_s=0.5)
     child = int(result.stdout.split()[0])
 
     assert (result.exit_code, result.timed_out) == (124, True)
-    await wait_for(lambda: _pid_gone(sandbox.client, child))
+    await wait_until(lambda: _pid_gone(sandbox.client, child))
 
 
-async def test_warm_exec_reuses_one_connection(sandbox: Any) -> None:
+async def test_warm_exec_reuses_one_connection(sandbox: Sandbox) -> None:
     loop = asyncio.get_running_loop()
     await sandbox.client.run(argv=["true"])
     started = loop.time()
@@ -101,7 +103,7 @@ async def test_warm_exec_reuses_one_connection(sandbox: Any) -> None:
     assert per_exec < 0.05
 
 
-async def test_closing_the_connection_kills_a_running_exec(sandbox: Any, wait_for: Any) -> None:
+async def test_closing_the_connection_kills_a_running_exec(sandbox: Sandbox) -> None:
     other = DaemonClient(sandbox.handle.socket_path)
     stream = other.exec(shell="sleep 600 & echo $!; wait")
     first = await anext(stream)
@@ -110,4 +112,4 @@ async def test_closing_the_connection_kills_a_running_exec(sandbox: Any, wait_fo
 
     await other.close()
 
-    await wait_for(lambda: _pid_gone(sandbox.client, child))
+    await wait_until(lambda: _pid_gone(sandbox.client, child))

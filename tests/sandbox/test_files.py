@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
+from sandbox_support import Sandbox
 
 from services.sandbox.daemon_client import DaemonError
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_files_round_trip_through_write_read_stat_list_and_remove(sandbox: Any) -> None:
+async def test_files_round_trip_through_write_read_stat_list_and_remove(sandbox: Sandbox) -> None:
     client = sandbox.client
     size = await client.write_file("/workspace/notes/today.txt", b"first\n", mode=0o600)
     appended = await client.write_file("notes/today.txt", b"second\n", append=True)
@@ -41,7 +41,7 @@ async def test_files_round_trip_through_write_read_stat_list_and_remove(sandbox:
     assert await client.list_files() == []
 
 
-async def test_overwriting_a_file_is_atomic_and_leaves_no_temporary_files(sandbox: Any) -> None:
+async def test_overwriting_a_file_is_atomic_and_leaves_no_temporary_files(sandbox: Sandbox) -> None:
     await sandbox.client.write_file("data.bin", b"old" * 1000)
     await sandbox.client.write_file("data.bin", b"new")
 
@@ -49,7 +49,7 @@ async def test_overwriting_a_file_is_atomic_and_leaves_no_temporary_files(sandbo
     assert (sandbox.workspace / "data.bin").read_bytes() == b"new"
 
 
-async def test_large_files_stream_in_chunks_of_at_most_one_mebibyte(sandbox: Any) -> None:
+async def test_large_files_stream_in_chunks_of_at_most_one_mebibyte(sandbox: Sandbox) -> None:
     payload = os.urandom(3 * 1024 * 1024 + 17)
     await sandbox.client.write_file("big.bin", payload)
 
@@ -62,7 +62,7 @@ async def test_large_files_stream_in_chunks_of_at_most_one_mebibyte(sandbox: Any
 
 
 @pytest.mark.parametrize("path", ["../../etc/passwd", "/workspace/../etc/passwd", "a/../../etc/passwd", "/etc/passwd"])
-async def test_paths_outside_the_workspace_are_invalid_arguments(sandbox: Any, path: str) -> None:
+async def test_paths_outside_the_workspace_are_invalid_arguments(sandbox: Sandbox, path: str) -> None:
     with pytest.raises(DaemonError) as read_error:
         await sandbox.client.read_file_bytes(path)
     with pytest.raises(DaemonError) as write_error:
@@ -72,7 +72,7 @@ async def test_paths_outside_the_workspace_are_invalid_arguments(sandbox: Any, p
     assert write_error.value.code == "invalid_argument"
 
 
-async def test_symlinks_leaving_the_workspace_are_permission_denied(sandbox: Any) -> None:
+async def test_symlinks_leaving_the_workspace_are_permission_denied(sandbox: Sandbox) -> None:
     client = sandbox.client
     await client.write_file("inside.txt", b"fine")
     made = await client.run(shell="ln -s /etc etc_link && ln -s /etc/passwd passwd_link && ln -s inside.txt ok_link")

@@ -10,9 +10,10 @@ import signal
 import struct
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from sandbox_support import Sandbox, SandboxFactory
+from waiting import wait_until
 
 from services.sandbox.backends.base import BackendUnavailable, SandboxSpec
 from services.sandbox.backends.local import LocalBackend, detect_freezers
@@ -58,13 +59,13 @@ def _host_tree(root: int) -> list[int]:
 
 @pytest.mark.parametrize("freezer", detect_freezers())
 async def test_paused_sandbox_keeps_files_and_freezes_processes_until_resumed(
-    make_sandbox: Any, wait_for: Any, tmp_path: Path, freezer: str
+    make_sandbox: SandboxFactory, tmp_path: Path, freezer: str
 ) -> None:
     sandbox = await make_sandbox(freezer=freezer)
     assert sandbox.handle.private["freezer"] == freezer
     await sandbox.client.start_process(name="counter", argv=["python3", "-c", COUNTER, "/workspace/counter"])
     counter = sandbox.workspace / "counter"
-    await wait_for(lambda: _counter(counter) > 5)
+    await wait_until(lambda: _counter(counter) > 5)
 
     await sandbox.client.write_file("before_pause.txt", b"written just before the pause")
     await sandbox.backend.pause(sandbox.handle)
@@ -76,7 +77,7 @@ async def test_paused_sandbox_keeps_files_and_freezes_processes_until_resumed(
     reference = tmp_path / "reference"
     twin = await asyncio.create_subprocess_exec(sys.executable, "-c", COUNTER, str(reference))
     try:
-        await wait_for(lambda: _counter(reference) >= 25, message="reference counter advanced")
+        await wait_until(lambda: _counter(reference) >= 25, what="reference counter advanced")
     finally:
         twin.kill()
         await twin.wait()
@@ -85,11 +86,11 @@ async def test_paused_sandbox_keeps_files_and_freezes_processes_until_resumed(
     await sandbox.backend.resume(sandbox.handle)
     await sandbox.backend.resume(sandbox.handle)
 
-    await wait_for(lambda: _counter(counter) > frozen_at + 5, message="counter advanced after resume")
+    await wait_until(lambda: _counter(counter) > frozen_at + 5, what="counter advanced after resume")
     assert await sandbox.client.read_file_bytes("before_pause.txt") == b"written just before the pause"
 
 
-async def test_sandbox_survives_a_service_restart_and_is_adopted(tmp_path: Path, wait_for: Any) -> None:
+async def test_sandbox_survives_a_service_restart_and_is_adopted(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     first_backend = LocalBackend(data_dir, "bwrap")
     handle = await first_backend.create(SandboxSpec(sandbox_id="keep"))
@@ -122,7 +123,7 @@ async def test_sandbox_survives_a_service_restart_and_is_adopted(tmp_path: Path,
 
 
 @pytest.mark.parametrize("network", ["disabled", "enabled", "restricted"])
-async def test_host_loopback_is_unreachable_whatever_the_network_policy(make_sandbox: Any, network: str) -> None:
+async def test_host_loopback_is_unreachable_whatever_the_network_policy(make_sandbox: SandboxFactory, network: str) -> None:
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
@@ -136,7 +137,7 @@ async def test_host_loopback_is_unreachable_whatever_the_network_policy(make_san
     assert result.exit_code != 0, result.stderr
 
 
-async def test_unconfined_sandbox_runs_commands_on_the_host_with_paths_still_confined(make_sandbox: Any) -> None:
+async def test_unconfined_sandbox_runs_commands_on_the_host_with_paths_still_confined(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox(isolation="none", env={"DATA": "/workspace/data"})
     root = str(sandbox.workspace)
 
@@ -151,7 +152,7 @@ async def test_unconfined_sandbox_runs_commands_on_the_host_with_paths_still_con
     assert traversal.value.code == "invalid_argument"
 
 
-async def test_daemon_refuses_an_unsupported_protocol_version(sandbox: Any) -> None:
+async def test_daemon_refuses_an_unsupported_protocol_version(sandbox: Sandbox) -> None:
     reader, writer = await asyncio.open_unix_connection(sandbox.handle.socket_path)
     body = json.dumps({"op": "hello", "v": 2}).encode()
     writer.write(struct.pack(">I", len(body)) + body)
@@ -166,11 +167,11 @@ async def test_daemon_refuses_an_unsupported_protocol_version(sandbox: Any) -> N
     assert (await sandbox.client.ping())["ok"] is True
 
 
-async def test_destroy_stops_every_process_and_deletes_the_sandbox(make_sandbox: Any, wait_for: Any) -> None:
+async def test_destroy_stops_every_process_and_deletes_the_sandbox(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox()
     await sandbox.client.start_process(name="escapee", shell="( setsid sleep 600 & ); sleep 600")
     pid = int(sandbox.handle.private["pid"])
-    await wait_for(lambda: len(_host_tree(pid)) >= 4, message="sandbox processes started")
+    await wait_until(lambda: len(_host_tree(pid)) >= 4, what="sandbox processes started")
     members = _host_tree(pid)
     cgroup_dirs = list(sandbox.handle.private["cgroups"]["dirs"].values())
 
@@ -183,12 +184,12 @@ async def test_destroy_stops_every_process_and_deletes_the_sandbox(make_sandbox:
     assert not os.path.ismount(str(sandbox.handle.private["workspace_dir"]))
 
 
-async def test_recreating_a_dead_sandbox_keeps_its_workspace(make_sandbox: Any, wait_for: Any) -> None:
+async def test_recreating_a_dead_sandbox_keeps_its_workspace(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("phoenix")
     await sandbox.client.write_file("keep.txt", b"still here")
     for pid in _host_tree(int(sandbox.handle.private["pid"])):
         os.kill(pid, signal.SIGKILL)
-    await wait_for(lambda: _alive_is(sandbox, False))
+    await wait_until(lambda: _alive_is(sandbox, False))
 
     handle = await sandbox.backend.create(SandboxSpec(sandbox_id="phoenix"))
     async with DaemonClient(handle.socket_path) as client:
@@ -199,11 +200,11 @@ async def test_recreating_a_dead_sandbox_keeps_its_workspace(make_sandbox: Any, 
     sandbox.handle = handle
 
 
-async def _alive_is(sandbox: Any, expected: bool) -> bool:
+async def _alive_is(sandbox: Sandbox, expected: bool) -> bool:
     return bool(await sandbox.backend.is_alive(sandbox.handle) == expected)
 
 
-async def test_creating_a_sandbox_is_idempotent_while_it_runs(make_sandbox: Any) -> None:
+async def test_creating_a_sandbox_is_idempotent_while_it_runs(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("same")
 
     again = await sandbox.backend.create(SandboxSpec(sandbox_id="same"))

@@ -7,10 +7,11 @@ import asyncio
 import os
 import socket
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hosts_support import http_server_on, make_test_host
+from sandbox_support import Sandbox, SandboxFactory
+from waiting import wait_until
 
 from services.sandbox.backends.base import SandboxSpec
 from services.sandbox.isolation.network import host_addresses
@@ -29,7 +30,7 @@ def _host_uid(pid: int) -> int:
     raise AssertionError(f"no Uid line for {pid}")
 
 
-async def test_commands_run_as_an_unprivileged_user_with_no_capabilities(sandbox: Any) -> None:
+async def test_commands_run_as_an_unprivileged_user_with_no_capabilities(sandbox: Sandbox) -> None:
     result = await sandbox.client.run(shell="id -u; grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status")
     lines = result.stdout.decode().split("\n")
 
@@ -41,14 +42,14 @@ async def test_commands_run_as_an_unprivileged_user_with_no_capabilities(sandbox
     assert _host_uid(int(sandbox.handle.private["inner_pid"])) == sandbox.handle.private["uid"]
 
 
-async def test_two_sandboxes_never_share_a_host_uid(make_sandbox: Any) -> None:
+async def test_two_sandboxes_never_share_a_host_uid(make_sandbox: SandboxFactory) -> None:
     first = await make_sandbox("uid-a")
     second = await make_sandbox("uid-b")
 
     assert first.handle.private["uid"] != second.handle.private["uid"]
 
 
-async def test_the_hosts_etc_and_other_files_are_not_visible(make_sandbox: Any) -> None:
+async def test_the_hosts_etc_and_other_files_are_not_visible(make_sandbox: SandboxFactory) -> None:
     victim = await make_sandbox("victim")
     await victim.client.write_file("/workspace/secret.txt", b"victim's secret")
     attacker = await make_sandbox("attacker")
@@ -72,7 +73,7 @@ async def test_the_hosts_etc_and_other_files_are_not_visible(make_sandbox: Any) 
     assert "no-secret" in out
 
 
-async def test_the_syscall_filter_refuses_namespaces_and_mounts(sandbox: Any) -> None:
+async def test_the_syscall_filter_refuses_namespaces_and_mounts(sandbox: Sandbox) -> None:
     probe = (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -88,7 +89,7 @@ async def test_the_syscall_filter_refuses_namespaces_and_mounts(sandbox: Any) ->
         assert (code, errno) == ("-1", "1"), line
 
 
-async def test_a_command_over_its_memory_is_killed_and_the_sandbox_goes_on(make_sandbox: Any) -> None:
+async def test_a_command_over_its_memory_is_killed_and_the_sandbox_goes_on(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("memory", size=TINY)
 
     hog = await sandbox.client.run(argv=["python3", "-c", "b = bytearray(512 * 1024 * 1024); print('allocated')"], timeout_s=60)
@@ -98,7 +99,7 @@ async def test_a_command_over_its_memory_is_killed_and_the_sandbox_goes_on(make_
     assert after.exit_code == 0 and after.stdout == b"still here\n"
 
 
-async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_sandbox_goes_on(make_sandbox: Any) -> None:
+async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_sandbox_goes_on(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("forks", size=TINY)
     bomb = (
         "import os, time\n"
@@ -123,7 +124,7 @@ async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_sandbox_goes_on(make_
     assert after.stdout == b"alive\n"
 
 
-async def test_a_write_past_the_disk_quota_fails_with_enospc(make_sandbox: Any) -> None:
+async def test_a_write_past_the_disk_quota_fails_with_enospc(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("disk", size=TINY)
     fill = (
         "import errno\n"
@@ -145,7 +146,7 @@ async def test_a_write_past_the_disk_quota_fails_with_enospc(make_sandbox: Any) 
 
 
 @pytest.mark.parametrize("network", ["disabled", "restricted", "enabled"])
-async def test_no_host_address_or_private_range_is_reachable(make_sandbox: Any, network: str) -> None:
+async def test_no_host_address_or_private_range_is_reachable(make_sandbox: SandboxFactory, network: str) -> None:
     sandbox = await make_sandbox(f"net-{network}", network=network)
     server = await asyncio.start_server(lambda r, w: w.close(), "0.0.0.0", 0, family=socket.AF_INET)
     port = server.sockets[0].getsockname()[1]
@@ -171,7 +172,7 @@ async def test_no_host_address_or_private_range_is_reachable(make_sandbox: Any, 
     assert set(verdicts.values()) == {"refused"}, verdicts
 
 
-async def test_an_enabled_sandbox_reaches_a_test_host_only_when_its_range_is_allowed(make_sandbox: Any) -> None:
+async def test_an_enabled_sandbox_reaches_a_test_host_only_when_its_range_is_allowed(make_sandbox: SandboxFactory) -> None:
     with make_test_host() as host, http_server_on(host, "from the test host") as url:
         fetch = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
         allowed = await make_sandbox("allowed", network="enabled", allow_cidrs=(host.cidr,))
@@ -186,7 +187,7 @@ async def test_an_enabled_sandbox_reaches_a_test_host_only_when_its_range_is_all
     assert unreachable.exit_code != 0
 
 
-async def test_each_sandbox_has_its_own_network_namespace(make_sandbox: Any) -> None:
+async def test_each_sandbox_has_its_own_network_namespace(make_sandbox: SandboxFactory) -> None:
     first = await make_sandbox("ns-a", network="enabled")
     second = await make_sandbox("ns-b", network="enabled")
 
@@ -196,7 +197,7 @@ async def test_each_sandbox_has_its_own_network_namespace(make_sandbox: Any) -> 
     assert os.readlink("/proc/self/ns/net") not in namespaces
 
 
-async def test_a_background_processs_output_never_lands_on_the_hosts_disk(make_sandbox: Any) -> None:
+async def test_a_background_processs_output_never_lands_on_the_hosts_disk(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("chatty", size=TINY)
     host_state = Path(str(sandbox.handle.private["run_dir"])) / "berth" / "state"
 
@@ -210,11 +211,11 @@ async def test_a_background_processs_output_never_lands_on_the_hosts_disk(make_s
     assert after.stdout == b"alive\n"
 
 
-async def test_recreating_a_sandbox_that_died_stops_the_user_network_it_left(make_sandbox: Any, wait_for: Any) -> None:
+async def test_recreating_a_sandbox_that_died_stops_the_user_network_it_left(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("phoenix", network="enabled")
     first_slirp = int(sandbox.handle.private["user_network"]["pid"])
     os.kill(int(sandbox.handle.private["pid"]), 9)
-    await wait_for(lambda: not sandbox.backend._alive(sandbox.handle), message="the sandbox died")
+    await wait_until(lambda: not sandbox.backend._alive(sandbox.handle), what="the sandbox died")
 
     again = await sandbox.backend.create(SandboxSpec(sandbox_id="phoenix", network="enabled"))
 
@@ -224,6 +225,6 @@ async def test_recreating_a_sandbox_that_died_stops_the_user_network_it_left(mak
         except OSError:
             return True
 
-    await wait_for(first_slirp_gone, message="the dead sandbox's slirp4netns ended")
+    await wait_until(first_slirp_gone, what="the dead sandbox's slirp4netns ended")
     assert int(again.private["user_network"]["pid"]) != first_slirp
     await sandbox.backend.destroy(again)

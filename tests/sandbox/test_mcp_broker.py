@@ -13,19 +13,26 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
-import sysconfig
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
 from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
-from hosts_support import TestHost, free_port_on, make_test_host
+from hosts_support import TestHost, free_port, free_port_on
+from mcp_test_support import (
+    HOST_PYTHON,
+    SERVER_IN_SANDBOX,
+    SERVER_SCRIPT,
+    SERVERS_DIR,
+    SITE_IN_SANDBOX,
+    SITE_PACKAGES,
+    require_host_python_mcp,
+)
+from waiting import wait_until
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
@@ -40,54 +47,24 @@ from services.sandbox.servicer import SandboxServicer
 
 ORG_A = (("x-berth-org", "org_a"),)
 ORG_B = (("x-berth-org", "org_b"),)
-HOST_PYTHON = "/usr/bin/python3"
-SITE_PACKAGES = sysconfig.get_paths()["purelib"]
-SERVERS_DIR = Path(__file__).parent / "mcp_servers"
-SERVER_SCRIPT = SERVERS_DIR / "test_server.py"
-SITE_IN_SANDBOX = "/opt/berth-site"
-SERVER_IN_SANDBOX = "/opt/berth-mcp/test_server.py"
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "sandbox" / "migrations" / "versions"
 PROTOCOL_VERSION = "2025-06-18"
 
-Stub = sandbox_service_pb2_grpc.SandboxServiceStub
+Stub: TypeAlias = sandbox_service_pb2_grpc.SandboxServiceStub
 Json = dict[str, Any]
-
-
-def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("BERTH_REQUIRE_BWRAP") == "1":
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
 def host_python_runs_mcp() -> None:
     """The server's interpreter must import the venv's ``mcp`` and its
     compiled dependencies."""
-    if not os.path.exists(HOST_PYTHON):
-        _skip_or_fail(f"{HOST_PYTHON} is not installed")
-    probe = subprocess.run(
-        [HOST_PYTHON, "-c", "import sys, pydantic_core, mcp.server; print('%d.%d' % sys.version_info[:2])"],
-        env={"PYTHONPATH": SITE_PACKAGES, "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-    )
-    expected = "%d.%d" % sys.version_info[:2]
-    if probe.returncode != 0 or probe.stdout.strip() != expected:
-        _skip_or_fail(f"{HOST_PYTHON} cannot import mcp from {SITE_PACKAGES} (needs Python {expected}): {probe.stderr[-500:]}")
+    require_host_python_mcp()
 
 
 @dataclass
 class Service:
     stub: Stub
     address: str
-
-
-@pytest.fixture
-def test_host() -> Iterator[TestHost]:
-    """The host the HTTP MCP test server runs on: not the Berth host, whose
-    addresses no sandbox reaches."""
-    with make_test_host() as host:
-        yield host
 
 
 @pytest.fixture
@@ -132,12 +109,6 @@ async def second_client(service: Service) -> AsyncIterator[Stub]:
         yield Stub(channel)
     finally:
         await channel.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(params=["sse", "json"])
@@ -221,15 +192,11 @@ async def list_brokers(stub: Stub, sandbox_id: str) -> dict[str, sandbox_pb2.Mcp
 
 
 async def wait_until_dead(stub: Stub, sandbox_id: str, label: str) -> sandbox_pb2.McpBroker:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while True:
+    async def dead() -> sandbox_pb2.McpBroker | None:
         broker = (await list_brokers(stub, sandbox_id))[label]
-        if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD:
-            return broker
-        if loop.time() > deadline:
-            pytest.fail(f"broker {label} did not die")
-        await asyncio.sleep(0.02)
+        return broker if broker.state == sandbox_pb2.MCP_BROKER_STATE_DEAD else None
+
+    return await wait_until(dead, what=f"broker {label} died")
 
 
 async def shell(stub: Stub, sandbox_id: str, command: str) -> tuple[int, str]:
@@ -462,7 +429,7 @@ async def test_closing_the_upstream_session_reinitializes_transparently_on_the_n
 async def test_an_unreachable_http_server_answers_with_a_jsonrpc_error(service: Service) -> None:
     stub = service.stub
     await create_sandbox(stub, "sbx_nohttp", network=True)
-    url = f"http://127.0.0.1:{_free_port()}/mcp"
+    url = f"http://127.0.0.1:{free_port()}/mcp"
     await start(stub, "sbx_nohttp", "gone", sandbox_pb2.McpTransport(http=sandbox_pb2.McpHttpTransport(server_url=url)))
     response = await send(stub, "sbx_nohttp", "gone", initialize(5))
     assert response is not None and response["id"] == 5

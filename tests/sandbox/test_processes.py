@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any
 
 import pytest
+from sandbox_support import Sandbox, collect_output
+from waiting import wait_until
 
-from services.sandbox.daemon_client import DaemonClient, ExitStatus, OutputChunk
+from services.sandbox.daemon_client import DaemonClient, OutputChunk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,17 +30,6 @@ for i in range({FIRST_LINES}, {LAST_LINE}):
     out.write("%08d\\n" % i)
 out.flush()
 """
-
-
-async def _collect(stream: Any) -> tuple[list[OutputChunk], ExitStatus | None]:
-    chunks: list[OutputChunk] = []
-    status: ExitStatus | None = None
-    async for item in stream:
-        if isinstance(item, OutputChunk):
-            chunks.append(item)
-        else:
-            status = item
-    return chunks, status
 
 
 def _read_log(path: Path) -> list[tuple[int, int, bytes]]:
@@ -71,7 +61,7 @@ def _host_pids_with_marker(process_id: str) -> list[int]:
     return found
 
 
-async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait_for: Any) -> None:
+async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Sandbox) -> None:
     first_client = DaemonClient(sandbox.handle.socket_path)
     proc = await first_client.start_process(name="numbers", argv=["python3", "-c", NUMBERED_LINES])
     early = first_client.attach_process(proc.process_id)
@@ -81,7 +71,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait
 
     second_client = DaemonClient(sandbox.handle.socket_path)
     await second_client.write_file("go", b"")
-    chunks, status = await _collect(second_client.attach_process(proc.process_id, from_seq=0))
+    chunks, status = await collect_output(second_client.attach_process(proc.process_id, from_seq=0))
 
     assert status is not None and status.exit_code == 0
     assert [c.seq for c in chunks] == list(range(len(chunks)))
@@ -89,7 +79,7 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait
     assert chunks[:3] == seen
 
     later = len(chunks) // 2
-    tail, _ = await _collect(second_client.attach_process(proc.process_id, from_seq=later))
+    tail, _ = await collect_output(second_client.attach_process(proc.process_id, from_seq=later))
     assert tail == chunks[later:]
 
     # The first megabyte left the ring, so it was replayed from the log.
@@ -101,24 +91,24 @@ async def test_reattaching_after_a_disconnect_loses_no_output(sandbox: Any, wait
     await second_client.close()
 
 
-async def test_background_process_survives_the_connection_that_started_it(sandbox: Any, wait_for: Any) -> None:
+async def test_background_process_survives_the_connection_that_started_it(sandbox: Sandbox) -> None:
     starter = DaemonClient(sandbox.handle.socket_path)
     proc = await starter.start_process(
         name="ticker", shell="i=0; while :; do i=$((i+1)); echo $i > tick.tmp; mv tick.tmp tick; sleep 0.01; done"
     )
     await starter.close()
     tick = sandbox.workspace / "tick"
-    await wait_for(tick.exists)
+    await wait_until(tick.exists)
     after_close = int(tick.read_text())
 
-    await wait_for(lambda: int(tick.read_text() or 0) > after_close + 3, message="ticker kept running")
+    await wait_until(lambda: int(tick.read_text() or 0) > after_close + 3, what="ticker kept running")
     listed = {p.process_id: p for p in await sandbox.client.list_processes()}
     assert listed[proc.process_id].running
     assert listed[proc.process_id].name == "ticker"
     await sandbox.client.kill_process(proc.process_id)
 
 
-async def test_killing_a_process_leaves_no_descendant_alive(sandbox: Any, wait_for: Any) -> None:
+async def test_killing_a_process_leaves_no_descendant_alive(sandbox: Sandbox) -> None:
     script = """
 sleep 600 & echo $! > group_child.pid
 setsid sh -c 'echo $$ > session_child.pid; exec sleep 600' &
@@ -127,27 +117,27 @@ wait
 """
     proc = await sandbox.client.start_process(name="tree", shell=script)
     pid_files = [sandbox.workspace / name for name in ("group_child.pid", "session_child.pid", "orphan.pid")]
-    await wait_for(lambda: all(f.exists() and f.read_text().strip() for f in pid_files))
+    await wait_until(lambda: all(f.exists() and f.read_text().strip() for f in pid_files))
     assert len(_host_pids_with_marker(proc.process_id)) >= 4
 
     after = await sandbox.client.kill_process(proc.process_id)
 
     assert after is not None and not after.running and after.exit_code == -9
-    await wait_for(lambda: not _host_pids_with_marker(proc.process_id), message="every member of the tree is gone")
+    await wait_until(lambda: not _host_pids_with_marker(proc.process_id), what="every member of the tree is gone")
     for pid_file in pid_files:
         pid = pid_file.read_text().strip()
         check = await sandbox.client.run(shell=f"test -e /proc/{pid}")
         assert check.exit_code != 0, f"{pid_file.name} pid {pid} survived"
 
 
-async def test_exit_codes_are_kept_after_a_process_exits(sandbox: Any) -> None:
+async def test_exit_codes_are_kept_after_a_process_exits(sandbox: Sandbox) -> None:
     quick = await sandbox.client.start_process(name="quick", shell="echo bye; exit 3")
     slow = await sandbox.client.start_process(name="slow", argv=["sleep", "600"])
 
     status = await sandbox.client.wait_process(quick.process_id, timeout_s=10)
     still_running = await sandbox.client.wait_process(slow.process_id, timeout_s=0.1)
     listed = {p.process_id: p for p in await sandbox.client.list_processes()}
-    replay, final = await _collect(sandbox.client.attach_process(quick.process_id))
+    replay, final = await collect_output(sandbox.client.attach_process(quick.process_id))
 
     assert status is not None and status.exit_code == 3
     assert still_running is None

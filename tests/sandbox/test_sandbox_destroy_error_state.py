@@ -9,15 +9,15 @@ import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import grpc
+import docker
 import pytest
 from conftest_docker import docker_engine, docker_test_image  # noqa: F401 (fixtures)
-from grpc_support import internal_channel
+from sandbox_support import RestartableSandboxService
+from waiting import wait_until
 
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
-from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.core.db import open_database
 from services.core.errors import NotFound
@@ -25,30 +25,9 @@ from services.sandbox.backends.base import BackendHandle, SandboxSpec
 from services.sandbox.backends.docker import installation_id
 from services.sandbox.backends.local import LocalBackend
 from services.sandbox.manager import CreateParams, SandboxManager
-from services.sandbox.server import start_sandbox_service
 
 ORG = (("x-berth-org", "org_a"),)
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "sandbox" / "migrations" / "versions"
-
-
-class Running:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.handle: ServiceHandle | None = None
-        self.channel: grpc.aio.Channel | None = None
-
-    async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
-        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
-        self.channel = internal_channel(self.handle.address)
-        return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
-
-    async def stop(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-            self.channel = None
-        if self.handle is not None:
-            await self.handle.stop(0.2)
-            self.handle = None
 
 
 def _kill_every_process(handle: BackendHandle) -> None:
@@ -73,9 +52,9 @@ async def _state(stub: sandbox_service_pb2_grpc.SandboxServiceStub, sandbox_id: 
 
 
 async def test_destroying_a_local_sandbox_lost_in_a_restart_deletes_its_directory(
-    tmp_path: Path, bwrap_available: None, wait_for: Any
+    tmp_path: Path, bwrap_available: None
 ) -> None:
-    service = Running(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0))
+    service = RestartableSandboxService(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0))
     home = tmp_path / "berth" / "sandboxes" / "sbx_lost"
     handle: BackendHandle | None = None
     try:
@@ -85,7 +64,7 @@ async def test_destroying_a_local_sandbox_lost_in_a_restart_deletes_its_director
         # The sandbox dies while no service watches it (a host reboot, an OOM kill).
         (handle,) = await LocalBackend(tmp_path / "berth", isolation="none").adopt()
         _kill_every_process(handle)
-        await wait_for(lambda: _none_alive(tmp_path / "berth"), message="the sandbox died")
+        await wait_until(lambda: _none_alive(tmp_path / "berth"), what="the sandbox died")
 
         stub = await service.start()
         assert await _state(stub, "sbx_lost") == sandbox_pb2.SANDBOX_STATE_ERROR
@@ -146,13 +125,13 @@ async def test_a_destroy_that_arrives_during_create_leaves_the_sandbox_destroyed
 
 @pytest.mark.docker
 async def test_destroying_a_docker_sandbox_lost_in_a_restart_removes_its_container_and_directory(
-    tmp_path: Path, docker_engine: Any, docker_test_image: str  # noqa: F811 (fixtures)
+    tmp_path: Path, docker_engine: docker.DockerClient, docker_test_image: str  # noqa: F811 (fixtures)
 ) -> None:
     import docker.errors
 
     data_dir = tmp_path / "berth"
     settings = Settings(data_dir=data_dir, sandbox_idle_pause_s=0, sandbox_backend="docker", docker_image=docker_test_image)
-    service = Running(settings)
+    service = RestartableSandboxService(settings)
     name = f"berth-{installation_id(data_dir)}-sbx_lost"
     home = data_dir / "sandboxes" / "sbx_lost"
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TypeAlias
 
 import grpc
 import pytest
@@ -20,7 +21,7 @@ ORG_A = (("x-berth-org", "org_a"),)
 ORG_B = (("x-berth-org", "org_b"),)
 CALLER = (("x-berth-org", "berth.environment-reconciler"),)
 
-Stub = sandbox_service_pb2_grpc.SandboxServiceStub
+Stub: TypeAlias = sandbox_service_pb2_grpc.SandboxServiceStub
 
 
 @pytest.fixture

@@ -2,49 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_support import internal_channel
+from sandbox_support import RestartableSandboxService as Service
+from waiting import wait_until
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
-from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.sandbox.server import start_sandbox_service
 
 ORG_A = (("x-berth-org", "org_a"),)
 ORG_B = (("x-berth-org", "org_b"),)
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
-class Service:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.handle: ServiceHandle | None = None
-        self.channel: grpc.aio.Channel | None = None
-
-    async def start(self) -> sandbox_service_pb2_grpc.SandboxServiceStub:
-        self.handle = await start_sandbox_service(self.settings, address="127.0.0.1:0")
-        self.channel = internal_channel(self.handle.address)
-        return sandbox_service_pb2_grpc.SandboxServiceStub(self.channel)
-
-    async def stop(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-        if self.handle is not None:
-            await self.handle.stop(0.2)
 
 
 @pytest.fixture
@@ -135,7 +106,7 @@ async def test_an_idle_sandbox_is_paused_and_a_keepalive_process_prevents_it(tmp
             got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_idle"), metadata=ORG_A)
             return got.sandbox.state == sandbox_pb2.SANDBOX_STATE_PAUSED
 
-        await wait_until(idle_paused)
+        await wait_until(idle_paused, what="the idle sandbox paused")
         kept = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_keep"), metadata=ORG_A)
         assert kept.sandbox.state == sandbox_pb2.SANDBOX_STATE_RUNNING
         code, out, _ = await run(stub, "sbx_idle", "echo awake")
@@ -178,7 +149,7 @@ async def test_cancelling_an_exec_call_kills_its_command(service: Service) -> No
         code, out, _ = await run(stub, "sbx_cancel", "kill -0 $(cat /workspace/pid) 2>/dev/null && echo alive || echo dead")
         return out.strip() == b"dead"
 
-    await wait_until(gone)
+    await wait_until(gone, what="the cancelled command was killed")
 
 
 async def test_destroy_removes_the_sandbox(service: Service) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
+from sandbox_support import SandboxFactory
 
 from services.sandbox.daemon_client import DaemonError
 
@@ -30,7 +30,7 @@ print(repr(data))
 """
 
 
-async def test_the_relay_carries_a_connection_to_the_unix_socket_and_is_idempotent(make_sandbox: Any) -> None:
+async def test_the_relay_carries_a_connection_to_the_unix_socket_and_is_idempotent(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("relay")
     mounted = Path(sandbox.handle.socket_path).parent
 
@@ -70,7 +70,7 @@ print("closed" if data == b"" else repr(data))
 """
 
 
-async def test_a_relay_connection_closes_at_once_while_nothing_serves_the_socket(make_sandbox: Any) -> None:
+async def test_a_relay_connection_closes_at_once_while_nothing_serves_the_socket(make_sandbox: SandboxFactory) -> None:
     sandbox = await make_sandbox("relay-missing")
     port = await sandbox.client.start_egress_relay(0, "/run/berth/missing.sock")
 

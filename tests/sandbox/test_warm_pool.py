@@ -6,7 +6,7 @@ import asyncio
 import itertools
 
 import pytest
-from sandbox_support import WaitFor
+from waiting import wait_until
 
 from services.sandbox.backends._warm_pool import WarmPool
 
@@ -40,30 +40,30 @@ def _pool(maker: Maker, size: int) -> WarmPool[str, str]:
     return WarmPool(size, maker.make, maker.discard, name="test")
 
 
-async def test_the_pool_fills_each_key_up_to_its_size_and_no_further(wait_for: WaitFor) -> None:
+async def test_the_pool_fills_each_key_up_to_its_size_and_no_further() -> None:
     maker = Maker()
     pool = _pool(maker, 2)
 
     pool.start(["a"])
 
-    await wait_for(lambda: pool.ready("a") == 2)
+    await wait_until(lambda: pool.ready("a") == 2)
     pool.refill("a")
     await asyncio.sleep(0)
     assert pool.ready("a") == 2 and pool.ready("b") == 0 and maker.attempts == 2
     await pool.close()
 
 
-async def test_takers_never_get_the_same_item_and_refill_replaces_what_they_took(wait_for: WaitFor) -> None:
+async def test_takers_never_get_the_same_item_and_refill_replaces_what_they_took() -> None:
     maker = Maker()
     pool = _pool(maker, 2)
     pool.start(["a"])
-    await wait_for(lambda: pool.ready("a") == 2)
+    await wait_until(lambda: pool.ready("a") == 2)
 
     taken = [pool.take("a"), pool.take("a"), pool.take("a")]
 
     assert taken == ["a-1", "a-2", None]
     pool.refill("a")
-    await wait_for(lambda: pool.ready("a") == 2)
+    await wait_until(lambda: pool.ready("a") == 2)
     assert [pool.take("a"), pool.take("a")] == ["a-3", "a-4"]
     await pool.close()
 
@@ -81,7 +81,7 @@ async def test_nothing_is_made_before_start_or_with_size_zero() -> None:
     assert maker.attempts == 0
 
 
-async def test_fills_of_different_keys_make_one_item_at_a_time_taking_turns(wait_for: WaitFor) -> None:
+async def test_fills_of_different_keys_make_one_item_at_a_time_taking_turns() -> None:
     maker = Maker()
     making: list[str] = []
     most_at_once = 0
@@ -99,39 +99,39 @@ async def test_fills_of_different_keys_make_one_item_at_a_time_taking_turns(wait
     maker.gate.clear()
     pool: WarmPool[str, str] = WarmPool(2, make, maker.discard, name="test")
     pool.start(["a", "b"])
-    await wait_for(lambda: maker.attempts >= 1)
+    await wait_until(lambda: maker.attempts >= 1)
     await asyncio.sleep(0)
     assert maker.attempts == 1  # b waits for a's first item
 
     maker.gate.set()
 
-    await wait_for(lambda: pool.ready("a") == 2 and pool.ready("b") == 2)
+    await wait_until(lambda: pool.ready("a") == 2 and pool.ready("b") == 2)
     assert most_at_once == 1
     assert [pool.take("a"), pool.take("b")] == ["a-1", "b-2"]  # turns: a, b, a, b
     await pool.close()
 
 
-async def test_a_failed_fill_stops_until_the_next_refill(wait_for: WaitFor) -> None:
+async def test_a_failed_fill_stops_until_the_next_refill() -> None:
     maker = Maker()
     maker.fail = True
     pool = _pool(maker, 1)
     pool.start(["a"])
-    await wait_for(lambda: maker.attempts == 1)
+    await wait_until(lambda: maker.attempts == 1)
     await asyncio.sleep(0)
     assert pool.ready("a") == 0 and maker.attempts == 1
 
     maker.fail = False
     pool.refill("a")
 
-    await wait_for(lambda: pool.ready("a") == 1)
+    await wait_until(lambda: pool.ready("a") == 1)
     await pool.close()
 
 
-async def test_close_discards_every_ready_item_and_stops_refills(wait_for: WaitFor) -> None:
+async def test_close_discards_every_ready_item_and_stops_refills() -> None:
     maker = Maker()
     pool = _pool(maker, 2)
     pool.start(["a"])
-    await wait_for(lambda: pool.ready("a") == 2)
+    await wait_until(lambda: pool.ready("a") == 2)
 
     await pool.close()
 
@@ -141,12 +141,12 @@ async def test_close_discards_every_ready_item_and_stops_refills(wait_for: WaitF
     assert pool.ready("a") == 0 and maker.attempts == 2
 
 
-async def test_close_waits_for_a_fill_in_progress_and_discards_what_it_made(wait_for: WaitFor) -> None:
+async def test_close_waits_for_a_fill_in_progress_and_discards_what_it_made() -> None:
     maker = Maker()
     maker.gate.clear()
     pool = _pool(maker, 1)
     pool.start(["a"])
-    await wait_for(lambda: maker.attempts == 1)  # half made when close begins
+    await wait_until(lambda: maker.attempts == 1)  # half made when close begins
     closing = asyncio.create_task(pool.close())
     await asyncio.sleep(0)
     assert not closing.done()

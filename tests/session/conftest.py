@@ -301,7 +301,7 @@ class Client:
 
     async def events(self, session_id: str, after: int = 0) -> list[tuple[int, dict[str, Any]]]:
         """The persisted backlog (no follow)."""
-        out = []
+        out: list[tuple[int, dict[str, Any]]] = []
         call = self.stub.StreamSessionEvents(
             session_service_pb2.StreamSessionEventsRequest(session_id=session_id, after_sequence=after, follow=False),
             metadata=self.md,
@@ -363,23 +363,6 @@ def message(text: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- fixtures
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def session_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The Session service database, once on SQLite and once on PostgreSQL
-    (an empty schema per test)."""
-    if request.param == "sqlite":
-        return f"sqlite+berth:///{tmp_path / 'session.db'}"
-    import asyncpg
-
-    dsn: str = request.getfixturevalue("postgres_database")
-    conn = await asyncpg.connect(dsn, timeout=3)
-    try:
-        await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
-    finally:
-        await conn.close()
-    return dsn
-
-
 @pytest.fixture
 async def fake_env(tmp_path: Path) -> AsyncIterator[tuple[FakeEnvironmentService, RunningServer]]:
     service = FakeEnvironmentService(tmp_path / "fake-env")
@@ -394,9 +377,9 @@ async def fake_env(tmp_path: Path) -> AsyncIterator[tuple[FakeEnvironmentService
 
 
 @pytest.fixture
-def settings(tmp_path: Path, session_database_url: str) -> Settings:
+def settings(tmp_path: Path, database_url: str) -> Settings:
     """Every test over the gRPC surface runs on SQLite and on PostgreSQL."""
-    return Settings(data_dir=tmp_path / "data", session_database_url=session_database_url)
+    return Settings(data_dir=tmp_path / "data", session_database_url=database_url)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from openai.types.beta.agent_session import AgentSession
+from openai.types.beta import agent_session
 from pydantic import TypeAdapter
 
 from berth.session.v1 import session_pb2
@@ -16,7 +16,7 @@ from gateway.errors import ApiError
 from gateway.validation import AgentCreateBody, SessionCreateBody, SessionUpdateBody, validate_body
 from services.session.agents import AgentConfig, apply_config, config_message, new_config
 
-SNAPSHOT = TypeAdapter(AgentSession.model_fields["agent"].annotation)
+SNAPSHOT = TypeAdapter(agent_session.Agent)
 NONE_ENV = {"type": "none"}
 
 

@@ -69,7 +69,7 @@ async def test_saved_agents_render_as_sdk_agents_and_update_by_key(client: Any) 
         }
     )
     agent = Agent.model_validate(created)
-    assert agent.name == "Weather bot" and agent.tools[0].defer_loading is False
+    assert agent.name == "Weather bot" and agent.tools[0].defer_loading is False  # type: ignore[union-attr]
     assert created["tools"][1]["transport"] == {"type": "http", "server_url": "https://mcp.example", "headers": {}}
 
     r = await client.update_agent(agent.id, {"name": None, "tools": None})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -74,7 +75,7 @@ def _rpc_error(error: McpServerDead) -> grpc.aio.AioRpcError:
 
 
 @pytest.fixture
-async def connections() -> Any:
+async def connections() -> AsyncIterator[McpConnections]:
     pool = McpConnections(call_timeout_s=10, connect_timeout_s=10)
     yield pool
     await pool.close()

@@ -17,8 +17,8 @@ from services.session.server import start_session_service
 
 
 @pytest.fixture
-async def replicas(tmp_path: Path, session_database_url: str, fake_env: Any, client_for: Any) -> AsyncIterator[tuple[Any, Any]]:
-    settings = Settings(data_dir=tmp_path / "data", session_database_url=session_database_url)
+async def replicas(tmp_path: Path, database_url: str, fake_env: Any, client_for: Any) -> AsyncIterator[tuple[Any, Any]]:
+    settings = Settings(data_dir=tmp_path / "data", session_database_url=database_url)
     env_addr = f"127.0.0.1:{fake_env[1].port}"
     a = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     b = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
@@ -70,7 +70,7 @@ async def test_a_tool_result_sent_to_another_replica_resumes_the_turn(replicas: 
 
 
 async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_sweeper(
-    replicas: tuple[Any, Any], session_database_url: str, tmp_path: Path
+    replicas: tuple[Any, Any], database_url: str, tmp_path: Path
 ) -> None:
     from sqlalchemy import update
 
@@ -87,8 +87,8 @@ async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_swe
     session_id = created.session.id
     await a.wait_for(session_id, lambda e: e["type"] == "agent.session.requires_action")
 
-    migrations = Path(__import__("services.session.server", fromlist=["x"]).__file__).parent / "migrations" / "versions"
-    url = Settings(session_database_url=session_database_url).database_url("session")
+    migrations = Path(str(__import__("services.session.server", fromlist=["x"]).__file__)).parent / "migrations" / "versions"
+    url = Settings(session_database_url=database_url).database_url("session")
     db = await open_database(url, "session", migrations)
     store = Store(db)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from openai.types.beta.agent_session import AgentSession
+from openai.types.beta import agent_session
 from openai.types.beta.agent_session_item import AgentSessionItem
 from openai.types.beta.agents.sessions.turn import Turn
 from pydantic import TypeAdapter
@@ -66,7 +66,7 @@ async def test_input_on_create_runs_a_turn_to_a_final_answer_with_sdk_valid_even
     session = await client.get_session(session_id)
     assert session.status == session_pb2.SESSION_STATUS_IDLE
     assert session.usage.total_tokens > 0
-    TypeAdapter(AgentSession.model_fields["agent"].annotation).validate_python(render.session_agent(session.agent))
+    TypeAdapter(agent_session.Agent).validate_python(render.session_agent(session.agent))
 
 
 async def test_scripted_command_streams_output_and_records_a_command_execution_item(client: Any, fake: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from services.session.harness.models.base import ModelRequest, normalize_transcript
 from services.session.harness.models.scripted import ScriptedProvider, parse_script
@@ -34,7 +35,7 @@ def test_a_script_is_split_into_ordered_actions_and_echoed_text() -> None:
 
 async def test_the_scripted_model_issues_one_tool_call_per_step_then_answers() -> None:
     model = ScriptedProvider()
-    transcript = [{"role": "user", "text": "old"}, {"role": "assistant", "text": "old"}, {"role": "user", "text": "$ ls\ncall f"}]
+    transcript: list[dict[str, Any]] = [{"role": "user", "text": "old"}, {"role": "assistant", "text": "old"}, {"role": "user", "text": "$ ls\ncall f"}]
     request = ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[])
     first = await model.complete(request)
     assert first.text is None and [(c.name, json.loads(c.arguments)) for c in first.tool_calls] == [("exec_command", {"command": "ls"})]
@@ -47,7 +48,7 @@ async def test_the_scripted_model_issues_one_tool_call_per_step_then_answers() -
 
 
 def test_tool_results_follow_their_calls_and_missing_ones_are_filled_in() -> None:
-    entries = [
+    entries: list[dict[str, Any]] = [
         {"role": "user", "text": "u"},
         {"role": "assistant", "tool_calls": [{"id": "a", "name": "f", "arguments": "{}"}]},
         {"role": "assistant", "tool_calls": [{"id": "b", "name": "g", "arguments": "{}"}]},
