@@ -32,7 +32,7 @@ class TestHost:
     def spawn(self, argv: Sequence[str]) -> subprocess.Popen[bytes]:
         """Starts ``argv`` inside the test host's network namespace."""
         process = subprocess.Popen(
-            ["ip", "netns", "exec", self.name, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            in_netns(self.name, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         self.processes.append(process)
         return process
@@ -49,8 +49,17 @@ class TestHost:
                 time.sleep(0.02)
 
 
+def in_netns(name: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` run in the named network namespace. nsenter only joins the
+    namespace; ``ip netns exec`` also remounts /sys in a new mount namespace,
+    which fails now and then (exit 255) while sandboxes mount and unmount."""
+    return ["nsenter", f"--net=/run/netns/{name}", "--", *argv]
+
+
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
 
 
 @contextmanager
@@ -71,9 +80,9 @@ def make_test_host() -> Iterator[TestHost]:
         _ip("link", "set", inner, "netns", name)
         _ip("addr", "add", f"{host_ip}/30", "dev", outer)
         _ip("link", "set", outer, "up")
-        _ip("netns", "exec", name, "ip", "addr", "add", f"{peer_ip}/30", "dev", inner)
-        _ip("netns", "exec", name, "ip", "link", "set", inner, "up")
-        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _ip("-n", name, "addr", "add", f"{peer_ip}/30", "dev", inner)
+        _ip("-n", name, "link", "set", inner, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
         yield host
     finally:
         for process in host.processes:
@@ -92,8 +101,8 @@ def free_port() -> int:
 
 def free_port_on(host: TestHost) -> int:
     out = subprocess.run(
-        ["ip", "netns", "exec", host.name, sys.executable, "-c",
-         "import socket; s = socket.socket(); s.bind(('0.0.0.0', 0)); print(s.getsockname()[1])"],
+        in_netns(host.name, [sys.executable, "-c",
+         "import socket; s = socket.socket(); s.bind(('0.0.0.0', 0)); print(s.getsockname()[1])"]),
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     return int(out.strip())

@@ -21,6 +21,7 @@ import docker
 import docker.errors
 import pytest
 from conftest_docker import docker_engine, docker_test_image, host_address, remove_containers_of  # noqa: F401 (fixtures)
+from hosts_support import in_netns
 from sandbox_support import host_listener
 from waiting import wait_until
 
@@ -232,8 +233,8 @@ def test_host(tmp_path: Path) -> Iterator[TestHost]:
         _ip("-n", namespace, "link", "set", "lo", "up")
         port = 8080
         server = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, "-u", "-m", "http.server", str(port), "--bind", far_side,
-             "--directory", str(served)],
+            in_netns(namespace, [sys.executable, "-u", "-m", "http.server", str(port), "--bind", far_side,
+             "--directory", str(served)]),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
