@@ -36,6 +36,7 @@ __all__ = [
     "turn",
     "item",
     "event",
+    "SESSION_STATUS_PAYLOADS",
     "deleted",
     "cursor_page",
     "json_or",
@@ -364,9 +365,20 @@ def item(i: session_pb2.Item) -> dict[str, Any]:
     return to_wire(i)
 
 
+SESSION_STATUS_PAYLOADS = frozenset(
+    {"session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed"}
+)
+
+
 def event(e: session_pb2.SessionEvent) -> dict[str, Any]:
-    """``AgentSessionEvent``: the envelope and the payload of its type."""
-    return to_wire(e)
+    """``AgentSessionEvent``: the envelope and the payload of its type; the
+    session of a status event is rendered as ``AgentSession``."""
+    out = to_wire(e)
+    kind = e.WhichOneof("payload")
+    if kind in SESSION_STATUS_PAYLOADS:
+        status_event: session_pb2.SessionStatusEvent = getattr(e, kind)
+        out["session"] = session(status_event.session)
+    return out
 
 
 def deleted(object_id: str, object_type: str) -> dict[str, Any]:
