@@ -11,7 +11,7 @@ import grpc
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
 from services.core.context import current_org
-from services.core.wire_json import to_message, to_wire
+from services.core.wire_json import to_message
 from services.session import views
 from services.session.agents import config_message
 from services.session.domain import SessionDomain
@@ -119,8 +119,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        events = [to_wire(e, nulls=False) for e in request.events]
-        result = await self.domain.input.submit_events(current_org(), request.session_id, events)
+        result = await self.domain.input.submit_events(current_org(), request.session_id, request.events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
     async def StreamSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
