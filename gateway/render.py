@@ -17,8 +17,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
+from services.core.agent_tools import tool_json
 from services.core.wire_json import to_wire
-from services.core.structs import from_struct, from_value
+from services.core.structs import from_struct
 
 __all__ = [
     "seconds",
@@ -36,6 +37,7 @@ __all__ = [
     "turn",
     "item",
     "event",
+    "SESSION_STATUS_PAYLOADS",
     "deleted",
     "cursor_page",
     "json_or",
@@ -208,60 +210,12 @@ def stored_file(f: environment_pb2.StoredFile) -> dict[str, Any]:
     }
 
 
-def _transport(t: session_pb2.McpTransport, *, saved: bool) -> dict[str, Any]:
-    """Credentials never reach the gateway; headers show on saved agents only."""
-    if t.WhichOneof("transport") == "stdio":
-        stdio = t.stdio
-        return {"type": "stdio", "command": stdio.command, "cwd": stdio.cwd, "args": list(stdio.args), "env_vars": list(stdio.env_vars)}
-    out: dict[str, Any] = {"type": "http", "server_url": t.http.server_url}
-    if saved:
-        out["headers"] = dict(t.http.headers)
-    return out
-
-
 def _tool(t: session_pb2.Tool, *, saved: bool) -> dict[str, Any] | None:
-    kind = t.WhichOneof("tool")
-    if kind == "function":
-        f = t.function
-        out: dict[str, Any] = {
-            "type": "function",
-            "name": f.name,
-            "description": f.description,
-            "parameters": from_struct(f.parameters),
-            "defer_loading": f.defer_loading,
-        }
-        if f.HasField("run_async"):
-            out["async"] = f.run_async
-        return out
-    if kind == "mcp":
-        m = t.mcp
-        return {
-            "type": "mcp",
-            "server_label": m.server_label,
-            "transport": _transport(m.transport, saved=saved),
-            "connection_origin": m.connection_origin,
-            "request_metadata": from_struct(m.request_metadata),
-            "required": m.required,
-            "allowed_tools": list(m.allowed_tools.values) if m.HasField("allowed_tools") else None,
-            "credential_id": m.credential_id if m.HasField("credential_id") else None,
-        }
-    if kind == "web_search":
-        w = t.web_search
-        return {
-            "type": "web_search",
-            "allowed_domains": list(w.allowed_domains.values) if w.HasField("allowed_domains") else None,
-            "context_size": w.context_size,
-            "location": from_value(w.location) if w.HasField("location") else None,
-            "mode": w.mode,
-        }
-    if kind == "computer_use":
-        return {"type": "computer_use", "include_screenshots": t.computer_use.include_screenshots}
-    if kind == "programmatic_tool_calling":
-        return {"type": "programmatic_tool_calling", "enabled": t.programmatic_tool_calling.enabled}
-    if kind == "tool_search" and not saved:
+    """Credentials never reach the gateway; headers show on saved agents only."""
+    if t.WhichOneof("tool") == "tool_search" and not saved:
         # Session snapshots have no tool_search variant (strict clients reject it).
         return None
-    return {"type": kind}
+    return tool_json(t, headers=saved, credentials=False)
 
 
 def agent_config(c: session_pb2.AgentConfig, *, saved: bool) -> dict[str, Any]:
@@ -364,9 +318,20 @@ def item(i: session_pb2.Item) -> dict[str, Any]:
     return to_wire(i)
 
 
+SESSION_STATUS_PAYLOADS = frozenset(
+    {"session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed"}
+)
+
+
 def event(e: session_pb2.SessionEvent) -> dict[str, Any]:
-    """``AgentSessionEvent``: the envelope and the payload of its type."""
-    return to_wire(e)
+    """``AgentSessionEvent``: the envelope and the payload of its type; the
+    session of a status event is rendered as ``AgentSession``."""
+    out = to_wire(e)
+    kind = e.WhichOneof("payload")
+    if kind in SESSION_STATUS_PAYLOADS:
+        status_event: session_pb2.SessionStatusEvent = getattr(e, kind)
+        out["session"] = session(status_event.session)
+    return out
 
 
 def deleted(object_id: str, object_type: str) -> dict[str, Any]:

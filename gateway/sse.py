@@ -85,9 +85,9 @@ class CreateStreamBoundary:
 
     def reached(self, event: session_pb2.SessionEvent) -> bool:
         kind = event.WhichOneof("payload")
-        if kind == "failed":
+        if kind == "session_failed":
             return True
-        if kind == "idle":
+        if kind == "session_idle":
             return self.turn_ended
         if kind == "turn_created" and not self.root_turn_id:
             created = event.turn_created

@@ -20,8 +20,9 @@ from collections.abc import Collection
 from typing import Any
 
 from berth.session.v1 import session_pb2 as pb
+from services.core.agent_tools import tool_json
 from services.core.errors import InvalidArgument
-from services.core.structs import from_struct, from_value, to_struct, to_value
+from services.core.structs import from_struct, to_struct, to_value
 
 __all__ = [
     "AgentConfig",
@@ -65,69 +66,26 @@ def _default_config(model: str) -> AgentConfig:
 # --- contract -> stored form ----------------------------------------------------------
 
 
-def _transport(t: pb.McpTransport) -> dict[str, Any]:
-    if t.WhichOneof("transport") == "stdio":
-        stdio = t.stdio
-        out: dict[str, Any] = {
-            "type": "stdio",
-            "command": stdio.command,
-            "cwd": stdio.cwd,
-            "args": list(stdio.args),
-            "env_vars": list(stdio.env_vars),
-        }
-        if stdio.HasField("env"):
-            out["env"] = dict(stdio.env.values)
-        return out
-    http = t.http
-    out = {"type": "http", "server_url": http.server_url, "headers": dict(http.headers)}
-    if http.HasField("authorization"):
-        out["authorization"] = http.authorization
-    return out
+_DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 def _tool(t: pb.Tool) -> dict[str, Any]:
+    """The stored form: the tool with its credentials, unset fields at the
+    service's defaults."""
     kind = t.WhichOneof("tool")
-    if kind == "function":
-        f = t.function
-        tool: dict[str, Any] = {
-            "type": "function",
-            "name": f.name,
-            "description": f.description,
-            "parameters": from_struct(f.parameters) if f.HasField("parameters") else {"type": "object", "properties": {}},
-            "defer_loading": f.defer_loading,
-        }
-        if f.HasField("run_async"):
-            tool["async"] = f.run_async
-        return tool
-    if kind == "mcp":
-        m = t.mcp
-        return {
-            "type": "mcp",
-            "server_label": m.server_label,
-            "transport": _transport(m.transport),
-            "connection_origin": m.connection_origin or "service",
-            "request_metadata": from_struct(m.request_metadata),
-            "required": m.required,
-            "allowed_tools": list(m.allowed_tools.values) if m.HasField("allowed_tools") else None,
-            "credential_id": m.credential_id if m.HasField("credential_id") else None,
-        }
-    if kind == "web_search":
-        w = t.web_search
-        return {
-            "type": "web_search",
-            "allowed_domains": list(w.allowed_domains.values) if w.HasField("allowed_domains") else None,
-            "context_size": w.context_size or "medium",
-            "location": from_value(w.location) if w.HasField("location") else None,
-            "mode": w.mode or "live",
-        }
-    if kind == "computer_use":
-        return {"type": "computer_use", "include_screenshots": t.computer_use.include_screenshots}
-    if kind == "programmatic_tool_calling":
-        p = t.programmatic_tool_calling
-        return {"type": "programmatic_tool_calling", "enabled": p.enabled if p.HasField("enabled") else True}
-    if kind in ("tool_search", "automations"):
-        return {"type": kind}
-    raise _fail("tools", "a tool needs a type")
+    if kind is None:
+        raise _fail("tools", "a tool needs a type")
+    out = tool_json(t, headers=True, credentials=True)
+    if kind == "function" and not t.function.HasField("parameters"):
+        out["parameters"] = copy.deepcopy(_DEFAULT_PARAMETERS)
+    elif kind == "mcp":
+        out["connection_origin"] = out["connection_origin"] or "service"
+    elif kind == "web_search":
+        out["context_size"] = out["context_size"] or "medium"
+        out["mode"] = out["mode"] or "live"
+    elif kind == "programmatic_tool_calling" and not t.programmatic_tool_calling.HasField("enabled"):
+        out["enabled"] = True
+    return out
 
 
 def _tools(tools: Collection[pb.Tool], param: str, *, persisted: bool) -> list[dict[str, Any]]:
@@ -297,45 +255,3 @@ def config_message(config: AgentConfig) -> pb.AgentConfig:
 
 def function_tools(config: AgentConfig) -> list[dict[str, Any]]:
     return [t for t in config.get("tools", []) if t.get("type") == "function"]
-
-
-# --- the event log's snapshot JSON -----------------------------------------------------
-# Session events still carry the session as wire JSON (their typing is issue
-# 12's event part); the gateway's renderer is the home of every response.
-
-
-def _public_tool(tool: dict[str, Any]) -> dict[str, Any] | None:
-    if tool["type"] == "tool_search":
-        # Session snapshots have no tool_search variant (strict clients reject it).
-        return None
-    out = copy.deepcopy(tool)
-    if tool["type"] == "mcp":
-        transport = out["transport"]
-        if transport["type"] == "http":
-            out["transport"] = {"type": "http", "server_url": transport["server_url"]}
-        else:
-            out["transport"] = {k: transport[k] for k in ("type", "command", "cwd", "args", "env_vars")}
-    return out
-
-
-def render_session_agent(agent_id: str, name: str | None, config: AgentConfig) -> dict[str, Any]:
-    """The `AgentSession.agent` wire object; credentials are never included."""
-    out: dict[str, Any] = {
-        "id": agent_id,
-        "name": name,
-        "model": config["model"],
-        "instructions": config.get("instructions"),
-        "multi_agent": dict(config["multi_agent"]),
-        "reasoning": dict(config["reasoning"]),
-        "service_tier": config["service_tier"],
-        "text": copy.deepcopy(config["text"]),
-        "tools": [t for t in (_public_tool(tool) for tool in config["tools"]) if t is not None],
-    }
-    if config.get("compaction") is not None:
-        out["compaction"] = dict(config["compaction"])
-    if config.get("experimental") is not None:
-        out["experimental"] = dict(config["experimental"])
-    return out
-
-
-__all__ += ["render_session_agent"]

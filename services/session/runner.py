@@ -287,7 +287,7 @@ class TurnRunner:
         view = await views.session_view(u.session, row, environment, status=SessionStatus.IN_PROGRESS, actions=[])
         events = [
             wire.turn_event("agent.session.turn.in_progress", views.turn_json(turn)),
-            wire.session_event("agent.session.in_progress", view.wire),
+            wire.session_event("agent.session.in_progress", view.message),
         ]
         rows: list[dict[str, Any]] = []
         for parts in inputs:
@@ -589,7 +589,7 @@ class TurnRunner:
         if outcome.status == TurnStatus.FAILED:
             events.append(wire.error_event(ending.claimed.session_id, outcome.code, outcome.code, outcome.message))
         events.append(wire.turn_event(f"agent.session.turn.{outcome.status}", views.turn_json(turn), with_usage=True))
-        events.append(wire.session_event(f"agent.session.{status}", view.wire))
+        events.append(wire.session_event(f"agent.session.{status}", view.message))
         return events
 
     async def _drop_unpublished(self, ending: _Ending) -> None:

@@ -8,26 +8,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
 from services.core.context import current_org
-from services.core.wire_json import to_message, to_wire
+from services.core.wire_json import to_message
 from services.session import views
 from services.session.agents import config_message
 from services.session.domain import SessionDomain
 from services.session.saved_agents import AgentView
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
-from services.session.states import session_status_to_proto
 
 __all__ = ["SessionServicer"]
-
-
-def _ts(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1_000_000_000))
-    return stamp
 
 
 def _dumps(value: Any) -> str:
@@ -45,43 +37,15 @@ def _agent(view: AgentView) -> session_pb2.Agent:
         org_id=row.org_id,
         name=row.name,
         config=config_message(view.config),
-        create_time=_ts(row.created_at),
-        update_time=_ts(row.updated_at),
+        create_time=views.timestamp(row.created_at),
+        update_time=views.timestamp(row.updated_at),
         metadata=json.loads(row.metadata_json),
         version=row.version,
     )
 
 
 def _session(view: views.SessionView) -> session_pb2.Session:
-    row = view.row
-    message = session_pb2.Session(
-        id=row.id,
-        org_id=row.org_id,
-        agent_id=row.agent_id,
-        environment_kind=(
-            session_pb2.ENVIRONMENT_KIND_HOSTED if row.environment_kind == "hosted" else session_pb2.ENVIRONMENT_KIND_NONE
-        ),
-        environment_id=row.environment_id,
-        status=session_status_to_proto(view.status),
-        error=view.error,
-        metadata=json.loads(row.metadata_json),
-        vault_ids=json.loads(row.vault_ids_json),
-        create_time=_ts(row.created_at),
-        last_active_time=_ts(row.last_active_at),
-        last_sequence=row.event_seq,
-    )
-    for action in view.required_actions:
-        to_message(action, message.required_actions.add())
-    if row.usage_json:
-        to_message(json.loads(row.usage_json), message.usage)
-    snap = views.snapshot(row)
-    message.agent.id = snap["id"]
-    if snap.get("name") is not None:
-        message.agent.name = snap["name"]
-    message.agent.config.CopyFrom(config_message(snap["config"]))
-    if view.environment is not None:
-        message.environment.CopyFrom(view.environment)
-    return message
+    return view.message
 
 
 def _turn(row: TurnRow) -> session_pb2.Turn:
@@ -105,7 +69,7 @@ def _artifact(row: ArtifactRow) -> session_pb2.Artifact:
         path=row.path,
         size_bytes=row.size_bytes,
         sha256=row.sha256,
-        create_time=_ts(row.created_at),
+        create_time=views.timestamp(row.created_at),
     )
 
 
@@ -155,8 +119,7 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
 
     # input and events
     async def SubmitSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        events = [to_wire(e, nulls=False) for e in request.events]
-        result = await self.domain.input.submit_events(current_org(), request.session_id, events)
+        result = await self.domain.input.submit_events(current_org(), request.session_id, request.events)
         return session_service_pb2.SubmitSessionEventsResponse(turn_ids=result.turn_ids, sequence=result.sequence)
 
     async def StreamSessionEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import Table, insert, select, update
 
+from berth.session.v1 import session_service_pb2
 from services.core.errors import Conflict, FailedPrecondition, InvalidArgument
 from services.core.ids import new_id
+from services.core.structs import from_value
+from services.core.wire_json import to_wire
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.models import FunctionCallRow, SessionRow, TurnRow
@@ -56,45 +60,16 @@ def input_messages(messages: Any) -> list[list[dict[str, Any]]]:
 
 
 
-def _user_messages(value: Any, param: str) -> list[list[dict[str, Any]]]:
-    """Input messages as lists of content parts. A string is one message."""
-    if isinstance(value, str):
-        if not value:
-            raise InvalidArgument(f"{param} must not be empty", param=param)
-        return [[{"type": "input_text", "text": value}]]
-    if not isinstance(value, list) or not value:
-        raise InvalidArgument(f"{param} must be a non-empty list of messages", param=param)
-    messages: list[list[dict[str, Any]]] = []
-    for i, message in enumerate(value):
-        p = f"{param}[{i}]"
-        if not isinstance(message, dict):
-            raise InvalidArgument(f"{p} must be an object", param=p)
-        if message.get("role") != "user":
-            raise InvalidArgument(f"{p}.role must be 'user'", param=f"{p}.role")
-        if message.get("type", "message") != "message":
-            raise InvalidArgument(f"{p}.type must be 'message'", param=f"{p}.type")
-        content = message.get("content")
-        if isinstance(content, str):
-            content = [{"type": "input_text", "text": content}]
-        messages.append(_parts(content, f"{p}.content"))
-    return messages
-
-
-
-def _parts(content: Any, param: str) -> list[dict[str, Any]]:
-    if not isinstance(content, list) or not content:
-        raise InvalidArgument(f"{param} must be a non-empty list", param=param)
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        pp = f"{param}[{j}]"
-        if isinstance(part, dict) and part.get("type") == "input_text" and isinstance(part.get("text"), str):
-            parts.append({"type": "input_text", "text": part["text"]})
-        elif isinstance(part, dict) and part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
-            parts.append({"type": "input_image", "image_url": part["image_url"]})
-        else:
-            raise InvalidArgument(f"{pp} must be an input_text or input_image part", param=pp)
+def _user_parts(message: session_service_pb2.InputMessage, param: str) -> list[dict[str, Any]]:
+    """A user message's content as stored parts. ``ContentPart`` also has the
+    model's ``output_text``, which a user message must not carry."""
+    parts = [to_wire(part) for part in message.content]
+    if not parts:
+        raise InvalidArgument(f"{param} must not be empty", param=param)
+    for j, part in enumerate(parts):
+        if part.get("type") not in ("input_text", "input_image"):
+            raise InvalidArgument(f"{param}[{j}] must be an input_text or input_image part", param=f"{param}[{j}]")
     return parts
-
 
 
 async def enqueue_turn(u: Unit, row: SessionRow, messages: list[list[dict[str, Any]]]) -> str:
@@ -131,9 +106,14 @@ class SessionInput:
         self.store = store
         self.runner = runner
 
-    async def submit_events(self, org: str, session_id: str, events: Any) -> SubmitResult:
-        if not isinstance(events, list) or not events:
-            raise InvalidArgument("events must be a non-empty list", param="events")
+    async def submit_events(
+        self, org: str, session_id: str, events: Sequence[session_service_pb2.InputEvent]
+    ) -> SubmitResult:
+        """Applies the events in order, in one transaction. Their shapes were
+        validated where the body was parsed (the gateway); this checks what
+        only the session knows: its state and its pending calls."""
+        if not events:
+            raise InvalidArgument("events must not be empty", param="events")
         turn_ids: list[str] = []
         kick = False
         cancel: list[str] = []
@@ -145,28 +125,22 @@ class SessionInput:
             row = await repo.get_session(u.session, org, session_id)
             for i, event in enumerate(events):
                 p = f"events[{i}]"
-                if not isinstance(event, dict):
-                    raise InvalidArgument(f"{p} must be an object", param=p)
-                kind = event.get("type")
-                if kind == "agent.session.input.message":
-                    turn_ids.append(await enqueue_turn(u, row, _user_messages(event.get("input"), f"{p}.input")))
+                kind = event.WhichOneof("payload")
+                if kind == "message":
+                    messages = [_user_parts(m, f"{p}.input[{j}].content") for j, m in enumerate(event.message.input)]
+                    if not messages:
+                        raise InvalidArgument(f"{p}.input must not be empty", param=f"{p}.input")
+                    turn_ids.append(await enqueue_turn(u, row, messages))
                     kick = True
-                elif kind == "agent.session.input.cancel":
+                elif kind == "cancel":
                     turn_id = await self._request_cancel(u, row)
                     if turn_id:
                         turn_ids.append(turn_id)
                         cancel.append(turn_id)
-                elif kind == "agent.session.input.tool_result":
-                    turn_ids.append(await self._answer_call(u, row, event, p))
-                elif kind in (
-                    "agent.session.input.mcp_approval_request_result",
-                    "agent.session.input.computer_use_approval_request_result",
-                ):
-                    raise InvalidArgument(
-                        f"there is no pending approval request {event.get('request_id')!r}", param=f"{p}.request_id"
-                    )
+                elif kind == "tool_result":
+                    turn_ids.append(await self._answer_call(u, row, event.tool_result, p))
                 else:
-                    raise InvalidArgument(f"unsupported input event type {kind!r}", param=f"{p}.type")
+                    raise InvalidArgument(f"{p} has no payload", param=f"{p}.type")
             # The loaded row follows the counter updates of this transaction.
             sequence = row.event_seq
             if kick and row.active_turn_id is None:
@@ -197,16 +171,12 @@ class SessionInput:
         )
         return turn_id
 
-    async def _answer_call(self, u: Unit, row: SessionRow, event: dict[str, Any], p: str) -> str:
-        call_id = event.get("call_id")
-        turn_id = event.get("turn_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidArgument("call_id is required", param=f"{p}.call_id")
-        if not isinstance(turn_id, str) or not turn_id:
-            raise InvalidArgument("turn_id is required", param=f"{p}.turn_id")
-        success = event.get("success")
-        if not isinstance(success, bool):
-            raise InvalidArgument("success must be a boolean", param=f"{p}.success")
+    async def _answer_call(
+        self, u: Unit, row: SessionRow, event: session_service_pb2.InputToolResultEvent, p: str
+    ) -> str:
+        call_id = event.call_id
+        turn_id: str = event.turn_id
+        success = event.success
         call = (
             await u.session.execute(
                 select(FunctionCallRow).where(FunctionCallRow.call_id == call_id, FunctionCallRow.session_id == row.id)
@@ -221,15 +191,8 @@ class SessionInput:
             raise FailedPrecondition(f"turn {turn_id} is no longer waiting for call {call_id}", param=f"{p}.call_id")
         if call.state != "pending":
             raise Conflict(f"call {call_id} was already answered", param=f"{p}.call_id")
-        output = event.get("output")
-        error = event.get("error")
-        if success:
-            if isinstance(output, list):
-                output = _parts(output, f"{p}.output") if output else []
-            elif output is not None and not isinstance(output, str):
-                raise InvalidArgument("output must be a string or a list of content parts", param=f"{p}.output")
-        elif error is not None and not isinstance(error, str):
-            raise InvalidArgument("error must be a string", param=f"{p}.error")
+        output = from_value(event.output) if event.HasField("output") else None
+        error = event.error if event.HasField("error") else None
         result = await u.session.execute(
             update(FunctionCallRow)
             .where(FunctionCallRow.call_id == call_id, FunctionCallRow.state == "pending")

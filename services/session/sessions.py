@@ -132,7 +132,7 @@ class Sessions:
             await u.session.flush()
             # An environment whose setup already failed shows on the new session at once.
             view = await views.session_view(u.session, row, environment)
-            (created,) = await u.emit(session_id, wire.session_event("agent.session.created", view.wire))
+            (created,) = await u.emit(session_id, wire.session_event("agent.session.created", view.message))
             turn_id = await enqueue_turn(u, row, messages) if messages else ""
             return view, created.sequence, turn_id
 

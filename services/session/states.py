@@ -1,7 +1,11 @@
-"""The states of sessions and turns, and their one mapping to the proto enums.
+"""The states of sessions and turns, and the session status's mapping to
+the proto enum.
 
 The values are the strings stored in the ``status`` columns (and shown in the
-public API), so a member compares and serializes as its string.
+public API), so a member compares and serializes as its string. A turn's
+status reaches the contract through the stored turn JSON: the converter
+(services/core/wire_json.py) maps it by enum value name (``"queued"`` ->
+``TURN_STATUS_QUEUED``), so it has no table here.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ __all__ = [
     "RUNNING_TURN_STATUSES",
     "session_status_to_proto",
     "session_status_from_proto",
-    "turn_status_to_proto",
-    "turn_status_from_proto",
 ]
 
 
@@ -55,17 +57,6 @@ _SESSION_TO_PROTO: dict[SessionStatus, session_pb2.SessionStatus.ValueType] = {
 }
 _SESSION_FROM_PROTO = {v: k for k, v in _SESSION_TO_PROTO.items() if v != session_pb2.SESSION_STATUS_UNSPECIFIED}
 
-_TURN_TO_PROTO: dict[TurnStatus, session_pb2.TurnStatus.ValueType] = {
-    TurnStatus.QUEUED: session_pb2.TURN_STATUS_QUEUED,
-    TurnStatus.IN_PROGRESS: session_pb2.TURN_STATUS_IN_PROGRESS,
-    TurnStatus.WAITING: session_pb2.TURN_STATUS_WAITING,
-    TurnStatus.COMPLETED: session_pb2.TURN_STATUS_COMPLETED,
-    TurnStatus.FAILED: session_pb2.TURN_STATUS_FAILED,
-    TurnStatus.CANCELLED: session_pb2.TURN_STATUS_CANCELLED,
-}
-_TURN_FROM_PROTO = {v: k for k, v in _TURN_TO_PROTO.items()}
-
-
 def session_status_to_proto(status: str) -> session_pb2.SessionStatus.ValueType:
     """A stored or shown status (a ``SessionStatus`` value) as the proto
     enum; an unknown string is ``SESSION_STATUS_UNSPECIFIED``."""
@@ -78,17 +69,3 @@ def session_status_to_proto(status: str) -> session_pb2.SessionStatus.ValueType:
 def session_status_from_proto(status: session_pb2.SessionStatus.ValueType) -> SessionStatus:
     """Raises ``KeyError`` for ``SESSION_STATUS_UNSPECIFIED``."""
     return _SESSION_FROM_PROTO[status]
-
-
-def turn_status_to_proto(status: str) -> session_pb2.TurnStatus.ValueType:
-    """A stored status (a ``TurnStatus`` value) as the proto enum; an
-    unknown string is ``TURN_STATUS_UNSPECIFIED``."""
-    try:
-        return _TURN_TO_PROTO[TurnStatus(status)]
-    except ValueError:
-        return session_pb2.TURN_STATUS_UNSPECIFIED
-
-
-def turn_status_from_proto(status: session_pb2.TurnStatus.ValueType) -> TurnStatus:
-    """Raises ``KeyError`` for ``TURN_STATUS_UNSPECIFIED``."""
-    return _TURN_FROM_PROTO[status]

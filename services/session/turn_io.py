@@ -378,7 +378,7 @@ class DbTurnIO:
     async def _session_event(self, u: Unit, event_type: str, status: str) -> dict[str, Any]:
         row = await repo.get_session(u.session, self.org_id, self.session_id)
         view = await views.session_view(u.session, row, self.environment, status=status)
-        return wire.session_event(event_type, view.wire)
+        return wire.session_event(event_type, view.message)
 
     async def wait_function_results(self, call_ids: list[str]) -> list[FunctionResult]:
         wake = self.store.notifier.subscribe(f"calls:{self.turn_id}")

@@ -1,29 +1,42 @@
-"""Rendering stored rows as wire objects (sessions and turns, as events carry them)."""
+"""Stored session rows as contract messages (``Session`` as responses and
+session events carry it; turns as events carry them). The gateway renders
+them as public JSON."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from google.protobuf.timestamp_pb2 import Timestamp
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
+from berth.session.v1 import session_pb2
+from services.core.wire_json import to_message
 from services.session import repository as repo
 from services.session import wire
-from services.session.agents import AgentConfig, render_session_agent
+from services.session.agents import AgentConfig, config_message
 from services.session.models import SessionRow, TurnRow
-from services.session.states import SessionStatus
+from services.session.states import SessionStatus, session_status_to_proto
 
 __all__ = [
     "SessionView",
     "session_view",
     "snapshot",
     "agent_config_from_json",
+    "timestamp",
     "turn_json",
     "effective_status",
     "message_text",
 ]
+
+
+def timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1_000_000_000))
+    return stamp
 
 
 @dataclass
@@ -31,10 +44,43 @@ class SessionView:
     row: SessionRow
     status: str
     error: str
-    agent: dict[str, Any]
     environment: environment_pb2.Environment | None
     required_actions: list[dict[str, Any]]
-    wire: dict[str, Any]
+
+    @cached_property
+    def message(self) -> session_pb2.Session:
+        """The ``Session`` contract message, with the shown status and error."""
+        row = self.row
+        message = session_pb2.Session(
+            id=row.id,
+            org_id=row.org_id,
+            agent_id=row.agent_id,
+            environment_kind=(
+                session_pb2.ENVIRONMENT_KIND_HOSTED
+                if row.environment_kind == "hosted"
+                else session_pb2.ENVIRONMENT_KIND_NONE
+            ),
+            environment_id=row.environment_id,
+            status=session_status_to_proto(self.status),
+            error=self.error,
+            metadata=json.loads(row.metadata_json),
+            vault_ids=json.loads(row.vault_ids_json),
+            create_time=timestamp(row.created_at),
+            last_active_time=timestamp(row.last_active_at),
+            last_sequence=row.event_seq,
+        )
+        for action in self.required_actions:
+            to_message(action, message.required_actions.add())
+        if row.usage_json:
+            to_message(json.loads(row.usage_json), message.usage)
+        snap = snapshot(row)
+        message.agent.id = snap["id"]
+        if snap.get("name") is not None:
+            message.agent.name = snap["name"]
+        message.agent.config.CopyFrom(config_message(snap["config"]))
+        if self.environment is not None:
+            message.environment.CopyFrom(self.environment)
+        return message
 
 
 def snapshot(row: SessionRow) -> dict[str, Any]:
@@ -69,28 +115,13 @@ async def session_view(
     otherwise a failed environment makes the session failed. ``actions`` are
     the session's required actions when the caller knows them (no turn is
     waiting: none); otherwise they are read."""
-    snap = snapshot(row)
-    agent = render_session_agent(snap["id"], snap.get("name"), snap["config"])
     if actions is None:
         actions = await repo.required_actions(s, row.id)
     if status is None:
         shown_status, error = effective_status(row, env)
     else:
         shown_status, error = status, row.error
-    body = wire.render_session(
-        session_id=row.id,
-        agent_json=agent,
-        created_at=row.created_at,
-        last_active_at=row.last_active_at,
-        environment=wire.render_environment(row.environment_kind, row.environment_id, env),
-        status=shown_status,
-        error=error,
-        metadata=json.loads(row.metadata_json),
-        required_actions=actions,
-        usage_json=row.usage_json,
-        vault_ids=json.loads(row.vault_ids_json),
-    )
-    return SessionView(row, shown_status, error, agent, env, actions, body)
+    return SessionView(row, shown_status, error, env, actions)
 
 
 def message_text(parts: list[dict[str, Any]]) -> str:

@@ -1,7 +1,9 @@
-"""Agents API wire JSON built by the Session service.
+"""The stored JSON of turns, usage and events, as the converter
+(services/core/wire_json.py) maps it onto the contract messages.
 
-Every function returns a plain dict in the exact shape of the official SDK
-model named in its docstring, with every required field present.
+Every function returns a plain dict in the shape of the SDK model named in
+its docstring. Sessions and environments are not rendered here: session
+events carry the typed ``Session`` and the gateway renders it.
 """
 
 from __future__ import annotations
@@ -9,38 +11,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from berth.common.v1 import common_pb2
-from berth.environment.v1 import environment_pb2
+from berth.session.v1 import session_pb2
+from services.core.wire_json import to_wire
 
 __all__ = [
     "usage",
     "add_usage",
     "parse_usage",
     "render_turn",
-    "render_environment",
     "environment_state",
-    "render_session",
     "session_event",
     "turn_event",
     "environment_event",
     "error_event",
-    "ENV_STATUS",
 ]
-
-ENV_STATUS = {
-    environment_pb2.ENVIRONMENT_STATUS_PENDING: "pending",
-    environment_pb2.ENVIRONMENT_STATUS_INITIALIZING: "pending",
-    environment_pb2.ENVIRONMENT_STATUS_READY: "ready",
-    environment_pb2.ENVIRONMENT_STATUS_FAILED: "failed",
-}
-
-_NETWORK_ACCESS = {
-    common_pb2.NETWORK_ACCESS_ENABLED: "enabled",
-    common_pb2.NETWORK_ACCESS_DISABLED: "disabled",
-    common_pb2.NETWORK_ACCESS_RESTRICTED: "restricted",
-}
-
-_LIFETIME = {environment_pb2.LIFETIME_PRIVATE: "private", environment_pb2.LIFETIME_SHARED: "shared"}
 
 
 def usage(input_tokens: int = 0, output_tokens: int = 0, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict[str, Any]:
@@ -100,79 +84,6 @@ def render_turn(
     }
 
 
-def _files(config: environment_pb2.EnvironmentConfig) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for f in config.files:
-        size = f.size_bytes or len(f.data)
-        if f.WhichOneof("source") == "file_id":
-            out.append({"type": "file_id", "id": f.id, "file_id": f.file_id, "path": f.path, "size_bytes": size})
-        else:
-            out.append({"type": "inline", "id": f.id, "path": f.path, "size_bytes": size})
-    return out
-
-
-def _capabilities(raw: str, kind: str) -> list[dict[str, Any]]:
-    try:
-        entries = json.loads(raw) if raw else []
-    except ValueError:
-        return []
-    out: list[dict[str, Any]] = []
-    for entry in entries if isinstance(entries, list) else []:
-        if not isinstance(entry, dict):
-            continue
-        if kind == "skills" and entry.get("type") == "skill_reference":
-            skill_id = str(entry.get("skill_id", ""))
-            out.append(
-                {
-                    "type": "skill_reference",
-                    "skill_id": skill_id,
-                    "name": str(entry.get("name") or skill_id),
-                    "description": str(entry.get("description") or ""),
-                    "version": str(entry.get("version") or "latest"),
-                }
-            )
-        else:
-            out.append({"type": "inline", "name": str(entry.get("name", "")), "description": str(entry.get("description", ""))})
-    return out
-
-
-def render_environment(kind: str, environment_id: str, env: environment_pb2.Environment | None) -> dict[str, Any]:
-    """`AgentSession.environment`: {"type":"none"} or the openai_hosted shape,
-    plus the additive fields the gateway renders too (status, lifetime,
-    session_count, error, created_at, network.blocked_domains)."""
-    if kind == "none":
-        return {"type": "none"}
-    if env is None or not env.id:
-        env = environment_pb2.Environment(id=environment_id)
-    config = env.config
-    network = config.network
-    error = {"code": env.error.code, "message": env.error.message} if env.error.code or env.error.message else None
-    return {
-        "type": "openai_hosted",
-        "id": env.id,
-        "files": _files(config),
-        "skills": _capabilities(config.skills_json, "skills"),
-        "plugins": _capabilities(config.plugins_json, "plugins"),
-        "status": ENV_STATUS.get(env.status, "pending"),
-        "capability_directories": list(config.capability_directories),
-        "network": {
-            "access": _NETWORK_ACCESS.get(network.access, "enabled"),
-            "allowed_domains": list(network.allowed_domains),
-            "blocked_domains": list(network.blocked_domains),
-        },
-        "packages": {
-            "npm": list(config.packages.npm),
-            "python": list(config.packages.python),
-            "system": list(config.packages.system),
-        },
-        "container_size": config.container_size if config.container_size in ("small", "medium", "large") else None,
-        "lifetime": _LIFETIME.get(env.lifetime, "private"),
-        "session_count": env.session_count,
-        "error": error,
-        "created_at": int(env.create_time.seconds),
-    }
-
-
 def environment_state(environment_id: str, status: str, error: tuple[str, str] | None = None) -> dict[str, Any]:
     """`AgentSessionEnvironmentState`."""
     return {
@@ -183,40 +94,28 @@ def environment_state(environment_id: str, status: str, error: tuple[str, str] |
     }
 
 
-def render_session(
-    *,
-    session_id: str,
-    agent_json: dict[str, Any],
-    created_at: float,
-    last_active_at: float,
-    environment: dict[str, Any],
-    status: str,
-    error: str,
-    metadata: dict[str, str],
-    required_actions: list[dict[str, Any]],
-    usage_json: str,
-    vault_ids: list[str],
-) -> dict[str, Any]:
-    """`AgentSession` (object: "agent.session")."""
-    return {
-        "id": session_id,
-        "object": "agent.session",
-        "agent": agent_json,
-        "created_at": int(created_at),
-        "last_active_at": int(last_active_at),
-        "environment": environment,
-        "error": error or None,
-        "metadata": dict(metadata),
-        "required_actions": required_actions,
-        "status": status,
-        "usage": parse_usage(usage_json),
-        "vault_ids": list(vault_ids),
-    }
+def _without_secrets(session: session_pb2.Session) -> session_pb2.Session:
+    """What an event may keep of a session: no MCP headers, environment
+    variables, setup commands or inline file bytes (sizes stay)."""
+    out = session_pb2.Session()
+    out.CopyFrom(session)
+    for tool in out.agent.config.tools:
+        if tool.WhichOneof("tool") == "mcp" and tool.mcp.transport.WhichOneof("transport") == "http":
+            tool.mcp.transport.http.ClearField("headers")
+    config = out.environment.config
+    config.ClearField("env")
+    config.ClearField("setup_commands")
+    for f in config.files:
+        if f.WhichOneof("source") == "data":
+            f.size_bytes = f.size_bytes or len(f.data)
+            f.ClearField("data")
+    return out
 
 
-def session_event(event_type: str, session: dict[str, Any]) -> dict[str, Any]:
-    """agent.session.{created,in_progress,idle,requires_action,failed}."""
-    return {"type": event_type, "session": session}
+def session_event(event_type: str, session: session_pb2.Session) -> dict[str, Any]:
+    """agent.session.{created,in_progress,idle,requires_action,failed}, as
+    stored: the typed session in the converter's JSON (``SessionStatusEvent``)."""
+    return {"type": event_type, "session": to_wire(_without_secrets(session))}
 
 
 def turn_event(event_type: str, turn: dict[str, Any], *, with_usage: bool = False) -> dict[str, Any]:

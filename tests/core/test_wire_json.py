@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.session.v1 import session_pb2, session_service_pb2
 from services.core.wire_json import to_message, to_wire
@@ -48,8 +49,14 @@ ITEMS: list[dict[str, Any]] = [
     {"id": "item_6", "type": "mcp_call", "server_label": "s", "name": "t", "arguments": "not json", "output": None, "error": "bad arguments", "status": "failed", "turn_id": "turn_1"},
 ]
 
+# A session event stores the typed session in the converter's JSON.
+SESSION = to_wire(
+    session_pb2.Session(
+        id="sess_1", status=session_pb2.SESSION_STATUS_IDLE, create_time=Timestamp(seconds=1_700_000_000), vault_ids=["vlt_1"]
+    )
+)
 EVENTS: list[dict[str, Any]] = [
-    {"event_id": "evt_1", "type": "agent.session.created", "session": {"id": "sess_1", "created_at": 1_700_000_000, "usage": None}},
+    {"event_id": "evt_1", "type": "agent.session.created", "session": SESSION},
     {"event_id": "evt_2", "type": "agent.session.turn.created", "session_id": "sess_1", "turn_id": "turn_1", "turn": TURN},
     {"event_id": "evt_3", "type": "agent.session.turn.failed", "session_id": "sess_1", "turn_id": "turn_1", "turn": TURN, "usage": TURN["usage"]},
     {"event_id": "evt_4", "type": "agent.session.turn.item.added", "session_id": "sess_1", "turn_id": "turn_1", "item": ITEMS[3], "output_index": 0},

@@ -26,13 +26,12 @@ from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from berth.session.v1 import session_pb2 as s_pb
 from berth.session.v1 import session_service_pb2 as s_svc
 from berth.session.v1 import session_service_pb2_grpc as s_grpc
-from gateway import render
 from gateway.app import GatewayHandle
 from services.core.context import ORG_METADATA_KEY, REQUEST_ID_METADATA_KEY
 from services.core.errors import BerthError, NotFound
 from services.core.ids import new_id
 from services.core.settings import Settings
-from services.core.wire_json import to_message
+from services.core.wire_json import to_message, to_wire
 
 BETA = {"OpenAI-Beta": "agents=v1"}
 
@@ -49,12 +48,12 @@ def _now() -> Timestamp:
     return ts
 
 
-def session_event(session: dict[str, Any], kind: str, sequence: int, **fields: Any) -> s_pb.SessionEvent:
+def session_event(session: s_pb.Session, kind: str, sequence: int, **fields: Any) -> s_pb.SessionEvent:
     payload: dict[str, Any] = {"event_id": f"evt_{sequence}", "type": kind, **fields}
     if kind in ("agent.session.created", "agent.session.idle", "agent.session.in_progress", "agent.session.failed"):
-        payload["session"] = session
+        payload["session"] = to_wire(session)
     else:
-        payload.setdefault("session_id", session["id"])
+        payload.setdefault("session_id", session.id)
     return to_message(payload, s_pb.SessionEvent(sequence=sequence))
 
 
@@ -263,23 +262,8 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         self.sessions[session_id] = fake
         return fake
 
-    def wire(self, fake: FakeSession) -> dict[str, Any]:
-        s = fake.session
-        return {
-            "id": s.id,
-            "object": "agent.session",
-            "agent": render.session_agent(s.agent),
-            "created_at": s.create_time.seconds,
-            "last_active_at": s.last_active_time.seconds,
-            "environment": {"type": "none"},
-            "metadata": {},
-            "required_actions": [],
-            "status": "idle",
-            "vault_ids": [],
-        }
-
     def append(self, fake: FakeSession, kind: str, **fields: Any) -> s_pb.SessionEvent:
-        event = session_event(self.wire(fake), kind, len(fake.events) + 1, **fields)
+        event = session_event(fake.session, kind, len(fake.events) + 1, **fields)
         fake.events.append(event)
         return event
 

@@ -307,7 +307,7 @@ class Client:
             metadata=self.md,
         )
         async for m in call:
-            out.extend((e.sequence, to_wire(e)) for e in m.batch.events)
+            out.extend((e.sequence, render.event(e)) for e in m.batch.events)
         return out
 
     async def wait_for(
@@ -329,7 +329,7 @@ class Client:
             try:
                 async for m in call:
                     for e in m.batch.events:
-                        event = to_wire(e)
+                        event = render.event(e)
                         seen.append((e.sequence, event))
                         if predicate(event):
                             return

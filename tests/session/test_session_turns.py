@@ -166,6 +166,17 @@ async def test_tool_result_for_an_unknown_call_is_invalid_argument(client: Any) 
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_a_user_message_with_the_models_output_text_is_invalid_argument(client: Any) -> None:
+    created = await client.create_session({"agent": AGENT, "environment": NONE_ENV})
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.submit(
+            created.session.id,
+            {"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+        )
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [e["type"] for _, e in await client.events(created.session.id)] == ["agent.session.created"]
+
+
 async def test_a_failed_tool_result_reaches_the_model_as_an_error(client: Any) -> None:
     agent = {"model": "scripted", "tools": [{"type": "function", "name": "lookup", "description": "", "parameters": {}}]}
     created = await client.create_session({"agent": agent, "environment": NONE_ENV, "input": "call lookup"})

@@ -91,7 +91,9 @@ async def test_an_internal_client_runs_a_turn_on_a_referenced_environment_with_t
     assert [e.sequence for e in events] == list(range(1, len(events) + 1))
     assert all(e.event_id.startswith("evt_") for e in events)
     kinds = [e.WhichOneof("payload") for e in events]
-    assert kinds[0] == "created" and kinds[-1] == "turn_completed", kinds
+    assert kinds[0] == "session_created" and kinds[-1] == "turn_completed", kinds
+    assert events[0].session_created.session.id == session.id
+    assert events[0].session_created.session.environment_id == env.environment.id
     assert {"turn_created", "turn_in_progress", "item_added", "item_done"} <= set(kinds)
     ended = events[-1].turn_completed
     assert ended.turn.id == turn_id and ended.turn.status == session_pb2.TURN_STATUS_COMPLETED

@@ -1743,11 +1743,11 @@ class SessionEvent(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     EVENT_ID_FIELD_NUMBER: _builtins.int
-    CREATED_FIELD_NUMBER: _builtins.int
-    IN_PROGRESS_FIELD_NUMBER: _builtins.int
-    IDLE_FIELD_NUMBER: _builtins.int
-    REQUIRES_ACTION_FIELD_NUMBER: _builtins.int
-    FAILED_FIELD_NUMBER: _builtins.int
+    SESSION_CREATED_FIELD_NUMBER: _builtins.int
+    SESSION_IN_PROGRESS_FIELD_NUMBER: _builtins.int
+    SESSION_IDLE_FIELD_NUMBER: _builtins.int
+    SESSION_REQUIRES_ACTION_FIELD_NUMBER: _builtins.int
+    SESSION_FAILED_FIELD_NUMBER: _builtins.int
     TURN_CREATED_FIELD_NUMBER: _builtins.int
     TURN_IN_PROGRESS_FIELD_NUMBER: _builtins.int
     TURN_COMPLETED_FIELD_NUMBER: _builtins.int
@@ -1771,23 +1771,23 @@ class SessionEvent(_message.Message):
     event_id: _builtins.str
     """Public event ID ("evt_...")."""
     @_builtins.property
-    def created(self) -> Global___SessionSnapshotEvent:
+    def session_created(self) -> Global___SessionStatusEvent:
         """agent.session.created."""
 
     @_builtins.property
-    def in_progress(self) -> Global___SessionSnapshotEvent:
+    def session_in_progress(self) -> Global___SessionStatusEvent:
         """agent.session.in_progress."""
 
     @_builtins.property
-    def idle(self) -> Global___SessionSnapshotEvent:
+    def session_idle(self) -> Global___SessionStatusEvent:
         """agent.session.idle."""
 
     @_builtins.property
-    def requires_action(self) -> Global___SessionSnapshotEvent:
+    def session_requires_action(self) -> Global___SessionStatusEvent:
         """agent.session.requires_action."""
 
     @_builtins.property
-    def failed(self) -> Global___SessionSnapshotEvent:
+    def session_failed(self) -> Global___SessionStatusEvent:
         """agent.session.failed."""
 
     @_builtins.property
@@ -1860,11 +1860,11 @@ class SessionEvent(_message.Message):
         sequence: _builtins.int = ...,
         type: _builtins.str = ...,
         event_id: _builtins.str = ...,
-        created: Global___SessionSnapshotEvent | None = ...,
-        in_progress: Global___SessionSnapshotEvent | None = ...,
-        idle: Global___SessionSnapshotEvent | None = ...,
-        requires_action: Global___SessionSnapshotEvent | None = ...,
-        failed: Global___SessionSnapshotEvent | None = ...,
+        session_created: Global___SessionStatusEvent | None = ...,
+        session_in_progress: Global___SessionStatusEvent | None = ...,
+        session_idle: Global___SessionStatusEvent | None = ...,
+        session_requires_action: Global___SessionStatusEvent | None = ...,
+        session_failed: Global___SessionStatusEvent | None = ...,
         turn_created: Global___TurnEvent | None = ...,
         turn_in_progress: Global___TurnEvent | None = ...,
         turn_completed: Global___TurnEndedEvent | None = ...,
@@ -1882,34 +1882,34 @@ class SessionEvent(_message.Message):
         environment_failed: Global___EnvironmentEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "created", b"created", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "failed", b"failed", "idle", b"idle", "in_progress", b"in_progress", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "requires_action", b"requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "created", b"created", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "failed", b"failed", "idle", b"idle", "in_progress", b"in_progress", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "requires_action", b"requires_action", "sequence", b"sequence", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["created", "in_progress", "idle", "requires_action", "failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "environment_pending", "environment_ready", "environment_failed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "environment_pending", "environment_ready", "environment_failed", "error"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___SessionEvent: _TypeAlias = SessionEvent  # noqa: Y015
 
 @_typing.final
-class SessionSnapshotEvent(_message.Message):
-    """SessionSnapshotEvent announces a session status with the whole session."""
+class SessionStatusEvent(_message.Message):
+    """SessionStatusEvent announces a session status with the whole session."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def session(self) -> _struct_pb2.Struct:
-        """The session as the public API renders it (`AgentSession`), captured
-        when the event was written. A Struct until the Session message itself
-        is typed field for field like the public object.
+    def session(self) -> Global___Session:
+        """The session when the event was written, with the status it announces
+        and without secrets: no MCP headers, environment variables, setup
+        commands or inline file bytes. The gateway renders it as `AgentSession`.
         """
 
     def __init__(
         self,
         *,
-        session: _struct_pb2.Struct | None = ...,
+        session: Global___Session | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -1917,7 +1917,7 @@ class SessionSnapshotEvent(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SessionSnapshotEvent: _TypeAlias = SessionSnapshotEvent  # noqa: Y015
+Global___SessionStatusEvent: _TypeAlias = SessionStatusEvent  # noqa: Y015
 
 @_typing.final
 class TurnEvent(_message.Message):
