@@ -16,8 +16,7 @@ from services.core.grpc_server import open_channel
 
 __all__ = ["EnvironmentClient", "SessionOutputs"]
 
-_SERVICE = "berth.environment.v1.EnvironmentService"
-_READS = ("GetEnvironment", "GetBinding", "ListSessionOutputs", "ListWorkspaceFiles", "ListMcpServers")
+_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
 
 
 @dataclass
@@ -29,7 +28,7 @@ class SessionOutputs:
 class EnvironmentClient:
     def __init__(self, address: str, *, credentials: PeerCredentials, timeout_s: float, setup_timeout_s: float) -> None:
         self._channel = open_channel(
-            address, timeout_s=timeout_s, credentials=credentials, idempotent_methods=[(_SERVICE, m) for m in _READS]
+            address, timeout_s=timeout_s, credentials=credentials, services=[_SERVICE]
         )
         self._stub = environment_service_pb2_grpc.EnvironmentServiceStub(self._channel)
         self._setup_timeout_s = setup_timeout_s

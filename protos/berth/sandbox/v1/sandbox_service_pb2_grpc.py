@@ -194,7 +194,9 @@ class SandboxServiceServicer:
         this node (creating, running or paused). Internal: the Environment
         service places new sandboxes on the least loaded node with it. It tells
         no identities; the organization metadata is required as on every RPC
-        but does not scope the count.
+        but does not scope the count. Not marked idempotent on purpose, so it is
+        never retried: placement skips a node that does not answer rather than
+        waiting on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,7 +55,9 @@ class SandboxServiceStub:
     this node (creating, running or paused). Internal: the Environment
     service places new sandboxes on the least loaded node with it. It tells
     no identities; the organization metadata is required as on every RPC
-    but does not scope the count.
+    but does not scope the count. Not marked idempotent on purpose, so it is
+    never retried: placement skips a node that does not answer rather than
+    waiting on it.
     """
     Exec: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]
     """Runs a command and streams its output, then its exit status.
@@ -133,7 +135,9 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     this node (creating, running or paused). Internal: the Environment
     service places new sandboxes on the least loaded node with it. It tells
     no identities; the organization metadata is required as on every RPC
-    but does not scope the count.
+    but does not scope the count. Not marked idempotent on purpose, so it is
+    never retried: placement skips a node that does not answer rather than
+    waiting on it.
     """
     Exec: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]  # type: ignore[assignment]
     """Runs a command and streams its output, then its exit status.
@@ -238,7 +242,9 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         this node (creating, running or paused). Internal: the Environment
         service places new sandboxes on the least loaded node with it. It tells
         no identities; the organization metadata is required as on every RPC
-        but does not scope the count.
+        but does not scope the count. Not marked idempotent on purpose, so it is
+        never retried: placement skips a node that does not answer rather than
+        waiting on it.
         """
 
     @_abc_1.abstractmethod
