@@ -15,14 +15,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-import grpc
 from sqlalchemy import Table, delete, exists, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
 from services.core.context import current_org
-from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, SessionActive
+from services.core.errors import BerthError, Conflict, FailedPrecondition, InvalidArgument, NotFound, SessionActive
 from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
@@ -310,8 +309,8 @@ class SessionDomain:
             return None
         try:
             return await self.env.get_environment(row.environment_id)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("environment_lookup_failed", environment_id=row.environment_id, code=exc.code().name)
+        except BerthError as exc:
+            log.warning("environment_lookup_failed", environment_id=row.environment_id, reason=exc.reason)
             return None
 
     async def _bind_environment(
@@ -506,8 +505,8 @@ class SessionDomain:
         if row.environment_kind == "hosted" and self.env is not None:
             try:
                 await self.env.detach_session(row.environment_id, session_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
+            except BerthError as exc:
+                if not isinstance(exc, NotFound):
 
                     async def restore(u: Unit) -> None:
                         await u.session.execute(

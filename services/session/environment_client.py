@@ -1,6 +1,6 @@
 """The Session service's only path to compute: a typed client of the
-Environment service. Errors arrive as ``grpc.aio.AioRpcError``; callers that
-change their meaning translate them with ``services.core.errors.from_rpc_error``."""
+Environment service. Failed calls raise the domain error the Environment
+service gave (``services.core.errors``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class SessionOutputs:
 class EnvironmentClient:
     def __init__(self, address: str, *, credentials: PeerCredentials, timeout_s: float, setup_timeout_s: float) -> None:
         self._channel = open_channel(
-            address, timeout_s=timeout_s, credentials=credentials, services=[_SERVICE]
+            address, timeout_s=timeout_s, credentials=credentials, services=[_SERVICE], domain_errors=True
         )
         self._stub = environment_service_pb2_grpc.EnvironmentServiceStub(self._channel)
         self._setup_timeout_s = setup_timeout_s

@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import grpc
 import structlog
 from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
+from services.core.errors import BerthError
 from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
@@ -202,8 +202,8 @@ class TurnRunner:
             return None
         try:
             return await self.env_client.get_environment(environment_id)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("environment_lookup_failed", environment_id=environment_id, code=exc.code().name)
+        except BerthError as exc:
+            log.warning("environment_lookup_failed", environment_id=environment_id, reason=exc.reason)
             return None
 
     async def _claim(self, session_id: str, org_id: str) -> ClaimedTurn | None:
@@ -424,8 +424,8 @@ class TurnRunner:
         if outcome.status == "completed":
             try:
                 files = await (collecting[0] if collecting else self._collect(claimed, io))
-            except grpc.aio.AioRpcError as exc:
-                failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
+            except BerthError as exc:
+                failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.message)
                 outcome = Outcome("failed", "sandbox_error", f"publishing outputs failed: {failure.message}")
         elif collecting:
             # The turn ended otherwise after its outputs were read: nothing is
