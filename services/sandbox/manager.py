@@ -283,36 +283,6 @@ class SandboxManager:
             stmt = select(func.count()).select_from(SandboxRow).where(SandboxRow.state.in_(_LIVE_STATES))
             return int((await s.execute(stmt)).scalar_one())
 
-    async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
-        size = page_size if 0 < page_size <= 1000 else 100
-        async with self._db.transaction(read_only=True) as s:
-            q = select(SandboxRow).where(SandboxRow.org_id == org_id, SandboxRow.state != "destroyed").order_by(SandboxRow.sandbox_id)
-            if page_token:
-                q = q.where(SandboxRow.sandbox_id > page_token)
-            rows = (await s.execute(q)).scalars().all()
-        records = [SandboxRecord.from_row(r) for r in rows]
-        records = [r for r in records if all(r.labels.get(k) == v for k, v in selector.items())]
-        page = records[:size]
-        token = page[-1].sandbox_id if len(records) > size else ""
-        return page, token
-
-    async def pause(self, org_id: str, sandbox_id: str) -> SandboxRecord:
-        await self._row(org_id, sandbox_id)
-        live = self._require_live(sandbox_id)
-        async with live.lock:
-            if not live.paused:
-                await self._backend.pause(live.handle)
-                live.paused = True
-                await self._set_state(sandbox_id, "paused")
-                log.info("sandbox_paused", sandbox_id=sandbox_id)
-        return await self._row(org_id, sandbox_id)
-
-    async def resume(self, org_id: str, sandbox_id: str) -> SandboxRecord:
-        await self._row(org_id, sandbox_id)
-        live = self._require_live(sandbox_id)
-        await self._resume_live(sandbox_id, live)
-        return await self._row(org_id, sandbox_id)
-
     async def destroy(self, org_id: str, sandbox_id: str) -> None:
         # Serialized with create of the same ID: a destroy that arrives while
         # the sandbox is being created waits for it and then removes it, so a
