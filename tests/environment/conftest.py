@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import ORGS, Cluster, EnvService, SandboxNodePool, SandboxService, md
+from environment_helpers import Cluster, EnvService, SandboxNodePool, SandboxService, destroy_environment_sandboxes
 from grpc_support import internal_channel
 
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from berth.sandbox.v1 import sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
 def _require_or_skip(what: str, flag: str, reason: str) -> None:
@@ -80,12 +80,7 @@ async def sandbox_service(tmp_path: Path) -> AsyncIterator[SandboxService]:
     try:
         yield service
     finally:
-        for org in ORGS:
-            listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
-            for sandbox in listed.sandboxes:
-                await service.stub.DestroySandbox(
-                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
-                )
+        await destroy_environment_sandboxes(service.stub)
         await channel.close()
         await handle.stop(0.2)
 

@@ -13,13 +13,25 @@ from typing import Any
 import grpc
 import pytest
 from environment_fakes import FakeCompute
-from environment_helpers import Cluster, EnvService, SandboxService, create_env, get_env, md, reason_of, run_command, setup_config, wait_until
+from environment_helpers import (
+    Cluster,
+    EnvService,
+    SandboxService,
+    create_env,
+    destroy_environment_sandboxes,
+    get_env,
+    md,
+    reason_of,
+    run_command,
+    setup_config,
+    wait_until,
+)
 from hosts_support import TestHost, make_test_host
 from mcp_test_support import COUNT_SERVERS, SANDBOX_MOUNTS, http_mcp_server, require_host_python_mcp, stdio_transport
 from grpc_support import internal_channel
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from berth.sandbox.v1 import sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
 SESSION_A = "sess_a"
@@ -56,9 +68,7 @@ async def mcp_sandbox(tmp_path: Path, bwrap_available: None, test_host: TestHost
     try:
         yield service
     finally:
-        listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md())
-        for sandbox in listed.sandboxes:
-            await service.stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md())
+        await destroy_environment_sandboxes(service.stub)
         await channel.close()
         await handle.stop(0.2)
 

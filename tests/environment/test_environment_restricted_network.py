@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from environment_helpers import Cluster, SandboxService, create_env, md, run_command
+from environment_helpers import Cluster, SandboxService, create_env, destroy_environment_sandboxes, run_command
 from grpc_support import internal_channel
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
-from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
+from berth.sandbox.v1 import sandbox_service_pb2_grpc
 from services.core.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,9 +69,7 @@ async def lenient_sandbox_service(tmp_path: Path, local_names_only: list[str], b
     try:
         yield service
     finally:
-        listed = await service.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md())
-        for sandbox in listed.sandboxes:
-            await service.stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md())
+        await destroy_environment_sandboxes(service.stub)
         await channel.close()
         await handle.stop(0.2)
 
