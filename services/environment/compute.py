@@ -123,6 +123,31 @@ class Compute(Protocol):
         """The label's broker and whether this call created it with ``transport``."""
         ...
 
+    async def start_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> sandbox_pb2.Process:
+        """Starts a background process that outlives the call."""
+        ...
+
+    def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
+        """The process's output chunks from ``from_seq``, then its ExitStatus
+        once it has exited. Closing the iterator leaves the process running."""
+        ...
+
+    async def kill_process(self, sandbox: SandboxRef, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
+        """Signals the process tree (0 is SIGKILL); None when the sandbox no longer knows it."""
+        ...
+
+    async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]: ...
+
     async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]: ...
 
     async def send_mcp_message(self, sandbox: SandboxRef, label: str, message_json: str, *, timeout_s: float) -> str:
@@ -273,6 +298,49 @@ class SandboxClient:
             # Reached on cancellation or early close as well: cancelling the
             # call makes the Sandbox service kill the command's process tree.
             call.cancel()
+
+    async def start_process(
+        self,
+        sandbox_id: str,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> sandbox_pb2.Process:
+        request = sandbox_service_pb2.StartProcessRequest(
+            sandbox_id=sandbox_id, name=name, argv=list(argv), shell=shell, cwd=cwd, env=dict(env or {}), keepalive=keepalive
+        )
+        with self._unreachable(sandbox_id):
+            response = await self._stub.StartProcess(request)
+        return response.process
+
+    async def attach_process(self, sandbox_id: str, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
+        request = sandbox_service_pb2.AttachProcessRequest(sandbox_id=sandbox_id, process_id=process_id, from_seq=from_seq)
+        call = self._stub.AttachProcess(request)
+        try:
+            with self._unreachable(sandbox_id):
+                async for response in call:
+                    if response.HasField("chunk"):
+                        yield response.chunk
+                    elif response.HasField("exit"):
+                        yield response.exit
+        finally:
+            call.cancel()
+
+    async def kill_process(self, sandbox_id: str, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
+        request = sandbox_service_pb2.KillProcessRequest(sandbox_id=sandbox_id, process_id=process_id, signal=signal)
+        with self._unreachable(sandbox_id):
+            response = await self._stub.KillProcess(request)
+        return response.process if response.HasField("process") else None
+
+    async def list_processes(self, sandbox_id: str) -> list[sandbox_pb2.Process]:
+        request = sandbox_service_pb2.ListProcessesRequest(sandbox_id=sandbox_id)
+        with self._unreachable(sandbox_id):
+            response = await self._stub.ListProcesses(request)
+        return list(response.processes)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         request = sandbox_service_pb2.WriteFileRequest(sandbox_id=sandbox_id, path=path, data=data, mode=mode)

@@ -87,6 +87,36 @@ class EnvironmentClient:
             )
         )
 
+    async def start_process(
+        self, environment_id: str, session_id: str, *, name: str, shell: str, cwd: str = "", keepalive: bool = False
+    ) -> environment_pb2.Process:
+        response = await self._stub.StartProcess(
+            environment_service_pb2.StartProcessRequest(
+                environment_id=environment_id, session_id=session_id, name=name, shell=shell, cwd=cwd, keepalive=keepalive
+            )
+        )
+        return response.process
+
+    def attach_process(self, environment_id: str, process_id: str, *, from_seq: int = 0) -> grpc.aio.UnaryStreamCall:
+        """The AttachProcess stream; cancelling the call leaves the process running."""
+        return self._stub.AttachProcess(
+            environment_service_pb2.AttachProcessRequest(
+                environment_id=environment_id, process_id=process_id, from_seq=from_seq
+            )
+        )
+
+    async def kill_process(self, environment_id: str, process_id: str, *, signal: int = 0) -> environment_pb2.Process | None:
+        response = await self._stub.KillProcess(
+            environment_service_pb2.KillProcessRequest(environment_id=environment_id, process_id=process_id, signal=signal)
+        )
+        return response.process if response.HasField("process") else None
+
+    async def list_processes(self, environment_id: str) -> list[environment_pb2.Process]:
+        response = await self._stub.ListProcesses(
+            environment_service_pb2.ListProcessesRequest(environment_id=environment_id)
+        )
+        return list(response.processes)
+
     async def read_file_chunks(self, environment_id: str, path: str) -> AsyncIterator[bytes]:
         call = self._stub.ReadWorkspaceFile(
             environment_service_pb2.ReadWorkspaceFileRequest(environment_id=environment_id, path=path)

@@ -8,11 +8,12 @@ from collections.abc import AsyncGenerator
 
 from sqlalchemy import update
 
-from berth.environment.v1 import environment_pb2
+from berth.common.v1 import common_pb2
+from berth.environment.v1 import environment_pb2, environment_service_pb2
 from services.core.errors import BerthError, EnvironmentFailed
 from services.session import wire
 from services.session.environment_client import EnvironmentClient
-from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput
+from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, Process
 from services.session.harness.io import TurnFailure
 from services.session.models import SessionRow
 from services.session.store import Unit
@@ -25,6 +26,31 @@ def sandbox_failure(environment_id: str | None, session_id: str, exc: BaseExcept
     """A failed environment call as a turn failure naming the session and environment."""
     detail = exc.message if isinstance(exc, BerthError) else str(exc)
     return TurnFailure("sandbox_error", f"environment {environment_id} of session {session_id} failed: {detail}")
+
+
+def _exit(status: common_pb2.ExitStatus) -> CommandExit:
+    return CommandExit(status.exit_code, status.timed_out, int(status.duration_ms))
+
+
+def _command_event(
+    message: environment_service_pb2.ExecCommandResponse | environment_service_pb2.AttachProcessResponse,
+) -> CommandEvent | None:
+    kind = message.WhichOneof("event")
+    if kind == "chunk":
+        return CommandOutput(message.chunk.data)
+    if kind == "exit":
+        return _exit(message.exit)
+    return None
+
+
+def _process(process: environment_pb2.Process) -> Process:
+    return Process(
+        process_id=process.process_id,
+        name=process.name,
+        running=process.running,
+        exit=_exit(process.exit) if process.HasField("exit") else None,
+        next_seq=int(process.next_seq),
+    )
 
 
 class TurnEnvironment:
@@ -52,11 +78,9 @@ class TurnEnvironment:
         )
         try:
             async for message in call:
-                kind = message.WhichOneof("event")
-                if kind == "chunk":
-                    yield CommandOutput(message.chunk.data)
-                elif kind == "exit":
-                    yield CommandExit(message.exit.exit_code, message.exit.timed_out, int(message.exit.duration_ms))
+                event = _command_event(message)
+                if event is not None:
+                    yield event
         finally:
             # Reached on cancellation or early close as well: cancelling the
             # call kills the command's process tree in the sandbox.
@@ -67,6 +91,30 @@ class TurnEnvironment:
 
     async def write_file(self, path: str, data: bytes) -> None:
         await self._client.write_file(self.environment_id, path, data)
+
+    async def start_process(self, shell: str, *, name: str, cwd: str, keepalive: bool) -> Process:
+        process = await self._client.start_process(
+            self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=keepalive
+        )
+        return _process(process)
+
+    async def process_output(self, process_id: str, *, from_seq: int) -> AsyncGenerator[CommandEvent, None]:
+        call = self._client.attach_process(self.environment_id, process_id, from_seq=from_seq)
+        try:
+            async for message in call:
+                event = _command_event(message)
+                if event is not None:
+                    yield event
+        finally:
+            # Stops only the stream: the process keeps running.
+            call.cancel()
+
+    async def kill_process(self, process_id: str) -> Process | None:
+        process = await self._client.kill_process(self.environment_id, process_id)
+        return _process(process) if process is not None else None
+
+    async def list_processes(self) -> list[Process]:
+        return [_process(p) for p in await self._client.list_processes(self.environment_id)]
 
     # ----- setup ------------------------------------------------------------------
     def failure(self, exc: BaseException) -> TurnFailure:

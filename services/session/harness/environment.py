@@ -1,5 +1,5 @@
 """The harness's port to the session's environment: run a command, read and
-write a file. ``services.session`` implements it over the Environment
+write a file, and run background processes. ``services.session`` implements it over the Environment
 service; a failed call raises the domain error (``services.core.errors``)
 it ended with, and this package imports no ``grpc``."""
 
@@ -11,7 +11,7 @@ from typing import Protocol
 
 from services.core.errors import BerthError, FailedPrecondition, Unavailable
 
-__all__ = ["EnvironmentPort", "CommandOutput", "CommandExit", "CommandEvent", "environment_unusable"]
+__all__ = ["EnvironmentPort", "CommandOutput", "CommandExit", "CommandEvent", "Process", "environment_unusable"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,19 @@ class CommandExit:
 CommandEvent = CommandOutput | CommandExit
 
 
+@dataclass(frozen=True)
+class Process:
+    """A background process in the environment."""
+
+    process_id: str
+    name: str
+    running: bool
+    # The exit status once it has exited.
+    exit: CommandExit | None
+    # The sequence number its next output chunk will get.
+    next_seq: int
+
+
 class EnvironmentPort(Protocol):
     """The environment of one session, for the tools of its turns."""
 
@@ -47,6 +60,25 @@ class EnvironmentPort(Protocol):
 
     async def write_file(self, path: str, data: bytes) -> None:
         """Creates or replaces the file with ``data``."""
+        ...
+
+    async def start_process(self, shell: str, *, name: str, cwd: str, keepalive: bool) -> Process:
+        """Starts ``sh -c shell`` in the background; it outlives the turn.
+        A ``keepalive`` process keeps the sandbox from pausing while idle."""
+        ...
+
+    def process_output(self, process_id: str, *, from_seq: int) -> AsyncGenerator[CommandEvent, None]:
+        """The process's output from sequence number ``from_seq``, then one
+        CommandExit once it has exited. Closing the iterator leaves the
+        process running."""
+        ...
+
+    async def kill_process(self, process_id: str) -> Process | None:
+        """Kills the process and its whole tree; None when it is unknown."""
+        ...
+
+    async def list_processes(self) -> list[Process]:
+        """The environment's background processes, running and exited."""
         ...
 
 
