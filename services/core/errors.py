@@ -38,9 +38,10 @@ __all__ = [
 ERROR_DOMAIN = "berth.dev"
 
 
-# Every error class by its ErrorInfo reason: filled as the classes are
-# declared, so a reason's only home is its class. The server interceptor
-# sends ``reason``; the client interceptor looks the class up here.
+# Every error class of this module by its ErrorInfo reason: filled as the
+# classes are declared, so a reason's only home is its class. The server
+# interceptor sends ``reason``; the client interceptor looks the class up
+# here. Subclasses declared elsewhere cross a hop as their base class.
 _BY_REASON: dict[str, type[BerthError]] = {}
 
 
@@ -63,7 +64,7 @@ class BerthError(Exception):
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "reason" in cls.__dict__:
+        if "reason" in cls.__dict__ and cls.__module__ == __name__:
             if cls.reason in _BY_REASON:
                 raise TypeError(f"reason {cls.reason} belongs to {_BY_REASON[cls.reason].__name__} already")
             _BY_REASON[cls.reason] = cls

@@ -69,6 +69,8 @@ class _Flaky(sandbox_service_pb2_grpc.SandboxServiceServicer):
     def __init__(self, failures: int) -> None:
         self.failures = failures
         self.attempts: dict[str, int] = {}
+        # What WriteFile raises.
+        self.error: errors.BerthError = errors.PathOutsideWorkspace("the path leaves the workspace", param="path")
 
     async def _attempt(self, method: str, context: grpc.aio.ServicerContext) -> None:
         self.attempts[method] = self.attempts.get(method, 0) + 1
@@ -84,7 +86,7 @@ class _Flaky(sandbox_service_pb2_grpc.SandboxServiceServicer):
         return sandbox_service_pb2.StartMcpBrokerResponse()
 
     async def WriteFile(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        raise errors.PathOutsideWorkspace("the path leaves the workspace", param="path")
+        raise self.error
 
     async def ReadFile(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
         yield sandbox_service_pb2.ReadFileResponse(data=b"first", size_bytes=10)
@@ -167,8 +169,10 @@ async def test_a_channel_without_domain_errors_raises_the_grpc_error(flaky: Any)
         await running.stop(0)
 
 
-def test_each_reason_belongs_to_one_error_class() -> None:
-    with pytest.raises(TypeError):
-
-        class _Again(errors.NotFound):
-            reason = "NOT_FOUND"
+@pytest.mark.parametrize("cls", sorted(set(errors._BY_REASON.values()) - {errors.PeerUnauthenticated, errors.PeerNotAllowed}, key=lambda c: c.reason))
+async def test_every_domain_error_crosses_a_hop_as_its_own_class(flaky: Any, cls: type[errors.BerthError]) -> None:
+    servicer, stub = flaky
+    servicer.error = cls("it failed", param="path")
+    with pytest.raises(cls) as raised:
+        await stub.WriteFile(sandbox_service_pb2.WriteFileRequest(sandbox_id="sbx-1", path="/x"), metadata=org_metadata("org-1"))
+    assert type(raised.value) is cls and raised.value.param == "path"
