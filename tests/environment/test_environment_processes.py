@@ -5,6 +5,7 @@ port that reaches them."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,11 @@ async def test_a_background_process_outlives_its_call_and_is_listed_followed_and
 
 
 @pytest.fixture
-async def session_store(tmp_path: Path) -> Store:
+async def session_store(tmp_path: Path) -> AsyncIterator[Store]:
     url = Settings(session_database_url=f"sqlite+berth:///{tmp_path / 'session.db'}").database_url("session")
     db = await open_database(url, "session", _SESSION_MIGRATIONS)
     try:
-        yield Store(db)  # type: ignore[misc]
+        yield Store(db)
     finally:
         await db.dispose()
 
