@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
 from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
@@ -37,32 +37,9 @@ __all__ = ["create_app", "start_gateway", "GatewayHandle"]
 
 log = get_logger("berth.gateway")
 
-_SESSION_SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
-_ENVIRONMENT_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name
-_HEALTH = ("grpc.health.v1.Health", "Check")
-
-# Reads are safe to retry on UNAVAILABLE; writes never are.
-_SESSION_READS = (
-    "GetAgent",
-    "ListAgents",
-    "GetSession",
-    "ListSessions",
-    "StreamSessionEvents",
-    "ListTurns",
-    "GetTurn",
-    "ListItems",
-    "ListArtifacts",
-    "GetArtifact",
-    "GetArtifactContent",
-)
-_ENVIRONMENT_READS = (
-    "GetEnvironment",
-    "ListEnvironments",
-    "ListEnvironmentFiles",
-    "GetStoredFile",
-    "GetStoredFileContent",
-    "ListStoredFiles",
-)
+_SESSION_SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
+_ENVIRONMENT_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
+_HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
 
 
 def create_app(settings: Settings, *, session_addr: str | None = None, environment_addr: str | None = None) -> FastAPI:
@@ -77,13 +54,13 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
                 session_addr or settings.session_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                idempotent_methods=[*((_SESSION_SERVICE, m) for m in _SESSION_READS), _HEALTH],
+                services=[_SESSION_SERVICE, _HEALTH_SERVICE],
             )
             environment_channel = open_channel(
                 environment_addr or settings.environment_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                idempotent_methods=[*((_ENVIRONMENT_SERVICE, m) for m in _ENVIRONMENT_READS), _HEALTH],
+                services=[_ENVIRONMENT_SERVICE, _HEALTH_SERVICE],
             )
         except BaseException as exc:
             app.state.startup_error = exc

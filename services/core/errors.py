@@ -38,6 +38,13 @@ __all__ = [
 ERROR_DOMAIN = "berth.dev"
 
 
+# Every error class of this module by its ErrorInfo reason: filled as the
+# classes are declared, so a reason's only home is its class. The server
+# interceptor sends ``reason``; the client interceptor looks the class up
+# here. Subclasses declared elsewhere cross a hop as their base class.
+_BY_REASON: dict[str, type[BerthError]] = {}
+
+
 class BerthError(Exception):
     """Base of all domain errors."""
 
@@ -51,6 +58,16 @@ class BerthError(Exception):
         self.metadata = dict(metadata)
         if param is not None:
             self.metadata.setdefault("param", param)
+        # The status a downstream call ended with, for errors rebuilt from one
+        # (see from_rpc_error); None for errors raised in this process.
+        self.received_code: grpc.StatusCode | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reason" in cls.__dict__ and cls.__module__ == __name__:
+            if cls.reason in _BY_REASON:
+                raise TypeError(f"reason {cls.reason} belongs to {_BY_REASON[cls.reason].__name__} already")
+            _BY_REASON[cls.reason] = cls
 
 
 class NotFound(BerthError):
@@ -158,26 +175,6 @@ def reason_from_rpc_error(exc: grpc.RpcError) -> tuple[str, dict[str, str]]:
     return "", {}
 
 
-_BY_REASON: dict[str, type[BerthError]] = {
-    cls.reason: cls
-    for cls in (
-        NotFound,
-        InvalidArgument,
-        PathOutsideWorkspace,
-        FailedPrecondition,
-        EnvironmentInUse,
-        InitializationRunning,
-        SessionActive,
-        EnvironmentFailed,
-        McpServerDead,
-        Conflict,
-        Unavailable,
-        SandboxUnavailable,
-        PermissionDenied,
-        Unauthenticated,
-    )
-}
-
 _REFUSED_PEER = frozenset({PeerUnauthenticated.reason, PeerNotAllowed.reason})
 
 _BY_CODE: dict[grpc.StatusCode, type[BerthError]] = {
@@ -205,7 +202,9 @@ def from_rpc_error(exc: grpc.RpcError) -> BerthError:
         return BerthError(f"internal call refused ({reason}): {details}")
     cls = _BY_REASON.get(reason) or _BY_CODE.get(code, BerthError)
     param = metadata.pop("param", None)
-    return cls(details or code.name, param=param, **metadata)
+    error = cls(details or code.name, param=param, **metadata)
+    error.received_code = code
+    return error
 
 
 __all__ += ["PathOutsideWorkspace", "from_rpc_error"]

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.core.context import PeerCredentials
+from services.core.grpc_client import DomainErrorInterceptors, service_config
 from services.core.interceptors import CallerTable, ClientContextInterceptors, ServerContextInterceptor, undeclared_methods
 from services.core.logging import get_logger
 
@@ -34,17 +36,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-# Retries only for UNAVAILABLE, and only on methods marked idempotent by the
-# caller's service name list (reads); writes are never retried blindly.
-_RETRY_POLICY = {
-    "maxAttempts": 5,
-    "initialBackoff": "0.1s",
-    "maxBackoff": "1s",
-    "backoffMultiplier": 2,
-    "retryableStatusCodes": ["UNAVAILABLE"],
-}
-
 
 @dataclass
 class RunningServer:
@@ -107,19 +98,22 @@ def open_channel(
     *,
     timeout_s: float,
     credentials: PeerCredentials | None,
-    idempotent_methods: Iterable[tuple[str, str]] = (),
+    services: Iterable[ServiceDescriptor] = (),
+    domain_errors: bool = False,
 ) -> grpc.aio.Channel:
     """A channel that attaches ``credentials`` to every call, propagates
-    request context, sets deadlines and retries UNAVAILABLE on the listed
-    (service, method) pairs. Without credentials only health checks answer."""
-    import json
-
-    names = [{"service": s, "method": m} for s, m in idempotent_methods]
-    config = {"methodConfig": [{"name": names, "retryPolicy": _RETRY_POLICY}]} if names else {}
-    options: list[tuple[str, str | int]] = [*_CHANNEL_OPTIONS, ("grpc.enable_retries", 1)]
-    if config:
-        options.append(("grpc.service_config", json.dumps(config)))
-    return grpc.aio.insecure_channel(address, options=options, interceptors=ClientContextInterceptors(timeout_s, credentials))
+    request context, sets deadlines and retries UNAVAILABLE on the methods of
+    ``services`` their protos mark idempotent. With ``domain_errors`` a failed
+    call raises its domain error (how services call each other); without, the
+    ``grpc.aio.AioRpcError`` (the gateway maps those to HTTP itself). Without
+    credentials only health checks answer."""
+    options: list[tuple[str, str | int]] = [
+        *_CHANNEL_OPTIONS,
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", service_config(services)),
+    ]
+    interceptors = [*(DomainErrorInterceptors() if domain_errors else ()), *ClientContextInterceptors(timeout_s, credentials)]
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 async def wait_for_termination_signal() -> None:

@@ -14,7 +14,8 @@ reason the Sandbox service gave it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
@@ -22,8 +23,9 @@ import grpc
 
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2, sandbox_service_pb2_grpc
-from services.core.context import org_metadata
-from services.core.errors import BerthError, SandboxUnavailable, from_rpc_error
+from services.core.context import PeerCredentials, org_metadata
+from services.core.errors import NotFound, SandboxUnavailable, Unavailable
+from services.core.grpc_server import open_channel
 
 __all__ = [
     "Compute",
@@ -34,29 +36,13 @@ __all__ = [
     "SandboxInventory",
     "EnvironmentSandbox",
     "ENVIRONMENT_LABEL",
-    "SANDBOX_IDEMPOTENT_METHODS",
+    "SANDBOX_SERVICE",
+    "open_sandbox_channel",
 ]
 
 ExecEvent: TypeAlias = common_pb2.OutputChunk | common_pb2.ExitStatus
 
-_SERVICE = "berth.sandbox.v1.SandboxService"
-
-# Safe to retry on UNAVAILABLE: reads, and writes that are idempotent by ID
-# or replace a whole file. CountSandboxes is left out on purpose: placement
-# skips a node that does not answer rather than waiting on retries.
-SANDBOX_IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = tuple(
-    (_SERVICE, m)
-    for m in (
-        "CreateSandbox",
-        "GetSandbox",
-        "ListLabeledSandboxes",
-        "ListFiles",
-        "ReadFile",
-        "WriteFile",
-        "DestroySandbox",
-        "ListMcpBrokers",
-    )
-)
+SANDBOX_SERVICE = sandbox_service_pb2.DESCRIPTOR.services_by_name["SandboxService"]
 
 # The label naming the environment a sandbox belongs to.
 ENVIRONMENT_LABEL = "berth.environment_id"
@@ -137,6 +123,31 @@ class Compute(Protocol):
         """The label's broker and whether this call created it with ``transport``."""
         ...
 
+    async def start_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> sandbox_pb2.Process:
+        """Starts a background process that outlives the call."""
+        ...
+
+    def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
+        """The process's output chunks from ``from_seq``, then its ExitStatus
+        once it has exited. Closing the iterator leaves the process running."""
+        ...
+
+    async def kill_process(self, sandbox: SandboxRef, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
+        """Signals the process tree (0 is SIGKILL); None when the sandbox no longer knows it."""
+        ...
+
+    async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]: ...
+
     async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]: ...
 
     async def send_mcp_message(self, sandbox: SandboxRef, label: str, message_json: str, *, timeout_s: float) -> str:
@@ -176,8 +187,16 @@ class SandboxInventory(Protocol):
         ...
 
 
+def open_sandbox_channel(address: str, *, timeout_s: float, credentials: PeerCredentials) -> grpc.aio.Channel:
+    """A channel to one Sandbox service node, as ``SandboxClient`` needs it:
+    failed calls raise domain errors, and the methods the proto marks
+    idempotent are retried on UNAVAILABLE."""
+    return open_channel(address, timeout_s=timeout_s, credentials=credentials, services=[SANDBOX_SERVICE], domain_errors=True)
+
+
 class SandboxClient:
-    """One Sandbox service node over its gRPC API, addressed by sandbox ID."""
+    """One Sandbox service node over its gRPC API, addressed by sandbox ID.
+    Its channel comes from ``open_sandbox_channel``."""
 
     def __init__(self, channel: grpc.aio.Channel, *, create_timeout_s: float, node: str = "") -> None:
         self._stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
@@ -187,22 +206,27 @@ class SandboxClient:
     def _where(self) -> str:
         return f"sandbox node {self.node}" if self.node else "the Sandbox service"
 
-    def _translate(self, exc: grpc.aio.AioRpcError, sandbox_id: str) -> BerthError:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+    @contextlib.contextmanager
+    def _unreachable(self, sandbox_id: str = "") -> Iterator[None]:
+        """An UNAVAILABLE call names the sandbox, or the node, that did not
+        answer; every other error keeps the reason the Sandbox service gave it."""
+        try:
+            yield
+        except Unavailable as exc:
+            if exc.received_code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            detail = exc.message or "unreachable"
+            if not sandbox_id:
+                raise SandboxUnavailable(f"{self._where()} is unavailable: {detail}") from exc
             where = f" on sandbox node {self.node}" if self.node else ""
-            return SandboxUnavailable(f"sandbox {sandbox_id}{where} is unavailable: {exc.details() or 'unreachable'}")
-        return from_rpc_error(exc)
+            raise SandboxUnavailable(f"sandbox {sandbox_id}{where} is unavailable: {detail}") from exc
 
     async def count_live_sandboxes(self, *, timeout_s: float) -> int:
         """Sandboxes of every organization that hold resources on this node."""
-        try:
+        with self._unreachable():
             response = await self._stub.CountSandboxes(
                 sandbox_service_pb2.CountSandboxesRequest(), metadata=org_metadata(_PLACEMENT_ORG), timeout=timeout_s
             )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise SandboxUnavailable(f"{self._where()} is unavailable: {exc.details() or 'unreachable'}") from exc
-            raise from_rpc_error(exc) from exc
         return int(response.live_count)
 
     async def create_sandbox(self, sandbox_id: str, spec: SandboxSpec) -> None:
@@ -213,10 +237,8 @@ class SandboxClient:
             env=dict(spec.env),
             size=_SIZES.get(spec.container_size, sandbox_pb2.CONTAINER_SIZE_UNSPECIFIED),
         )
-        try:
+        with self._unreachable(sandbox_id):
             await self._stub.CreateSandbox(request, timeout=self._create_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         await self._destroy(sandbox_id, metadata=None)
@@ -225,12 +247,8 @@ class SandboxClient:
         await self._destroy(sandbox_id, metadata=org_metadata(org_id))
 
     async def _destroy(self, sandbox_id: str, *, metadata: tuple[tuple[str, str], ...] | None) -> None:
-        try:
+        with contextlib.suppress(NotFound), self._unreachable(sandbox_id):
             await self._stub.DestroySandbox(sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox_id), metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return
-            raise self._translate(exc, sandbox_id) from exc
 
     async def list_environment_sandboxes(self) -> list[EnvironmentSandbox]:
         found: list[EnvironmentSandbox] = []
@@ -239,12 +257,8 @@ class SandboxClient:
             request = sandbox_service_pb2.ListLabeledSandboxesRequest(
                 label_key=ENVIRONMENT_LABEL, page_size=_INVENTORY_PAGE_SIZE, page_token=token
             )
-            try:
+            with self._unreachable():
                 response = await self._stub.ListLabeledSandboxes(request, metadata=org_metadata(_INVENTORY_ORG))
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise SandboxUnavailable(f"{self._where()} is unavailable: {exc.details() or 'unreachable'}") from exc
-                raise from_rpc_error(exc) from exc
             found.extend(
                 EnvironmentSandbox(
                     sandbox_id=s.sandbox_id,
@@ -274,81 +288,108 @@ class SandboxClient:
         )
         call = self._stub.Exec(request)
         try:
-            async for response in call:
-                if response.HasField("chunk"):
-                    yield response.chunk
-                elif response.HasField("exit"):
-                    yield response.exit
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
+            with self._unreachable(sandbox_id):
+                async for response in call:
+                    if response.HasField("chunk"):
+                        yield response.chunk
+                    elif response.HasField("exit"):
+                        yield response.exit
         finally:
             # Reached on cancellation or early close as well: cancelling the
             # call makes the Sandbox service kill the command's process tree.
             call.cancel()
 
+    async def start_process(
+        self,
+        sandbox_id: str,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> sandbox_pb2.Process:
+        request = sandbox_service_pb2.StartProcessRequest(
+            sandbox_id=sandbox_id, name=name, argv=list(argv), shell=shell, cwd=cwd, env=dict(env or {}), keepalive=keepalive
+        )
+        with self._unreachable(sandbox_id):
+            response = await self._stub.StartProcess(request)
+        return response.process
+
+    async def attach_process(self, sandbox_id: str, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
+        request = sandbox_service_pb2.AttachProcessRequest(sandbox_id=sandbox_id, process_id=process_id, from_seq=from_seq)
+        call = self._stub.AttachProcess(request)
+        try:
+            with self._unreachable(sandbox_id):
+                async for response in call:
+                    if response.HasField("chunk"):
+                        yield response.chunk
+                    elif response.HasField("exit"):
+                        yield response.exit
+        finally:
+            call.cancel()
+
+    async def kill_process(self, sandbox_id: str, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
+        request = sandbox_service_pb2.KillProcessRequest(sandbox_id=sandbox_id, process_id=process_id, signal=signal)
+        with self._unreachable(sandbox_id):
+            response = await self._stub.KillProcess(request)
+        return response.process if response.HasField("process") else None
+
+    async def list_processes(self, sandbox_id: str) -> list[sandbox_pb2.Process]:
+        request = sandbox_service_pb2.ListProcessesRequest(sandbox_id=sandbox_id)
+        with self._unreachable(sandbox_id):
+            response = await self._stub.ListProcesses(request)
+        return list(response.processes)
+
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         request = sandbox_service_pb2.WriteFileRequest(sandbox_id=sandbox_id, path=path, data=data, mode=mode)
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.WriteFile(request)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return response.entry
 
     async def read_file(self, sandbox_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
         call = self._stub.ReadFile(sandbox_service_pb2.ReadFileRequest(sandbox_id=sandbox_id, path=path))
         try:
-            async for response in call:
-                yield response.data, response.size_bytes
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
+            with self._unreachable(sandbox_id):
+                async for response in call:
+                    yield response.data, response.size_bytes
         finally:
             call.cancel()
 
     async def list_files(self, sandbox_id: str, path: str, *, recursive: bool) -> list[common_pb2.FileEntry]:
         request = sandbox_service_pb2.ListFilesRequest(sandbox_id=sandbox_id, path=path, recursive=recursive)
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.ListFiles(request)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return list(response.entries)
 
     async def start_mcp_broker(
         self, sandbox_id: str, label: str, transport: sandbox_pb2.McpTransport
     ) -> tuple[sandbox_pb2.McpBroker, bool]:
         request = sandbox_service_pb2.StartMcpBrokerRequest(sandbox_id=sandbox_id, label=label, transport=transport)
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.StartMcpBroker(request)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return response.broker, bool(response.created)
 
     async def list_mcp_brokers(self, sandbox_id: str) -> list[sandbox_pb2.McpBroker]:
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.ListMcpBrokers(sandbox_service_pb2.ListMcpBrokersRequest(sandbox_id=sandbox_id))
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return list(response.brokers)
 
     async def send_mcp_message(self, sandbox_id: str, label: str, message_json: str, *, timeout_s: float) -> str:
         request = sandbox_service_pb2.SendMcpMessageRequest(sandbox_id=sandbox_id, label=label, message_json=message_json)
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.SendMcpMessage(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return str(response.message_json)
 
     async def stop_mcp_broker(self, sandbox_id: str, label: str, *, timeout_s: float) -> sandbox_pb2.McpBroker:
         request = sandbox_service_pb2.StopMcpBrokerRequest(sandbox_id=sandbox_id, label=label)
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.StopMcpBroker(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return response.broker
 
     async def close_mcp_upstream(self, sandbox_id: str, label: str, *, timeout_s: float) -> bool:
         request = sandbox_service_pb2.CloseMcpUpstreamRequest(sandbox_id=sandbox_id, label=label)
-        try:
+        with self._unreachable(sandbox_id):
             response = await self._stub.CloseMcpUpstream(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, sandbox_id) from exc
         return bool(response.closed)

@@ -110,6 +110,13 @@ def _sandbox_errors(environment_id: str, session_id: str = "") -> Iterator[None]
         raise SandboxUnavailable(f"the sandbox is unavailable ({where})", **ids) from exc
 
 
+def _command_cwd(argv: Sequence[str], shell: str, cwd: str) -> str:
+    """A command's checked working directory; a command is argv or shell."""
+    if bool(argv) == bool(shell):
+        raise InvalidArgument("exactly one of argv and shell is required", param="argv")
+    return workspace_dir_path(cwd or WORKSPACE, param="cwd")
+
+
 def _sandbox(row: EnvironmentRow) -> SandboxRef:
     """The environment's sandbox on the node its row records."""
     return SandboxRef(row.sandbox_id, row.sandbox_node)
@@ -434,11 +441,22 @@ class EnvironmentDomain:
         env: Mapping[str, str],
         timeout_ms: int,
     ) -> AsyncIterator[ExecEvent]:
-        if bool(argv) == bool(shell):
-            raise InvalidArgument("exactly one of argv and shell is required", param="argv")
-        cwd = workspace_dir_path(cwd or WORKSPACE, param="cwd")
+        cwd = _command_cwd(argv, shell, cwd)
         if timeout_ms < 0:
             raise InvalidArgument("timeout_ms must not be negative", param="timeout_ms")
+        row, command_env = await self._command_site(org_id, environment_id, session_id, env)
+        with _sandbox_errors(environment_id, session_id):
+            async for event in self._compute.exec(
+                _sandbox(row), argv=argv, shell=shell, cwd=cwd, env=command_env, timeout_ms=timeout_ms
+            ):
+                yield event
+
+    async def _command_site(
+        self, org_id: str, environment_id: str, session_id: str, env: Mapping[str, str]
+    ) -> tuple[EnvironmentRow, dict[str, str]]:
+        """Where a command of a session runs: the ready environment and the
+        variables with the session's output directory, which exists once
+        this returns."""
         command_env = dict(env)
         binding = None
         row: EnvironmentRow | None = None
@@ -449,13 +467,50 @@ class EnvironmentDomain:
         if row is None or row.status != EnvironmentStatus.READY:
             # Not known to be ready: through the init guard (which may start setup).
             row = await self._ready(org_id, environment_id, session_id)
-        with _sandbox_errors(environment_id, session_id):
-            if binding is not None:
+        if binding is not None:
+            with _sandbox_errors(environment_id, session_id):
                 await self._ensure_output_dir(row, binding)
-            async for event in self._compute.exec(
-                _sandbox(row), argv=argv, shell=shell, cwd=cwd, env=command_env, timeout_ms=timeout_ms
-            ):
+        return row, command_env
+
+    async def start_process(
+        self,
+        org_id: str,
+        environment_id: str,
+        *,
+        session_id: str,
+        name: str,
+        argv: Sequence[str],
+        shell: str,
+        cwd: str,
+        env: Mapping[str, str],
+        keepalive: bool,
+    ) -> sandbox_pb2.Process:
+        cwd = _command_cwd(argv, shell, cwd)
+        row, command_env = await self._command_site(org_id, environment_id, session_id, env)
+        with _sandbox_errors(environment_id, session_id):
+            return await self._compute.start_process(
+                _sandbox(row), name=name, argv=argv, shell=shell, cwd=cwd, env=command_env, keepalive=keepalive
+            )
+
+    async def attach_process(
+        self, org_id: str, environment_id: str, process_id: str, *, from_seq: int
+    ) -> AsyncIterator[ExecEvent]:
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            async for event in self._compute.attach_process(_sandbox(row), process_id, from_seq=from_seq):
                 yield event
+
+    async def kill_process(
+        self, org_id: str, environment_id: str, process_id: str, *, signal: int
+    ) -> sandbox_pb2.Process | None:
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            return await self._compute.kill_process(_sandbox(row), process_id, signal=signal)
+
+    async def list_processes(self, org_id: str, environment_id: str) -> list[sandbox_pb2.Process]:
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            return await self._compute.list_processes(_sandbox(row))
 
     async def _ensure_output_dir(self, row: EnvironmentRow, binding: BindingRow) -> None:
         key = (row.id, binding.session_id)

@@ -129,6 +129,30 @@ class SandboxNodes:
             sandbox.sandbox_id, argv=argv, shell=shell, cwd=cwd, env=env, timeout_ms=timeout_ms
         )
 
+    async def start_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> sandbox_pb2.Process:
+        return await self._client(sandbox).start_process(
+            sandbox.sandbox_id, name=name, argv=argv, shell=shell, cwd=cwd, env=env, keepalive=keepalive
+        )
+
+    def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
+        return self._client(sandbox).attach_process(sandbox.sandbox_id, process_id, from_seq=from_seq)
+
+    async def kill_process(self, sandbox: SandboxRef, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
+        return await self._client(sandbox).kill_process(sandbox.sandbox_id, process_id, signal=signal)
+
+    async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]:
+        return await self._client(sandbox).list_processes(sandbox.sandbox_id)
+
     async def write_file(self, sandbox: SandboxRef, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         return await self._client(sandbox).write_file(sandbox.sandbox_id, path, data, mode=mode)
 

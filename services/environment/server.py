@@ -13,11 +13,11 @@ import grpc
 from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
 from services.core.context import PeerCredentials
 from services.core.db import open_database
-from services.core.grpc_server import open_channel, start_grpc_server
+from services.core.grpc_server import start_grpc_server
 from services.core.interceptors import allowed_callers
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, Compute, SandboxClient, SandboxInventory
+from services.environment.compute import Compute, SandboxClient, SandboxInventory, open_sandbox_channel
 from services.environment.domain import EnvironmentDomain
 from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
@@ -66,6 +66,10 @@ ENVIRONMENT_CALLERS = allowed_callers(
             "StartMcpServer",
             "SendMcpMessage",
             "ListMcpServers",
+            "StartProcess",
+            "AttachProcess",
+            "KillProcess",
+            "ListProcesses",
         ),
         "cli": ("ListMcpServers",),
     },
@@ -95,12 +99,7 @@ async def start_environment_service(
         if compute is None:
             clients: dict[str, SandboxClient] = {}
             for node, node_address in settings.sandbox_nodes().items():
-                channel = open_channel(
-                    node_address,
-                    timeout_s=settings.rpc_timeout_s,
-                    credentials=credentials,
-                    idempotent_methods=SANDBOX_IDEMPOTENT_METHODS,
-                )
+                channel = open_sandbox_channel(node_address, timeout_s=settings.rpc_timeout_s, credentials=credentials)
                 closers.append(channel.close)
                 clients[node] = SandboxClient(channel, create_timeout_s=max(settings.rpc_timeout_s, 120.0), node=node)
             compute = inventory = SandboxNodes(

@@ -12,6 +12,7 @@ from google.protobuf import timestamp_pb2
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
+from berth.sandbox.v1 import sandbox_pb2
 from services.core.context import current_org
 from services.environment.domain import EnvironmentDomain, LiveFile
 from services.environment.file_store import FileStore
@@ -105,6 +106,19 @@ _MCP_TRANSPORTS = {
     "stdio": environment_pb2.MCP_TRANSPORT_TYPE_STDIO,
     "http": environment_pb2.MCP_TRANSPORT_TYPE_HTTP,
 }
+
+
+def _process(process: sandbox_pb2.Process) -> environment_pb2.Process:
+    return environment_pb2.Process(
+        process_id=process.process_id,
+        name=process.name,
+        pid=process.pid,
+        running=process.running,
+        exit=process.exit if process.HasField("exit") else None,
+        keepalive=process.keepalive,
+        start_time=process.start_time if process.HasField("start_time") else None,
+        next_seq=process.next_seq,
+    )
 
 
 def _mcp_server(info: McpServerInfo) -> environment_pb2.McpServer:
@@ -291,3 +305,37 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
     async def ListMcpServers(self, request: pb.ListMcpServersRequest, context: _Context) -> pb.ListMcpServersResponse:
         servers = await self._domain.list_mcp_servers(current_org(), request.environment_id)
         return pb.ListMcpServersResponse(servers=[_mcp_server(s) for s in servers])
+
+    async def StartProcess(self, request: pb.StartProcessRequest, context: _Context) -> pb.StartProcessResponse:
+        process = await self._domain.start_process(
+            current_org(),
+            request.environment_id,
+            session_id=request.session_id,
+            name=request.name or "process",
+            argv=list(request.argv),
+            shell=request.shell,
+            cwd=request.cwd,
+            env=dict(request.env),
+            keepalive=request.keepalive,
+        )
+        return pb.StartProcessResponse(process=_process(process))
+
+    async def AttachProcess(self, request: pb.AttachProcessRequest, context: _Context) -> AsyncIterator[pb.AttachProcessResponse]:
+        events = self._domain.attach_process(
+            current_org(), request.environment_id, request.process_id, from_seq=request.from_seq
+        )
+        async for event in events:
+            if isinstance(event, common_pb2.ExitStatus):
+                yield pb.AttachProcessResponse(exit=event)
+            else:
+                yield pb.AttachProcessResponse(chunk=event)
+
+    async def KillProcess(self, request: pb.KillProcessRequest, context: _Context) -> pb.KillProcessResponse:
+        process = await self._domain.kill_process(
+            current_org(), request.environment_id, request.process_id, signal=request.signal
+        )
+        return pb.KillProcessResponse(process=_process(process) if process is not None else None)
+
+    async def ListProcesses(self, request: pb.ListProcessesRequest, context: _Context) -> pb.ListProcessesResponse:
+        processes = await self._domain.list_processes(current_org(), request.environment_id)
+        return pb.ListProcessesResponse(processes=[_process(p) for p in processes])

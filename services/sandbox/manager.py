@@ -294,30 +294,6 @@ class SandboxManager:
         async with self._db.transaction(read_only=True) as s:
             return await repo.count_in_states(s, LIVE_STATES)
 
-    async def list(self, org_id: str, selector: Mapping[str, str], page_size: int, page_token: str) -> tuple[list[SandboxRecord], str]:
-        async with self._db.transaction(read_only=True) as s:
-            page = await repo.list_sandboxes(
-                s, org_id, selector, exclude_state=SandboxState.DESTROYED, page_size=_page_size(page_size), page_token=page_token
-            )
-        return [SandboxRecord.from_row(row) for row in page.rows], page.next_page_token
-
-    async def pause(self, org_id: str, sandbox_id: str) -> SandboxRecord:
-        await self._row(org_id, sandbox_id)
-        live = self._require_live(sandbox_id)
-        async with live.lock:
-            if not live.paused:
-                await self._backend.pause(live.handle)
-                live.paused = True
-                await self._set_state(sandbox_id, _PAUSABLE, SandboxState.PAUSED)
-                log.info("sandbox_paused", sandbox_id=sandbox_id)
-        return await self._row(org_id, sandbox_id)
-
-    async def resume(self, org_id: str, sandbox_id: str) -> SandboxRecord:
-        await self._row(org_id, sandbox_id)
-        live = self._require_live(sandbox_id)
-        await self._resume_live(sandbox_id, live)
-        return await self._row(org_id, sandbox_id)
-
     async def destroy(self, org_id: str, sandbox_id: str) -> None:
         # Serialized with create of the same ID: a destroy that arrives while
         # the sandbox is being created waits for it and then removes it, so a

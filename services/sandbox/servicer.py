@@ -182,10 +182,6 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
     async def GetSandbox(self, request: pb.GetSandboxRequest, context: grpc.aio.ServicerContext) -> pb.GetSandboxResponse:
         return pb.GetSandboxResponse(sandbox=_sandbox(await self._m.get(current_org(), request.sandbox_id)))
 
-    async def ListSandboxes(self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext) -> pb.ListSandboxesResponse:
-        records, token = await self._m.list(current_org(), dict(request.label_selector), request.page_size, request.page_token)
-        return pb.ListSandboxesResponse(sandboxes=[_sandbox(r) for r in records], next_page_token=token)
-
     async def ListLabeledSandboxes(
         self, request: pb.ListLabeledSandboxesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListLabeledSandboxesResponse:
@@ -277,17 +273,6 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
             entries = await client.list_files(request.path or "/workspace", recursive=request.recursive)
         return pb.ListFilesResponse(entries=[_entry(e) for e in entries])
 
-    async def RemoveFile(self, request: pb.RemoveFileRequest, context: grpc.aio.ServicerContext) -> pb.RemoveFileResponse:
-        async with self._m.operation(current_org(), request.sandbox_id) as client:
-            await client.remove(request.path, recursive=request.recursive)
-        return pb.RemoveFileResponse()
-
-    async def PauseSandbox(self, request: pb.PauseSandboxRequest, context: grpc.aio.ServicerContext) -> pb.PauseSandboxResponse:
-        return pb.PauseSandboxResponse(sandbox=_sandbox(await self._m.pause(current_org(), request.sandbox_id)))
-
-    async def ResumeSandbox(self, request: pb.ResumeSandboxRequest, context: grpc.aio.ServicerContext) -> pb.ResumeSandboxResponse:
-        return pb.ResumeSandboxResponse(sandbox=_sandbox(await self._m.resume(current_org(), request.sandbox_id)))
-
     async def DestroySandbox(self, request: pb.DestroySandboxRequest, context: grpc.aio.ServicerContext) -> pb.DestroySandboxResponse:
         await self._m.destroy(current_org(), request.sandbox_id)
         return pb.DestroySandboxResponse()
@@ -313,15 +298,6 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
                 return pb.SendMcpMessageResponse(message_json=json.dumps(response, separators=(",", ":")))
             await client.mcp_notify(request.label, message)
         return pb.SendMcpMessageResponse()
-
-    async def SubscribeMcpMessages(
-        self, request: pb.SubscribeMcpMessagesRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SubscribeMcpMessagesResponse]:
-        async with self._m.operation(current_org(), request.sandbox_id) as client:
-            async with client.mcp_subscribe(request.label) as messages:
-                yield pb.SubscribeMcpMessagesResponse(subscribed=True)
-                async for message in messages:
-                    yield pb.SubscribeMcpMessagesResponse(message_json=json.dumps(message, separators=(",", ":")))
 
     async def StopMcpBroker(self, request: pb.StopMcpBrokerRequest, context: grpc.aio.ServicerContext) -> pb.StopMcpBrokerResponse:
         async with self._m.operation(current_org(), request.sandbox_id) as client:

@@ -16,9 +16,8 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-import grpc
-
 from berth.environment.v1 import environment_pb2
+from services.core.errors import BerthError, NotFound
 from services.core.logging import get_logger
 from services.session.environment_client import EnvironmentClient
 
@@ -84,11 +83,11 @@ class EnvironmentCache:
         assert self._env is not None
         try:
             environment = await self._env.get_environment(environment_id)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                self.forget(session_id)
-            else:
-                log.warning("environment_refresh_failed", environment_id=environment_id, code=exc.code().name)
+        except NotFound:
+            self.forget(session_id)
+            return
+        except BerthError as exc:
+            log.warning("environment_refresh_failed", environment_id=environment_id, reason=exc.reason)
             return
         if session_id not in self._known:
             return

@@ -1,6 +1,6 @@
 """The Session service's only path to compute: a typed client of the
-Environment service. Errors arrive as ``grpc.aio.AioRpcError``; callers that
-change their meaning translate them with ``services.core.errors.from_rpc_error``."""
+Environment service. Failed calls raise the domain error the Environment
+service gave (``services.core.errors``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from services.core.grpc_server import open_channel
 
 __all__ = ["EnvironmentClient", "SessionOutputs"]
 
-_SERVICE = "berth.environment.v1.EnvironmentService"
-_READS = ("GetEnvironment", "GetBinding", "ListSessionOutputs", "ListWorkspaceFiles", "ListMcpServers")
+_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
 
 
 @dataclass
@@ -29,7 +28,7 @@ class SessionOutputs:
 class EnvironmentClient:
     def __init__(self, address: str, *, credentials: PeerCredentials, timeout_s: float, setup_timeout_s: float) -> None:
         self._channel = open_channel(
-            address, timeout_s=timeout_s, credentials=credentials, idempotent_methods=[(_SERVICE, m) for m in _READS]
+            address, timeout_s=timeout_s, credentials=credentials, services=[_SERVICE], domain_errors=True
         )
         self._stub = environment_service_pb2_grpc.EnvironmentServiceStub(self._channel)
         self._setup_timeout_s = setup_timeout_s
@@ -87,6 +86,36 @@ class EnvironmentClient:
                 environment_id=environment_id, session_id=session_id, shell=shell, cwd=cwd, timeout_ms=timeout_ms
             )
         )
+
+    async def start_process(
+        self, environment_id: str, session_id: str, *, name: str, shell: str, cwd: str = "", keepalive: bool = False
+    ) -> environment_pb2.Process:
+        response = await self._stub.StartProcess(
+            environment_service_pb2.StartProcessRequest(
+                environment_id=environment_id, session_id=session_id, name=name, shell=shell, cwd=cwd, keepalive=keepalive
+            )
+        )
+        return response.process
+
+    def attach_process(self, environment_id: str, process_id: str, *, from_seq: int = 0) -> grpc.aio.UnaryStreamCall:
+        """The AttachProcess stream; cancelling the call leaves the process running."""
+        return self._stub.AttachProcess(
+            environment_service_pb2.AttachProcessRequest(
+                environment_id=environment_id, process_id=process_id, from_seq=from_seq
+            )
+        )
+
+    async def kill_process(self, environment_id: str, process_id: str, *, signal: int = 0) -> environment_pb2.Process | None:
+        response = await self._stub.KillProcess(
+            environment_service_pb2.KillProcessRequest(environment_id=environment_id, process_id=process_id, signal=signal)
+        )
+        return response.process if response.HasField("process") else None
+
+    async def list_processes(self, environment_id: str) -> list[environment_pb2.Process]:
+        response = await self._stub.ListProcesses(
+            environment_service_pb2.ListProcessesRequest(environment_id=environment_id)
+        )
+        return list(response.processes)
 
     async def read_file_chunks(self, environment_id: str, path: str) -> AsyncIterator[bytes]:
         call = self._stub.ReadWorkspaceFile(

@@ -28,7 +28,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
-import grpc
 import httpx2
 import mcp_types
 from mcp import ClientSession
@@ -37,7 +36,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
-from services.core.errors import from_rpc_error
+from services.core.errors import BerthError
 from services.core.logging import get_logger
 from services.session.harness.io import McpUnavailable
 
@@ -102,9 +101,9 @@ async def environment_transport(send: SendMessage, *, label: str) -> AsyncIterat
                     if reply
                     else _error_response(request.id, f"MCP server {label} sent no response", {})
                 )
-            except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc)
-                response = _error_response(request.id, error.message, {"reason": error.reason, "status": exc.code().name})
+            except BerthError as error:
+                code = error.received_code or error.grpc_code
+                response = _error_response(request.id, error.message, {"reason": error.reason, "status": code.name})
             except ValidationError:
                 response = _error_response(request.id, f"MCP server {label} sent an invalid JSON-RPC message", {})
             finally:
@@ -127,8 +126,8 @@ async def environment_transport(send: SendMessage, *, label: str) -> AsyncIterat
                     continue
                 try:
                     await send(_dump(message))
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("mcp_message_not_delivered", label=label, code=exc.code().name, error=exc.details())
+                except BerthError as exc:
+                    log.warning("mcp_message_not_delivered", label=label, reason=exc.reason, error=exc.message)
 
     async with to_client, from_transport, to_transport, anyio.create_task_group() as group:
         group.start_soon(pump, group)

@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import grpc
 import structlog
 from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.engine import CursorResult
@@ -39,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
+from services.core.errors import BerthError
 from services.core.ids import new_id
 from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
@@ -225,8 +225,8 @@ class TurnRunner:
             return None
         try:
             return await self.env_client.get_environment(environment_id)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("environment_lookup_failed", environment_id=environment_id, code=exc.code().name)
+        except BerthError as exc:
+            log.warning("environment_lookup_failed", environment_id=environment_id, reason=exc.reason)
             return None
 
     async def _claim(self, session_id: str, org_id: str) -> ClaimedTurn | None:
@@ -476,8 +476,8 @@ class TurnRunner:
         if outcome.status == TurnStatus.COMPLETED:
             try:
                 return outcome, await (collecting[0] if collecting else self._collect(claimed, io))
-            except grpc.aio.AioRpcError as exc:
-                failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.details() or "")
+            except BerthError as exc:
+                failure = io.sandbox_failure(exc) if io is not None else TurnFailure("sandbox_error", exc.message)
                 return Outcome(TurnStatus.FAILED, "sandbox_error", f"publishing outputs failed: {failure.message}"), []
         if collecting:
             try:

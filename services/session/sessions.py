@@ -9,13 +9,12 @@ import json
 import time
 from dataclasses import dataclass
 
-import grpc
 from sqlalchemy import exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_service_pb2 as svc_pb
-from services.core.errors import FailedPrecondition, InvalidArgument, SessionActive
+from services.core.errors import BerthError, FailedPrecondition, InvalidArgument, NotFound, SessionActive
 from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
@@ -65,8 +64,8 @@ class Sessions:
             return None
         try:
             return await self.env.get_environment(row.environment_id)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("environment_lookup_failed", environment_id=row.environment_id, code=exc.code().name)
+        except BerthError as exc:
+            log.warning("environment_lookup_failed", environment_id=row.environment_id, reason=exc.reason)
             return None
 
     async def _bind_environment(
@@ -215,8 +214,8 @@ class Sessions:
         if row.environment_kind == "hosted" and self.env is not None:
             try:
                 await self.env.detach_session(row.environment_id, session_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
+            except BerthError as exc:
+                if not isinstance(exc, NotFound):
 
                     async def restore(u: Unit) -> None:
                         await u.session.execute(

@@ -132,10 +132,6 @@ RPCS: dict[str, tuple[str, Rpc]] = {
             env_pb.ListMcpServersRequest(environment_id="env_" + "0" * 26), metadata=md, timeout=10
         ),
     ),
-    "ListSandboxes": (
-        "sandbox",
-        lambda ch, md: sbx_grpc.SandboxServiceStub(ch).ListSandboxes(sbx_pb.ListSandboxesRequest(), metadata=md, timeout=10),
-    ),
     "ListLabeledSandboxes": (
         "sandbox",
         lambda ch, md: sbx_grpc.SandboxServiceStub(ch).ListLabeledSandboxes(
@@ -173,20 +169,20 @@ async def code(plane: ControlPlane, method: str, metadata: Metadata) -> grpc.Sta
 # Authentication.
 
 
-@pytest.mark.parametrize("method", ["ListAgents", "ListEnvironments", "ListSandboxes"])
+@pytest.mark.parametrize("method", ["ListAgents", "ListEnvironments", "CountSandboxes"])
 async def test_a_call_without_credentials_is_unauthenticated_on_every_service(plane: ControlPlane, method: str) -> None:
     assert await code(plane, method, org()) == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("method", ["ListAgents", "ListEnvironments", "ListSandboxes"])
+@pytest.mark.parametrize("method", ["ListAgents", "ListEnvironments", "CountSandboxes"])
 async def test_a_call_with_a_wrong_token_is_unauthenticated_on_every_service(plane: ControlPlane, method: str) -> None:
-    peer = {"ListAgents": "gateway", "ListEnvironments": "gateway", "ListSandboxes": "environment"}[method]
+    peer = {"ListAgents": "gateway", "ListEnvironments": "gateway", "CountSandboxes": "environment"}[method]
     wrong = creds(peer, token=TEST_INTERNAL_TOKEN[:-1] + "x")
     assert await code(plane, method, org() + wrong) == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_a_call_with_the_token_but_no_peer_name_is_unauthenticated(plane: ControlPlane) -> None:
-    assert await code(plane, "ListSandboxes", org() + ((TOKEN_METADATA_KEY, TEST_INTERNAL_TOKEN),)) == grpc.StatusCode.UNAUTHENTICATED
+    assert await code(plane, "CountSandboxes", org() + ((TOKEN_METADATA_KEY, TEST_INTERNAL_TOKEN),)) == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize(
@@ -262,7 +258,7 @@ async def test_a_refused_internal_hop_is_passed_on_as_internal_not_as_the_users_
         ("cli", "ListEnvironments"),
         ("environment", "ListItems"),
         ("session", "ListAgents"),
-        ("sandboxd", "ListSandboxes"),
+        ("sandboxd", "CountSandboxes"),
     ],
 )
 async def test_an_authenticated_peer_that_does_not_need_a_method_is_permission_denied(

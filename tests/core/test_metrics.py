@@ -115,10 +115,10 @@ async def _first_rpc(service: str, address: str) -> str:
                 session_service_pb2.ListAgentsRequest(), metadata=ORG, timeout=10, wait_for_ready=True
             )
             return "/berth.session.v1.SessionService/ListAgents"
-        await sandbox_service_pb2_grpc.SandboxServiceStub(channel).ListSandboxes(
-            sandbox_service_pb2.ListSandboxesRequest(), metadata=ORG, timeout=10, wait_for_ready=True
+        await sandbox_service_pb2_grpc.SandboxServiceStub(channel).CountSandboxes(
+            sandbox_service_pb2.CountSandboxesRequest(), metadata=ORG, timeout=10, wait_for_ready=True
         )
-        return "/berth.sandbox.v1.SandboxService/ListSandboxes"
+        return "/berth.sandbox.v1.SandboxService/CountSandboxes"
 
 
 @pytest.mark.parametrize("service", ["session", "environment", "sandbox"])

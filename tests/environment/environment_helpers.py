@@ -18,11 +18,25 @@ from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb,
 from berth.sandbox.v1 import sandbox_service_pb2, sandbox_service_pb2_grpc
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.environment.compute import Compute
+from services.environment.compute import ENVIRONMENT_LABEL, Compute
 from services.environment.server import start_environment_service
 
-ORGS = ("org_a", "org_b")
 EnvStub: TypeAlias = environment_service_pb2_grpc.EnvironmentServiceStub
+
+
+async def destroy_environment_sandboxes(stub: sandbox_service_pb2_grpc.SandboxServiceStub) -> None:
+    """Destroys every environment sandbox of every organization on one
+    Sandbox service: what a test leaves behind (sandboxes outlive processes)."""
+    while True:
+        listed = await stub.ListLabeledSandboxes(
+            sandbox_service_pb2.ListLabeledSandboxesRequest(label_key=ENVIRONMENT_LABEL), metadata=md("berth.test-cleanup")
+        )
+        if not listed.sandboxes:
+            return
+        for sandbox in listed.sandboxes:
+            await stub.DestroySandbox(
+                sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(sandbox.org_id)
+            )
 
 
 def md(org: str = "org_a") -> tuple[tuple[str, str], ...]:
@@ -95,13 +109,8 @@ class SandboxService:
         return cls(handle, channel, sandbox_service_pb2_grpc.SandboxServiceStub(channel))
 
     async def destroy_sandboxes(self) -> None:
-        """Destroys every sandbox of every test organization."""
-        for org in ORGS:
-            listed = await self.stub.ListSandboxes(sandbox_service_pb2.ListSandboxesRequest(), metadata=md(org))
-            for sandbox in listed.sandboxes:
-                await self.stub.DestroySandbox(
-                    sandbox_service_pb2.DestroySandboxRequest(sandbox_id=sandbox.sandbox_id), metadata=md(org)
-                )
+        """Destroys every environment sandbox on this service."""
+        await destroy_environment_sandboxes(self.stub)
 
     async def stop(self) -> None:
         """Stops the service; its sandboxes outlive it, as on a real host."""

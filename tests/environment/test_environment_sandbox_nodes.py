@@ -34,10 +34,9 @@ from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb
 from berth.sandbox.v1 import sandbox_service_pb2 as sb
 from services.core.db import Database, _alembic_config, create_engine, open_database
 from services.core.errors import SandboxUnavailable
-from services.core.grpc_server import open_channel
 from services.core.settings import normalize_database_url
 from services.environment import repository as repo
-from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, SandboxClient
+from services.environment.compute import SandboxClient, open_sandbox_channel
 from services.environment.models import EnvironmentRow
 from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import (
@@ -94,9 +93,7 @@ class Opened:
         """Nodes by name -> address; by default the pool's a and b."""
         clients: dict[str, SandboxClient] = {}
         for name, address in (nodes or {n: self.pool.running[n].address for n in ("a", "b")}).items():
-            channel = open_channel(
-                address, timeout_s=10, credentials=credentials("environment"), idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
-            )
+            channel = open_sandbox_channel(address, timeout_s=10, credentials=credentials("environment"))
             self.closers.append(channel.close)
             clients[name] = SandboxClient(channel, create_timeout_s=60, node=name)
         return SandboxNodes(clients, placement_timeout_s=5)

@@ -19,10 +19,9 @@ from waiting import wait_until
 from berth.environment.v1 import environment_pb2
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as sb
 from services.core.db import Database, open_database
-from services.core.grpc_server import open_channel
 from services.core.settings import normalize_database_url
 from services.environment import repository as repo
-from services.environment.compute import SANDBOX_IDEMPOTENT_METHODS, SandboxClient
+from services.environment.compute import SandboxClient, open_sandbox_channel
 from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import (
     MASS_REAP_FLOOR,
@@ -68,9 +67,7 @@ async def make_reconciler(sandbox_service: SandboxService) -> AsyncIterator[Make
         closers.append(db.dispose)
         clients: dict[str, SandboxClient] = {}
         for name, address in (nodes or {"": sandbox_service.address}).items():
-            channel = open_channel(
-                address, timeout_s=10, credentials=credentials("environment"), idempotent_methods=SANDBOX_IDEMPOTENT_METHODS
-            )
+            channel = open_sandbox_channel(address, timeout_s=10, credentials=credentials("environment"))
             closers.append(channel.close)
             clients[name] = SandboxClient(channel, create_timeout_s=60, node=name)
         inventory = SandboxNodes(clients, placement_timeout_s=5)

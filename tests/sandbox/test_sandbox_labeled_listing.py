@@ -11,6 +11,7 @@ from typing import TypeAlias
 import grpc
 import pytest
 from grpc_support import internal_channel
+from sandbox_support import wait_until
 
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.settings import Settings
@@ -75,15 +76,31 @@ async def test_listing_labelled_sandboxes_needs_a_label_key(stub: Stub) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_every_organizations_live_sandboxes_are_counted_and_destroyed_ones_are_not(stub: Stub) -> None:
-    assert (await stub.CountSandboxes(pb.CountSandboxesRequest(), metadata=CALLER)).live_count == 0
-    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_a"), metadata=ORG_A)
-    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_b", labels={LABEL: "env_b"}), metadata=ORG_B)
-    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_paused"), metadata=ORG_A)
-    await stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id="sbx_paused"), metadata=ORG_A)
-    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
-    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+async def test_every_organizations_live_sandboxes_are_counted_and_destroyed_ones_are_not(tmp_path: Path) -> None:
+    # Idle sandboxes pause here, and a paused sandbox still holds resources.
+    handle = await start_sandbox_service(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0.5), address="127.0.0.1:0")
+    channel = internal_channel(handle.address)
+    stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
+    try:
+        assert (await stub.CountSandboxes(pb.CountSandboxesRequest(), metadata=CALLER)).live_count == 0
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_a"), metadata=ORG_A)
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_b", labels={LABEL: "env_b"}), metadata=ORG_B)
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_paused"), metadata=ORG_A)
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
+        await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
 
-    counted = await stub.CountSandboxes(pb.CountSandboxesRequest(), metadata=CALLER)
+        async def paused() -> bool:
+            got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_paused"), metadata=ORG_A)
+            return got.sandbox.state == sandbox_pb2.SANDBOX_STATE_PAUSED
 
-    assert counted.live_count == 3
+        await wait_until(paused)
+        counted = await stub.CountSandboxes(pb.CountSandboxesRequest(), metadata=CALLER)
+
+        assert counted.live_count == 3
+    finally:
+        for sandbox_id in ("sbx_a", "sbx_b", "sbx_paused"):
+            await stub.DestroySandbox(
+                pb.DestroySandboxRequest(sandbox_id=sandbox_id), metadata=ORG_B if sandbox_id == "sbx_b" else ORG_A
+            )
+        await channel.close()
+        await handle.stop(0.2)

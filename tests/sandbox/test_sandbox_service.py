@@ -78,18 +78,28 @@ async def test_paths_outside_the_workspace_are_invalid_arguments(service: Servic
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_a_file_written_before_pause_is_read_after_transparent_resume(service: Service) -> None:
-    stub = await service.start()
-    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
-    await stub.WriteFile(pb.WriteFileRequest(sandbox_id="sbx_pause", path="/workspace/keep.txt", data=b"kept"), metadata=ORG_A)
-    paused = await stub.PauseSandbox(pb.PauseSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
-    assert paused.sandbox.state == sandbox_pb2.SANDBOX_STATE_PAUSED
-    data = b""
-    async for chunk in stub.ReadFile(pb.ReadFileRequest(sandbox_id="sbx_pause", path="/workspace/keep.txt"), metadata=ORG_A):
-        data += chunk.data
-    assert data == b"kept"
-    got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
-    assert got.sandbox.state == sandbox_pb2.SANDBOX_STATE_RUNNING
+async def test_a_file_written_before_an_idle_pause_is_read_after_transparent_resume(tmp_path: Path, bwrap_available: None) -> None:
+    svc = Service(Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=1.0))
+    stub = await svc.start()
+    try:
+        await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
+        await stub.WriteFile(
+            pb.WriteFileRequest(sandbox_id="sbx_pause", path="/workspace/keep.txt", data=b"kept"), metadata=ORG_A
+        )
+
+        async def paused() -> bool:
+            got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
+            return got.sandbox.state == sandbox_pb2.SANDBOX_STATE_PAUSED
+
+        await wait_until(paused)
+        data = b""
+        async for chunk in stub.ReadFile(pb.ReadFileRequest(sandbox_id="sbx_pause", path="/workspace/keep.txt"), metadata=ORG_A):
+            data += chunk.data
+        assert data == b"kept"
+        got = await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_pause"), metadata=ORG_A)
+        assert got.sandbox.state == sandbox_pb2.SANDBOX_STATE_RUNNING
+    finally:
+        await svc.stop()
 
 
 async def test_an_idle_sandbox_is_paused_and_a_keepalive_process_prevents_it(tmp_path: Path, bwrap_available: None) -> None:

@@ -9,12 +9,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
 from mcp.shared.exceptions import MCPError
 from mcp_test_support import http_mcp_server
 
-from services.core.errors import McpServerDead, to_rpc_status
+from services.core.errors import McpServerDead
 from services.session.harness.io import McpUnavailable
 from services.session.mcp_connections import UPSTREAM_ERROR, McpConnections, environment_transport, service_http_transport
 
@@ -35,7 +34,8 @@ class FakeBroker:
         message = json.loads(text)
         self.received.append(message)
         if self.dead:
-            raise _rpc_error(McpServerDead("MCP server fake is dead; it is not restarted"))
+            # What the Environment service client raises for the broker's answer.
+            raise McpServerDead("MCP server fake is dead; it is not restarted")
         method = message.get("method")
         if "id" not in message:
             return ""
@@ -62,16 +62,6 @@ class FakeBroker:
         else:
             result = {}
         return json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result})
-
-
-class _Failed(grpc.aio.AioRpcError):
-    pass
-
-
-def _rpc_error(error: McpServerDead) -> grpc.aio.AioRpcError:
-    status = to_rpc_status(error)
-    metadata = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
-    return _Failed(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), metadata, details=error.message)
 
 
 @pytest.fixture

@@ -46,7 +46,6 @@ class WarmPool(Generic[_K, _T]):
         self._fillers: dict[_K, asyncio.Task[None]] = {}
         # Held while one item is made; FIFO, so keys take turns.
         self._making = asyncio.Lock()
-        self._discards: set[asyncio.Task[None]] = set()
         self._started = False
         self._closed = False
 
@@ -71,12 +70,6 @@ class WarmPool(Generic[_K, _T]):
             return
         self._fillers[key] = asyncio.create_task(self._fill(key), name=f"{self._name}-fill")
 
-    def discard_later(self, item: _T) -> None:
-        """Discards ``item`` in the background; ``close`` waits for it."""
-        task = asyncio.create_task(self._discard_quietly(item), name=f"{self._name}-discard")
-        self._discards.add(task)
-        task.add_done_callback(self._discards.discard)
-
     async def close(self) -> None:
         """Lets running fills finish (cancelling one could lose an item that
         is half made, e.g. a container the engine creates anyway), then
@@ -85,7 +78,7 @@ class WarmPool(Generic[_K, _T]):
         await asyncio.gather(*self._fillers.values(), return_exceptions=True)
         items = [item for ready in self._ready.values() for item in ready]
         self._ready.clear()
-        await asyncio.gather(*(self._discard_quietly(item) for item in items), *self._discards)
+        await asyncio.gather(*(self._discard_quietly(item) for item in items))
 
     async def _fill(self, key: _K) -> None:
         try:

@@ -1,6 +1,8 @@
 """What the harness needs from the service around it: persistence of items
-and events, function-call waits and the environment. ``services.session``
-implements it over the database; harness tests can implement it in memory."""
+and events, function-call waits, the environment (through its port,
+``harness/environment.py``) and MCP servers. ``services.session``
+implements it over the database and the Environment service; harness tests
+can implement it in memory."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any, Protocol
 import mcp_types
 
 from services.session.agents import AgentConfig
-from services.session.environment_client import EnvironmentClient
+from services.session.harness.environment import EnvironmentPort
 from services.session.harness.models.base import Entry, Usage
 
 __all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure", "McpUnavailable", "McpClient"]
@@ -65,7 +67,11 @@ class TurnIO(Protocol):
     session_id: str
     turn_id: str
     environment_id: str | None
-    env: EnvironmentClient | None
+
+    @property
+    def env(self) -> EnvironmentPort | None:
+        """The session's environment; None when it has none."""
+        ...
 
     async def agent_config(self) -> AgentConfig:
         """The session's current agent snapshot (updates apply on the next model call)."""
@@ -129,7 +135,8 @@ class TurnIO(Protocol):
         ...
 
     def sandbox_failure(self, exc: BaseException) -> TurnFailure:
-        """A failed environment call as a turn failure naming the session and environment."""
+        """A failed environment call (a domain error) as a turn failure
+        naming the session and environment."""
         ...
 
     def record_usage(self, usage: Usage) -> None: ...

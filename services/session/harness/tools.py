@@ -10,17 +10,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import codecs
+import contextlib
 import json
 import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
+from services.core.errors import BerthError
 from services.session.agents import AgentConfig, function_tools
+from services.session.harness.environment import CommandExit, CommandOutput, environment_unusable
 from services.session.harness.io import TurnFailure, TurnIO
 from services.session.harness.models.base import ToolCall, ToolSpec
 
@@ -31,17 +31,6 @@ MAX_ITEM_OUTPUT = 256 * 1024
 MAX_MODEL_OUTPUT = 16 * 1024
 MAX_READ_BYTES = 1024 * 1024
 DEFAULT_EXEC_TIMEOUT_MS = 10 * 60 * 1000
-
-# Codes that mean the environment itself is unusable, not that the tool's
-# input was wrong; they fail the turn with sandbox_error.
-_SANDBOX_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ABORTED,
-}
 
 _ENV_TOOLS = [
     ToolSpec(
@@ -198,12 +187,10 @@ async def _environment_tool(io: TurnIO, call: ToolCall) -> None:
 
 
 async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    assert io.env is not None and io.environment_id is not None
+    assert io.env is not None
     timeout_ms = args.get("timeout_ms")
-    stream = io.env.exec_command(
-        io.environment_id,
-        io.session_id,
-        shell=str(args["command"]),
+    events = io.env.exec(
+        str(args["command"]),
         cwd=str(args.get("cwd") or ""),
         timeout_ms=int(timeout_ms) if isinstance(timeout_ms, int) and timeout_ms > 0 else DEFAULT_EXEC_TIMEOUT_MS,
     )
@@ -213,11 +200,19 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
     exit_code: int | None = None
     timed_out = False
     duration_ms: int | None = None
-    try:
-        async for message in stream:
-            kind = message.WhichOneof("event")
-            if kind == "chunk":
-                text = decoder.decode(message.chunk.data)
+    failure: BerthError | None = None
+    # Closed on cancellation too, which kills the command's process tree.
+    async with contextlib.aclosing(events):
+        while True:
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                break
+            except BerthError as exc:
+                failure = exc
+                break
+            if isinstance(event, CommandOutput):
+                text = decoder.decode(event.data)
                 if not text:
                     continue
                 if size < MAX_ITEM_OUTPUT:
@@ -233,20 +228,16 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
                         "delta": text,
                     }
                 )
-            elif kind == "exit":
-                exit_code = message.exit.exit_code
-                timed_out = message.exit.timed_out
-                duration_ms = int(message.exit.duration_ms)
-    except asyncio.CancelledError:
-        # Cancelling the RPC kills the command's process tree in the sandbox.
-        stream.cancel()
-        raise
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in _SANDBOX_CODES:
+            elif isinstance(event, CommandExit):
+                exit_code = event.exit_code
+                timed_out = event.timed_out
+                duration_ms = event.duration_ms
+    if failure is not None:
+        if environment_unusable(failure):
             item.update(status="failed", output="".join(output) or None)
             io.track_item(handle, item)
-            raise io.sandbox_failure(exc) from exc
-        text = f"error: {exc.details()}"
+            raise io.sandbox_failure(failure) from failure
+        text = f"error: {failure.message}"
         item.update(status="failed", output=text)
         return item, text
     tail = decoder.decode(b"", final=True)
@@ -266,14 +257,14 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
 
 
 async def _read(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    assert io.env is not None and io.environment_id is not None
+    assert io.env is not None
     path = _workspace_path(str(args["path"]))
     try:
-        data, truncated = await io.env.read_file(io.environment_id, path, limit=MAX_READ_BYTES)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in _SANDBOX_CODES:
+        data, truncated = await io.env.read_file(path, limit=MAX_READ_BYTES)
+    except BerthError as exc:
+        if environment_unusable(exc):
             raise io.sandbox_failure(exc) from exc
-        message = f"error: {exc.details()}"
+        message = f"error: {exc.message}"
         item.update(status="failed", exit_code=1, output=message)
         return item, message
     text = data.decode("utf-8", errors="replace")
@@ -284,16 +275,16 @@ async def _read(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple
 
 
 async def _write(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    assert io.env is not None and io.environment_id is not None
+    assert io.env is not None
     path = _workspace_path(str(args["path"]))
     content = args.get("content", "")
     data = content.encode() if isinstance(content, str) else json.dumps(content).encode()
     try:
-        await io.env.write_file(io.environment_id, path, data)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in _SANDBOX_CODES:
+        await io.env.write_file(path, data)
+    except BerthError as exc:
+        if environment_unusable(exc):
             raise io.sandbox_failure(exc) from exc
-        message = f"error: {exc.details()}"
+        message = f"error: {exc.message}"
         item.update(status="failed", exit_code=1, output=message)
         return item, message
     message = f"wrote {len(data)} bytes to {path}"

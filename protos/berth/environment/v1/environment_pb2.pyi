@@ -659,3 +659,57 @@ class McpServer(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___McpServer: _TypeAlias = McpServer  # noqa: Y015
+
+@_typing.final
+class Process(_message.Message):
+    """A background process in an environment's sandbox."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCESS_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    process_id: _builtins.str
+    """Sandbox-assigned process ID ("proc_...")."""
+    name: _builtins.str
+    """Caller-chosen name."""
+    pid: _builtins.int
+    """PID inside the sandbox."""
+    running: _builtins.bool
+    """True while the process runs."""
+    keepalive: _builtins.bool
+    """A keepalive process keeps the sandbox from idle pause."""
+    next_seq: _builtins.int
+    """The sequence number the next output chunk will get."""
+    @_builtins.property
+    def exit(self) -> _common_pb2.ExitStatus:
+        """Exit status once it has exited."""
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When the process started."""
+
+    def __init__(
+        self,
+        *,
+        process_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        running: _builtins.bool = ...,
+        exit: _common_pb2.ExitStatus | None = ...,
+        keepalive: _builtins.bool = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        next_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "keepalive", b"keepalive", "name", b"name", "next_seq", b"next_seq", "pid", b"pid", "process_id", b"process_id", "running", b"running", "start_time", b"start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Process: _TypeAlias = Process  # noqa: Y015

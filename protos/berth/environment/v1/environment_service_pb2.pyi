@@ -1298,3 +1298,265 @@ class ListMcpServersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMcpServersResponse: _TypeAlias = ListMcpServersResponse  # noqa: Y015
+
+@_typing.final
+class StartProcessRequest(_message.Message):
+    """Request for StartProcess."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGV_FIELD_NUMBER: _builtins.int
+    SHELL_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    KEEPALIVE_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    session_id: _builtins.str
+    """The calling session; selects the output directory. May be empty for
+    direct environment operations.
+    """
+    name: _builtins.str
+    """A name for listing."""
+    shell: _builtins.str
+    """A shell command; exclusive with argv."""
+    cwd: _builtins.str
+    """Working directory, default /workspace."""
+    keepalive: _builtins.bool
+    """A keepalive process keeps the sandbox from idle pause."""
+    @_builtins.property
+    def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The argument vector; exclusive with shell."""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Extra environment variables."""
+
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        argv: _abc.Iterable[_builtins.str] | None = ...,
+        shell: _builtins.str = ...,
+        cwd: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        keepalive: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cwd", b"cwd", "env", b"env", "environment_id", b"environment_id", "keepalive", b"keepalive", "name", b"name", "session_id", b"session_id", "shell", b"shell"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartProcessRequest: _TypeAlias = StartProcessRequest  # noqa: Y015
+
+@_typing.final
+class StartProcessResponse(_message.Message):
+    """Response for StartProcess."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCESS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def process(self) -> _environment_pb2.Process:
+        """The started process."""
+
+    def __init__(
+        self,
+        *,
+        process: _environment_pb2.Process | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartProcessResponse: _TypeAlias = StartProcessResponse  # noqa: Y015
+
+@_typing.final
+class AttachProcessRequest(_message.Message):
+    """Request for AttachProcess."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PROCESS_ID_FIELD_NUMBER: _builtins.int
+    FROM_SEQ_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    process_id: _builtins.str
+    """The process to follow."""
+    from_seq: _builtins.int
+    """First output sequence number to deliver."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        process_id: _builtins.str = ...,
+        from_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "from_seq", b"from_seq", "process_id", b"process_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachProcessRequest: _TypeAlias = AttachProcessRequest  # noqa: Y015
+
+@_typing.final
+class AttachProcessResponse(_message.Message):
+    """One message of the AttachProcess stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> _common_pb2.OutputChunk:
+        """Output."""
+
+    @_builtins.property
+    def exit(self) -> _common_pb2.ExitStatus:
+        """Sent once the process has exited; the last message."""
+
+    def __init__(
+        self,
+        *,
+        chunk: _common_pb2.OutputChunk | None = ...,
+        exit: _common_pb2.ExitStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "exit", b"exit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "exit", b"exit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["chunk", "exit"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___AttachProcessResponse: _TypeAlias = AttachProcessResponse  # noqa: Y015
+
+@_typing.final
+class KillProcessRequest(_message.Message):
+    """Request for KillProcess."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PROCESS_ID_FIELD_NUMBER: _builtins.int
+    SIGNAL_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    process_id: _builtins.str
+    """The process to signal."""
+    signal: _builtins.int
+    """Signal number; 0 means SIGKILL."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        process_id: _builtins.str = ...,
+        signal: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "process_id", b"process_id", "signal", b"signal"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KillProcessRequest: _TypeAlias = KillProcessRequest  # noqa: Y015
+
+@_typing.final
+class KillProcessResponse(_message.Message):
+    """Response for KillProcess."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCESS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def process(self) -> _environment_pb2.Process:
+        """The process after signalling; unset when the sandbox no longer knows it."""
+
+    def __init__(
+        self,
+        *,
+        process: _environment_pb2.Process | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KillProcessResponse: _TypeAlias = KillProcessResponse  # noqa: Y015
+
+@_typing.final
+class ListProcessesRequest(_message.Message):
+    """Request for ListProcesses."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListProcessesRequest: _TypeAlias = ListProcessesRequest  # noqa: Y015
+
+@_typing.final
+class ListProcessesResponse(_message.Message):
+    """Response for ListProcesses."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCESSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def processes(self) -> _containers.RepeatedCompositeFieldContainer[_environment_pb2.Process]:
+        """The environment's background processes."""
+
+    def __init__(
+        self,
+        *,
+        processes: _abc.Iterable[_environment_pb2.Process] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["processes", b"processes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListProcessesResponse: _TypeAlias = ListProcessesResponse  # noqa: Y015

@@ -150,6 +150,26 @@ class EnvironmentServiceStub:
                 request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersRequest.SerializeToString,
                 response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersResponse.FromString,
                 _registered_method=True)
+        self.StartProcess = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/StartProcess',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartProcessRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartProcessResponse.FromString,
+                _registered_method=True)
+        self.AttachProcess = channel.unary_stream(
+                '/berth.environment.v1.EnvironmentService/AttachProcess',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessResponse.FromString,
+                _registered_method=True)
+        self.KillProcess = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/KillProcess',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessResponse.FromString,
+                _registered_method=True)
+        self.ListProcesses = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/ListProcesses',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -337,6 +357,40 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProcess(self, request, context):
+        """Starts a background process in the environment for a session (with its
+        output directory variables) that outlives this call. Enters the init
+        guard first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachProcess(self, request, context):
+        """Streams a background process's output from a sequence number, then its
+        exit status once it has exited. Cancelling the call stops only this
+        stream, not the process. Enters the init guard first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KillProcess(self, request, context):
+        """Signals a background process and its whole process tree. Enters the
+        init guard first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListProcesses(self, request, context):
+        """Lists the environment's background processes, running and exited.
+        Enters the init guard first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -454,6 +508,26 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.ListMcpServers,
                     request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersRequest.FromString,
                     response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersResponse.SerializeToString,
+            ),
+            'StartProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProcess,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartProcessRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.StartProcessResponse.SerializeToString,
+            ),
+            'AttachProcess': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttachProcess,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessResponse.SerializeToString,
+            ),
+            'KillProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.KillProcess,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessResponse.SerializeToString,
+            ),
+            'ListProcesses': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProcesses,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1078,6 +1152,114 @@ class EnvironmentService:
             '/berth.environment.v1.EnvironmentService/ListMcpServers',
             berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersRequest.SerializeToString,
             berth_dot_environment_dot_v1_dot_environment__service__pb2.ListMcpServersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/StartProcess',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.StartProcessRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.StartProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/AttachProcess',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KillProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/KillProcess',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProcesses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/ListProcesses',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -113,6 +113,24 @@ class EnvironmentServiceStub:
     """Lists the environment's MCP servers with their owner and live state.
     Does not start the environment.
     """
+    StartProcess: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.StartProcessRequest, _environment_service_pb2.StartProcessResponse]
+    """Starts a background process in the environment for a session (with its
+    output directory variables) that outlives this call. Enters the init
+    guard first.
+    """
+    AttachProcess: _grpc.UnaryStreamMultiCallable[_environment_service_pb2.AttachProcessRequest, _environment_service_pb2.AttachProcessResponse]
+    """Streams a background process's output from a sequence number, then its
+    exit status once it has exited. Cancelling the call stops only this
+    stream, not the process. Enters the init guard first.
+    """
+    KillProcess: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.KillProcessRequest, _environment_service_pb2.KillProcessResponse]
+    """Signals a background process and its whole process tree. Enters the
+    init guard first.
+    """
+    ListProcesses: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ListProcessesRequest, _environment_service_pb2.ListProcessesResponse]
+    """Lists the environment's background processes, running and exited.
+    Enters the init guard first.
+    """
 
 @_typing.type_check_only
 class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
@@ -194,6 +212,24 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     ListMcpServers: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListMcpServersRequest, _environment_service_pb2.ListMcpServersResponse]  # type: ignore[assignment]
     """Lists the environment's MCP servers with their owner and live state.
     Does not start the environment.
+    """
+    StartProcess: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.StartProcessRequest, _environment_service_pb2.StartProcessResponse]  # type: ignore[assignment]
+    """Starts a background process in the environment for a session (with its
+    output directory variables) that outlives this call. Enters the init
+    guard first.
+    """
+    AttachProcess: _aio.UnaryStreamMultiCallable[_environment_service_pb2.AttachProcessRequest, _environment_service_pb2.AttachProcessResponse]  # type: ignore[assignment]
+    """Streams a background process's output from a sequence number, then its
+    exit status once it has exited. Cancelling the call stops only this
+    stream, not the process. Enters the init guard first.
+    """
+    KillProcess: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.KillProcessRequest, _environment_service_pb2.KillProcessResponse]  # type: ignore[assignment]
+    """Signals a background process and its whole process tree. Enters the
+    init guard first.
+    """
+    ListProcesses: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListProcessesRequest, _environment_service_pb2.ListProcessesResponse]  # type: ignore[assignment]
+    """Lists the environment's background processes, running and exited.
+    Enters the init guard first.
     """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -411,6 +447,48 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_environment_service_pb2.ListMcpServersResponse, _abc.Awaitable[_environment_service_pb2.ListMcpServersResponse]]:
         """Lists the environment's MCP servers with their owner and live state.
         Does not start the environment.
+        """
+
+    @_abc_1.abstractmethod
+    def StartProcess(
+        self,
+        request: _environment_service_pb2.StartProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.StartProcessResponse, _abc.Awaitable[_environment_service_pb2.StartProcessResponse]]:
+        """Starts a background process in the environment for a session (with its
+        output directory variables) that outlives this call. Enters the init
+        guard first.
+        """
+
+    @_abc_1.abstractmethod
+    def AttachProcess(
+        self,
+        request: _environment_service_pb2.AttachProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_environment_service_pb2.AttachProcessResponse], _abc.AsyncIterator[_environment_service_pb2.AttachProcessResponse]]:
+        """Streams a background process's output from a sequence number, then its
+        exit status once it has exited. Cancelling the call stops only this
+        stream, not the process. Enters the init guard first.
+        """
+
+    @_abc_1.abstractmethod
+    def KillProcess(
+        self,
+        request: _environment_service_pb2.KillProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.KillProcessResponse, _abc.Awaitable[_environment_service_pb2.KillProcessResponse]]:
+        """Signals a background process and its whole process tree. Enters the
+        init guard first.
+        """
+
+    @_abc_1.abstractmethod
+    def ListProcesses(
+        self,
+        request: _environment_service_pb2.ListProcessesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.ListProcessesResponse, _abc.Awaitable[_environment_service_pb2.ListProcessesResponse]]:
+        """Lists the environment's background processes, running and exited.
+        Enters the init guard first.
         """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

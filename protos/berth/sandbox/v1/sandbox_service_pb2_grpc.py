@@ -45,11 +45,6 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.GetSandboxRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.GetSandboxResponse.FromString,
                 _registered_method=True)
-        self.ListSandboxes = channel.unary_unary(
-                '/berth.sandbox.v1.SandboxService/ListSandboxes',
-                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesRequest.SerializeToString,
-                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesResponse.FromString,
-                _registered_method=True)
         self.ListLabeledSandboxes = channel.unary_unary(
                 '/berth.sandbox.v1.SandboxService/ListLabeledSandboxes',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListLabeledSandboxesRequest.SerializeToString,
@@ -100,21 +95,6 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListFilesRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListFilesResponse.FromString,
                 _registered_method=True)
-        self.RemoveFile = channel.unary_unary(
-                '/berth.sandbox.v1.SandboxService/RemoveFile',
-                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.SerializeToString,
-                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.FromString,
-                _registered_method=True)
-        self.PauseSandbox = channel.unary_unary(
-                '/berth.sandbox.v1.SandboxService/PauseSandbox',
-                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.PauseSandboxRequest.SerializeToString,
-                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.PauseSandboxResponse.FromString,
-                _registered_method=True)
-        self.ResumeSandbox = channel.unary_unary(
-                '/berth.sandbox.v1.SandboxService/ResumeSandbox',
-                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ResumeSandboxRequest.SerializeToString,
-                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ResumeSandboxResponse.FromString,
-                _registered_method=True)
         self.DestroySandbox = channel.unary_unary(
                 '/berth.sandbox.v1.SandboxService/DestroySandbox',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxRequest.SerializeToString,
@@ -134,11 +114,6 @@ class SandboxServiceStub:
                 '/berth.sandbox.v1.SandboxService/SendMcpMessage',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageResponse.FromString,
-                _registered_method=True)
-        self.SubscribeMcpMessages = channel.unary_stream(
-                '/berth.sandbox.v1.SandboxService/SubscribeMcpMessages',
-                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesRequest.SerializeToString,
-                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesResponse.FromString,
                 _registered_method=True)
         self.StopMcpBroker = channel.unary_unary(
                 '/berth.sandbox.v1.SandboxService/StopMcpBroker',
@@ -170,13 +145,6 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ListSandboxes(self, request, context):
-        """Lists sandboxes, optionally filtered by labels.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListLabeledSandboxes(self, request, context):
         """Lists, across every organization, the sandboxes that carry one label
         key, in the reduced LabeledSandbox view. Internal: for the reconciler of
@@ -194,7 +162,9 @@ class SandboxServiceServicer:
         this node (creating, running or paused). Internal: the Environment
         service places new sandboxes on the least loaded node with it. It tells
         no identities; the organization metadata is required as on every RPC
-        but does not scope the count.
+        but does not scope the count. Not marked idempotent on purpose, so it is
+        never retried: placement skips a node that does not answer rather than
+        waiting on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -257,27 +227,6 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RemoveFile(self, request, context):
-        """Removes a file or directory.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PauseSandbox(self, request, context):
-        """Freezes the sandbox's processes; files are kept.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ResumeSandbox(self, request, context):
-        """Thaws a paused sandbox.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DestroySandbox(self, request, context):
         """Destroys the sandbox and its workspace; idempotent.
         """
@@ -305,14 +254,6 @@ class SandboxServiceServicer:
         """Sends one JSON-RPC message through a broker and returns the response to
         a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
         unknown label NOT_FOUND.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SubscribeMcpMessages(self, request, context):
-        """Streams a broker's server notifications, and the server requests this
-        subscriber is to answer with SendMcpMessage; ends when the broker dies.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,11 +288,6 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.GetSandbox,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.GetSandboxRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.GetSandboxResponse.SerializeToString,
-            ),
-            'ListSandboxes': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListSandboxes,
-                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesRequest.FromString,
-                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesResponse.SerializeToString,
             ),
             'ListLabeledSandboxes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLabeledSandboxes,
@@ -403,21 +339,6 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListFilesRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListFilesResponse.SerializeToString,
             ),
-            'RemoveFile': grpc.unary_unary_rpc_method_handler(
-                    servicer.RemoveFile,
-                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.FromString,
-                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.SerializeToString,
-            ),
-            'PauseSandbox': grpc.unary_unary_rpc_method_handler(
-                    servicer.PauseSandbox,
-                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.PauseSandboxRequest.FromString,
-                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.PauseSandboxResponse.SerializeToString,
-            ),
-            'ResumeSandbox': grpc.unary_unary_rpc_method_handler(
-                    servicer.ResumeSandbox,
-                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ResumeSandboxRequest.FromString,
-                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ResumeSandboxResponse.SerializeToString,
-            ),
             'DestroySandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.DestroySandbox,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.DestroySandboxRequest.FromString,
@@ -437,11 +358,6 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.SendMcpMessage,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageResponse.SerializeToString,
-            ),
-            'SubscribeMcpMessages': grpc.unary_stream_rpc_method_handler(
-                    servicer.SubscribeMcpMessages,
-                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesRequest.FromString,
-                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesResponse.SerializeToString,
             ),
             'StopMcpBroker': grpc.unary_unary_rpc_method_handler(
                     servicer.StopMcpBroker,
@@ -509,33 +425,6 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/GetSandbox',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.GetSandboxRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.GetSandboxResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ListSandboxes(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/berth.sandbox.v1.SandboxService/ListSandboxes',
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesRequest.SerializeToString,
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -817,87 +706,6 @@ class SandboxService:
             _registered_method=True)
 
     @staticmethod
-    def RemoveFile(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/berth.sandbox.v1.SandboxService/RemoveFile',
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.SerializeToString,
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PauseSandbox(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/berth.sandbox.v1.SandboxService/PauseSandbox',
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.PauseSandboxRequest.SerializeToString,
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.PauseSandboxResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ResumeSandbox(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/berth.sandbox.v1.SandboxService/ResumeSandbox',
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ResumeSandboxRequest.SerializeToString,
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ResumeSandboxResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def DestroySandbox(request,
             target,
             options=(),
@@ -995,33 +803,6 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/SendMcpMessage',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SendMcpMessageResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubscribeMcpMessages(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/berth.sandbox.v1.SandboxService/SubscribeMcpMessages',
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesRequest.SerializeToString,
-            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.SubscribeMcpMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,8 +40,6 @@ class SandboxServiceStub:
     """Creates a sandbox; idempotent on sandbox_id."""
     GetSandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.GetSandboxRequest, _sandbox_service_pb2.GetSandboxResponse]
     """Returns one sandbox."""
-    ListSandboxes: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListSandboxesRequest, _sandbox_service_pb2.ListSandboxesResponse]
-    """Lists sandboxes, optionally filtered by labels."""
     ListLabeledSandboxes: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListLabeledSandboxesRequest, _sandbox_service_pb2.ListLabeledSandboxesResponse]
     """Lists, across every organization, the sandboxes that carry one label
     key, in the reduced LabeledSandbox view. Internal: for the reconciler of
@@ -55,7 +53,9 @@ class SandboxServiceStub:
     this node (creating, running or paused). Internal: the Environment
     service places new sandboxes on the least loaded node with it. It tells
     no identities; the organization metadata is required as on every RPC
-    but does not scope the count.
+    but does not scope the count. Not marked idempotent on purpose, so it is
+    never retried: placement skips a node that does not answer rather than
+    waiting on it.
     """
     Exec: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]
     """Runs a command and streams its output, then its exit status.
@@ -75,12 +75,6 @@ class SandboxServiceStub:
     """Streams a file's bytes."""
     ListFiles: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListFilesRequest, _sandbox_service_pb2.ListFilesResponse]
     """Lists a directory."""
-    RemoveFile: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.RemoveFileRequest, _sandbox_service_pb2.RemoveFileResponse]
-    """Removes a file or directory."""
-    PauseSandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.PauseSandboxRequest, _sandbox_service_pb2.PauseSandboxResponse]
-    """Freezes the sandbox's processes; files are kept."""
-    ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ResumeSandboxRequest, _sandbox_service_pb2.ResumeSandboxResponse]
-    """Thaws a paused sandbox."""
     DestroySandbox: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.DestroySandboxRequest, _sandbox_service_pb2.DestroySandboxResponse]
     """Destroys the sandbox and its workspace; idempotent."""
     StartMcpBroker: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.StartMcpBrokerRequest, _sandbox_service_pb2.StartMcpBrokerResponse]
@@ -94,10 +88,6 @@ class SandboxServiceStub:
     """Sends one JSON-RPC message through a broker and returns the response to
     a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
     unknown label NOT_FOUND.
-    """
-    SubscribeMcpMessages: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.SubscribeMcpMessagesRequest, _sandbox_service_pb2.SubscribeMcpMessagesResponse]
-    """Streams a broker's server notifications, and the server requests this
-    subscriber is to answer with SendMcpMessage; ends when the broker dies.
     """
     StopMcpBroker: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.StopMcpBrokerRequest, _sandbox_service_pb2.StopMcpBrokerResponse]
     """Kills a stdio broker's server process tree, or ends an HTTP broker's
@@ -118,8 +108,6 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Creates a sandbox; idempotent on sandbox_id."""
     GetSandbox: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.GetSandboxRequest, _sandbox_service_pb2.GetSandboxResponse]  # type: ignore[assignment]
     """Returns one sandbox."""
-    ListSandboxes: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListSandboxesRequest, _sandbox_service_pb2.ListSandboxesResponse]  # type: ignore[assignment]
-    """Lists sandboxes, optionally filtered by labels."""
     ListLabeledSandboxes: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListLabeledSandboxesRequest, _sandbox_service_pb2.ListLabeledSandboxesResponse]  # type: ignore[assignment]
     """Lists, across every organization, the sandboxes that carry one label
     key, in the reduced LabeledSandbox view. Internal: for the reconciler of
@@ -133,7 +121,9 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     this node (creating, running or paused). Internal: the Environment
     service places new sandboxes on the least loaded node with it. It tells
     no identities; the organization metadata is required as on every RPC
-    but does not scope the count.
+    but does not scope the count. Not marked idempotent on purpose, so it is
+    never retried: placement skips a node that does not answer rather than
+    waiting on it.
     """
     Exec: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.ExecRequest, _sandbox_service_pb2.ExecResponse]  # type: ignore[assignment]
     """Runs a command and streams its output, then its exit status.
@@ -153,12 +143,6 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Streams a file's bytes."""
     ListFiles: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListFilesRequest, _sandbox_service_pb2.ListFilesResponse]  # type: ignore[assignment]
     """Lists a directory."""
-    RemoveFile: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.RemoveFileRequest, _sandbox_service_pb2.RemoveFileResponse]  # type: ignore[assignment]
-    """Removes a file or directory."""
-    PauseSandbox: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.PauseSandboxRequest, _sandbox_service_pb2.PauseSandboxResponse]  # type: ignore[assignment]
-    """Freezes the sandbox's processes; files are kept."""
-    ResumeSandbox: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ResumeSandboxRequest, _sandbox_service_pb2.ResumeSandboxResponse]  # type: ignore[assignment]
-    """Thaws a paused sandbox."""
     DestroySandbox: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.DestroySandboxRequest, _sandbox_service_pb2.DestroySandboxResponse]  # type: ignore[assignment]
     """Destroys the sandbox and its workspace; idempotent."""
     StartMcpBroker: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.StartMcpBrokerRequest, _sandbox_service_pb2.StartMcpBrokerResponse]  # type: ignore[assignment]
@@ -172,10 +156,6 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Sends one JSON-RPC message through a broker and returns the response to
     a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
     unknown label NOT_FOUND.
-    """
-    SubscribeMcpMessages: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.SubscribeMcpMessagesRequest, _sandbox_service_pb2.SubscribeMcpMessagesResponse]  # type: ignore[assignment]
-    """Streams a broker's server notifications, and the server requests this
-    subscriber is to answer with SendMcpMessage; ends when the broker dies.
     """
     StopMcpBroker: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.StopMcpBrokerRequest, _sandbox_service_pb2.StopMcpBrokerResponse]  # type: ignore[assignment]
     """Kills a stdio broker's server process tree, or ends an HTTP broker's
@@ -207,14 +187,6 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         """Returns one sandbox."""
 
     @_abc_1.abstractmethod
-    def ListSandboxes(
-        self,
-        request: _sandbox_service_pb2.ListSandboxesRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_sandbox_service_pb2.ListSandboxesResponse, _abc.Awaitable[_sandbox_service_pb2.ListSandboxesResponse]]:
-        """Lists sandboxes, optionally filtered by labels."""
-
-    @_abc_1.abstractmethod
     def ListLabeledSandboxes(
         self,
         request: _sandbox_service_pb2.ListLabeledSandboxesRequest,
@@ -238,7 +210,9 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         this node (creating, running or paused). Internal: the Environment
         service places new sandboxes on the least loaded node with it. It tells
         no identities; the organization metadata is required as on every RPC
-        but does not scope the count.
+        but does not scope the count. Not marked idempotent on purpose, so it is
+        never retried: placement skips a node that does not answer rather than
+        waiting on it.
         """
 
     @_abc_1.abstractmethod
@@ -308,30 +282,6 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         """Lists a directory."""
 
     @_abc_1.abstractmethod
-    def RemoveFile(
-        self,
-        request: _sandbox_service_pb2.RemoveFileRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_sandbox_service_pb2.RemoveFileResponse, _abc.Awaitable[_sandbox_service_pb2.RemoveFileResponse]]:
-        """Removes a file or directory."""
-
-    @_abc_1.abstractmethod
-    def PauseSandbox(
-        self,
-        request: _sandbox_service_pb2.PauseSandboxRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_sandbox_service_pb2.PauseSandboxResponse, _abc.Awaitable[_sandbox_service_pb2.PauseSandboxResponse]]:
-        """Freezes the sandbox's processes; files are kept."""
-
-    @_abc_1.abstractmethod
-    def ResumeSandbox(
-        self,
-        request: _sandbox_service_pb2.ResumeSandboxRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_sandbox_service_pb2.ResumeSandboxResponse, _abc.Awaitable[_sandbox_service_pb2.ResumeSandboxResponse]]:
-        """Thaws a paused sandbox."""
-
-    @_abc_1.abstractmethod
     def DestroySandbox(
         self,
         request: _sandbox_service_pb2.DestroySandboxRequest,
@@ -367,16 +317,6 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         """Sends one JSON-RPC message through a broker and returns the response to
         a request. A dead broker is FAILED_PRECONDITION (MCP_SERVER_DEAD), an
         unknown label NOT_FOUND.
-        """
-
-    @_abc_1.abstractmethod
-    def SubscribeMcpMessages(
-        self,
-        request: _sandbox_service_pb2.SubscribeMcpMessagesRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_sandbox_service_pb2.SubscribeMcpMessagesResponse], _abc.AsyncIterator[_sandbox_service_pb2.SubscribeMcpMessagesResponse]]:
-        """Streams a broker's server notifications, and the server requests this
-        subscriber is to answer with SendMcpMessage; ends when the broker dies.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,299 @@
+"""The turn's items and events, persisted for the harness.
+
+Writes are staged in memory and persisted in short transactions, none held
+across model or environment calls: each write call is one transaction, or a
+whole ``batch()`` block is. The agent configuration, the transcript and the
+output-index counter live in memory for the turn (one turn runs at a time
+per session, on one worker, and only it adds items), loaded with the claim.
+Each event append reads the agent configuration back from the session
+counter row it updates anyway, so a session update still applies to the
+turn's next model call without a read of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import Table, bindparam, insert, update
+
+from services.core.db import set_clause, set_params
+from services.core.errors import NotFound
+from services.core.ids import new_id
+from services.session import views, wire
+from services.session.agents import AgentConfig
+from services.session.harness.io import ItemHandle
+from services.session.harness.models.base import Entry, Usage
+from services.session.models import FunctionCallRow, ItemRow, SessionRow
+from services.session.store import Store, Unit
+
+__all__ = ["TurnWriter", "OUTPUT_ITEM_TYPES", "dumps"]
+
+T = TypeVar("T")
+
+# Item types that may appear in turn.item.done (the AgentOutputItem union).
+OUTPUT_ITEM_TYPES = frozenset({"message", "function_call", "command_execution", "mcp_call", "reasoning", "web_search_call"})
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+# Hot-path writes are Core statements: the ORM's unit of work costs more
+# CPU than the statements themselves.
+_ITEMS = cast(Table, ItemRow.__table__)
+_SESSIONS = cast(Table, SessionRow.__table__)
+# Built once (see services/session/repository.py on prepared statements).
+_INSERT_ITEMS = insert(_ITEMS)
+_APPEND = (
+    update(_SESSIONS)
+    .where(_SESSIONS.c.id == bindparam("session_id"))
+    .values(event_seq=_SESSIONS.c.event_seq + bindparam("v_count"))
+    .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
+)
+
+
+@functools.cache
+def _update_item(keys: tuple[str, ...]) -> Any:
+    return update(_ITEMS).where(_ITEMS.c.id == bindparam("item_id")).values(set_clause(keys))
+
+
+@dataclass
+class _Staged:
+    """Writes not yet persisted, in the order they were made."""
+
+    # New item rows by ID (in order): finishing one only changes its row.
+    items: dict[str, dict[str, Any]] = field(default_factory=dict)
+    item_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calls: list[FunctionCallRow] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # Items that stop being open once this stage is persisted.
+    finished: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.item_updates or self.calls or self.events or self.finished)
+
+
+class TurnWriter:
+    """Items, events and usage of one turn, and the agent configuration and
+    transcript the turn's model calls read."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        session_id: str,
+        turn_id: str,
+        agent_config_json: str,
+        transcript: list[tuple[str, list[Entry]]],
+        next_output_index: int = 0,
+    ) -> None:
+        self.store = store
+        self.session_id = session_id
+        self.turn_id = turn_id
+        self.usage: dict[str, Any] | None = None
+        self.open_items: dict[str, tuple[ItemHandle, dict[str, Any]]] = {}
+        self.next_output_index = next_output_index
+        self._config_json = agent_config_json
+        self._config = views.agent_config_from_json(agent_config_json)
+        # Model-facing entries per item, in item order.
+        self._transcript: dict[str, list[Entry]] = dict(transcript)
+        self._staged = _Staged()
+        self._batching = False
+        self._inflight: set[asyncio.Future[Any]] = set()
+
+    async def transact(self, fn: Callable[[Unit], Awaitable[T]]) -> T:
+        """One transaction whose completion ``settle`` waits for."""
+        return await self.store.transact(fn, inflight=self._inflight)
+
+    async def settle(self) -> None:
+        """Waits for writes a cancel interrupted on the caller's side, so the
+        turn's last events are in the log before its outcome."""
+        if self._inflight:
+            await asyncio.wait(set(self._inflight))
+
+    # ----- reads ---------------------------------------------------------------
+    async def agent_config(self) -> AgentConfig:
+        return self._config
+
+    async def transcript(self) -> list[Entry]:
+        return [entry for entries in self._transcript.values() for entry in entries]
+
+    def _remember_config(self, config_json: str) -> None:
+        if config_json != self._config_json:
+            self._config_json = config_json
+            self._config = views.agent_config_from_json(config_json)
+
+    # ----- writes --------------------------------------------------------------
+    async def append(self, u: Unit, events: list[dict[str, Any]]) -> None:
+        """Appends scoped events to the log; reads the agent configuration
+        back from the counter row on the way."""
+        if not events:
+            return
+        result = await u.session.execute(_APPEND, {"session_id": self.session_id, "v_count": len(events)})
+        row = result.one_or_none()
+        if row is None:
+            raise NotFound(f"session {self.session_id} not found")
+        self._remember_config(row.agent_config_json)
+        u.append(self.session_id, int(row.event_seq), *events)
+
+    async def flush(self) -> None:
+        """Persists the staged writes in one transaction (at the end of a batch)."""
+        if self._batching or not self._staged:
+            return
+        staged, self._staged = self._staged, _Staged()
+
+        async def write(u: Unit) -> None:
+            if staged.items:
+                await u.session.execute(_INSERT_ITEMS, list(staged.items.values()))
+            u.session.add_all(staged.calls)
+            for item_id, values in staged.item_updates.items():
+                await u.session.execute(
+                    _update_item(tuple(values)), {"item_id": item_id, **set_params(values)}
+                )
+            await self.append(u, staged.events)
+            for item_id in staged.finished:
+                self.open_items.pop(item_id, None)
+
+        await self.transact(write)
+
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        if self._batching:
+            yield
+            return
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            await self.flush()
+
+    # ----- items and events ----------------------------------------------------
+    def scoped(self, event: dict[str, Any]) -> dict[str, Any]:
+        return {**event, "session_id": self.session_id, "turn_id": self.turn_id}
+
+    def handle(self, output: bool) -> ItemHandle:
+        """A new item's handle; ``output`` items take the next output index."""
+        index = None
+        if output:
+            index = self.next_output_index
+            self.next_output_index += 1
+        return ItemHandle(new_id("item"), index)
+
+    def item_row(
+        self, handle: ItemHandle, item: dict[str, Any], entries: list[Entry], *, visible: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The item's row (column values) and its wire form."""
+        full = {"id": handle.id, **item, "turn_id": self.turn_id}
+        row = {
+            "id": handle.id,
+            "session_id": self.session_id,
+            "turn_id": self.turn_id,
+            "type": str(item["type"]),
+            "item_json": dumps(full),
+            "model_json": dumps(entries),
+            "visible": visible,
+            "created_at": time.time(),
+        }
+        return row, full
+
+    def remember_entries(self, item_id: str, entries: list[Entry]) -> None:
+        """Adds an item persisted elsewhere to the model's transcript."""
+        self._transcript[item_id] = list(entries)
+
+    def stage_item(self, handle: ItemHandle, item: dict[str, Any], entries: list[Entry], *, visible: bool) -> dict[str, Any]:
+        row, full = self.item_row(handle, item, entries, visible=visible)
+        self._staged.items[handle.id] = row
+        self._transcript[handle.id] = list(entries)
+        return full
+
+    def stage_call(self, call: FunctionCallRow) -> None:
+        self._staged.calls.append(call)
+
+    def stage_events(self, *events: dict[str, Any]) -> None:
+        self._staged.events.extend(events)
+
+    def _stage_item_update(self, item_id: str, **values: Any) -> None:
+        row = self._staged.items.get(item_id)
+        if row is not None:
+            row.update(values)
+        else:
+            self._staged.item_updates.setdefault(item_id, {}).update(values)
+
+    def added(self, handle: ItemHandle, full: dict[str, Any]) -> dict[str, Any]:
+        event: dict[str, Any] = {"type": "agent.session.turn.item.added", "item": full}
+        if handle.output_index is not None:
+            event["output_index"] = handle.output_index
+        return self.scoped(event)
+
+    def done(self, handle: ItemHandle, full: dict[str, Any]) -> dict[str, Any]:
+        return self.scoped({"type": "agent.session.turn.item.done", "item": full, "output_index": handle.output_index})
+
+    async def add_item(
+        self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
+    ) -> ItemHandle:
+        handle = self.handle(output)
+        full = self.stage_item(handle, item, entries, visible=visible)
+        if visible:
+            self._staged.events.append(self.added(handle, full))
+            if done and output and full["type"] in OUTPUT_ITEM_TYPES:
+                self._staged.events.append(self.done(handle, full))
+            elif not done and output:
+                # Tracked before it is written: a cancel arriving meanwhile
+                # still finds the item to close.
+                self.track_item(handle, item)
+        await self.flush()
+        return handle
+
+    def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
+        self.open_items[handle.id] = (handle, dict(item))
+
+    def full(self, handle: ItemHandle, item: dict[str, Any]) -> dict[str, Any]:
+        """The item's wire form."""
+        return {"id": handle.id, **{k: v for k, v in item.items() if k != "id"}, "turn_id": self.turn_id}
+
+    async def store_item(self, u: Unit, handle: ItemHandle, item: dict[str, Any]) -> dict[str, Any] | None:
+        """Rewrites a persisted item; None when it never was persisted."""
+        full = self.full(handle, item)
+        result = await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == handle.id).values(item_json=dumps(full)))
+        return full if result.rowcount else None  # type: ignore[attr-defined]
+
+    async def insert_item(self, u: Unit, row: dict[str, Any]) -> None:
+        await u.session.execute(insert(_ITEMS), [row])
+
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry]) -> None:
+        full = self.full(handle, item)
+        self._stage_item_update(handle.id, item_json=dumps(full), model_json=dumps(entries))
+        self._transcript[handle.id] = list(entries)
+        if handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
+            self._staged.events.append(self.done(handle, full))
+        self._staged.finished.append(handle.id)
+        await self.flush()
+
+    async def close_open_items(self, u: Unit) -> None:
+        """On a failed or cancelled turn: items still open end as incomplete
+        (or failed, when the tool already reported failure)."""
+        events: list[dict[str, Any]] = []
+        for handle, item in list(self.open_items.values()):
+            status = item.get("status")
+            item["status"] = "failed" if status == "failed" and item["type"] != "message" else "incomplete"
+            full = await self.store_item(u, handle, item)
+            if full is not None and handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
+                events.append(self.done(handle, full))
+        self.open_items.clear()
+        await self.append(u, events)
+
+    async def emit(self, *events: dict[str, Any]) -> None:
+        self._staged.events.extend(self.scoped(e) for e in events)
+        await self.flush()
+
+    def record_usage(self, usage: Usage) -> None:
+        self.usage = wire.add_usage(
+            self.usage, wire.usage(usage.input_tokens, usage.output_tokens, usage.cached_tokens, usage.reasoning_tokens)
+        )
