@@ -1,0 +1,165 @@
+"""Inputs a careless or hostile client sends, over every route that takes
+them: each is a 4xx with the OpenAI error envelope, the keep-alive
+connection survives it, and nothing is written (issue 13, deliverable 3)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from e2e_stack import Stack, start_stack
+from e2e_support import assert_error, create_environment, sandbox_dirs
+
+from gateway.validation import MAX_JSON_DEPTH
+
+HOSTED = {"type": "openai_hosted"}
+SCRIPTED = {"model": "scripted"}
+
+
+def _message(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "input_text", "text": text}]}]
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _deep(objects: int) -> str:
+    """``objects`` JSON objects, each inside the last."""
+    return '{"a":' * (objects - 1) + '{"a":1' + "}" * objects
+
+
+def _tool(parameters: str) -> str:
+    return '{"type": "function", "name": "f", "description": "d", "parameters": ' + parameters + "}"
+
+
+def _schema_text(schema: str) -> str:
+    return '{"format": {"type": "json_schema", "name": "out", "schema": ' + schema + "}}"
+
+
+# Raw JSON bodies, each wrong in one way the parser must refuse, with the
+# code and param of the refusal (the parser runs before any route's model).
+RAW_BODIES: list[tuple[str, str, str, str | None]] = [
+    ("nested 1,000 levels deep", '{"model": "scripted", "metadata": ' + _nested(1000).decode() + "}", "invalid_json", None),
+    ("nested 100,000 levels deep", '{"model": "scripted", "metadata": ' + _nested(100_000).decode() + "}", "invalid_json", None),
+    # parameters is the fourth container (body, tools, tool, parameters).
+    ("nested one level past the limit", '{"model": "scripted", "tools": [' + _tool(_deep(MAX_JSON_DEPTH - 3 + 1)) + "]}", "invalid_json", None),
+    ("an integer literal of 5,000 digits", '{"model": "scripted", "tools": [' + _tool('{"maximum": ' + "9" * 5000 + "}") + "]}", "invalid_json", None),
+    ("NaN in tools[].parameters", '{"model": "scripted", "tools": [' + _tool('{"maximum": NaN}') + "]}", "invalid_json", None),
+    ("Infinity in tools[].parameters", '{"model": "scripted", "tools": [' + _tool('{"maximum": Infinity}') + "]}", "invalid_json", None),
+    ("-Infinity in text.format.schema", '{"model": "scripted", "text": ' + _schema_text('{"minimum": -Infinity}') + "}", "invalid_json", None),
+    ("a float that overflows to infinity", '{"model": "scripted", "text": ' + _schema_text('{"minimum": 1e400}') + "}", "invalid_json", None),
+    ("a lone surrogate in the name", '{"model": "scripted", "name": "\\ud800"}', "invalid_json", "name"),
+    ("a lone surrogate in a key", '{"model": "scripted", "metadata": {"\\udfff": "v"}}', "invalid_json", "metadata"),
+    ("NUL in the name", '{"model": "scripted", "name": "a\\u0000b"}', "validation_error", "name"),
+    ("NUL in instructions", '{"model": "scripted", "instructions": "\\u0000"}', "validation_error", "instructions"),
+]
+
+
+async def everything(http: httpx.AsyncClient, session_id: str | None = None) -> dict[str, Any]:
+    """What exists in the organization (and in one session)."""
+    out: dict[str, Any] = {}
+    for path in ("/agents/environments", "/agents/sessions", "/agents", "/files"):
+        response = await http.get(path, params={"limit": 100})
+        assert response.status_code == 200, response.text
+        out[path] = [(item["id"], item.get("updated_at"), item.get("name"), item.get("metadata")) for item in response.json()["data"]]
+    if session_id is not None:
+        for sub in ("turns", "items"):
+            response = await http.get(f"/agents/sessions/{session_id}/{sub}", params={"limit": 100})
+            assert response.status_code == 200, response.text
+            out[sub] = [item["id"] for item in response.json()["data"]]
+    return out
+
+
+def assert_rejected(response: httpx.Response, name: str) -> dict[str, Any]:
+    """A 4xx in the error envelope that leaves the connection open."""
+    assert 400 <= response.status_code < 500, (name, response.status_code, response.text)
+    error = assert_error(response, response.status_code, response.json()["error"]["code"])
+    assert error["type"] and error["code"], (name, error)
+    assert response.headers.get("connection", "").lower() != "close", name
+    return error
+
+
+@pytest.fixture
+async def postgres_stack(tmp_path: Path, bwrap_available: None, postgres_database: str) -> AsyncIterator[Stack]:
+    """The stack with the Session service (agents, sessions) on PostgreSQL."""
+    conn = await asyncpg.connect(postgres_database, timeout=3)
+    try:
+        await conn.execute("DROP SCHEMA IF EXISTS public CASCADE; CREATE SCHEMA public;")
+    finally:
+        await conn.close()
+    s, stop = await start_stack(tmp_path / "berth", session_database_url=postgres_database)
+    try:
+        yield s
+    finally:
+        await stop()  # type: ignore[misc]
+
+
+async def _json_routes(stack: Stack) -> tuple[list[str], str]:
+    """Every route that takes a JSON body, with real IDs; and the session's ID."""
+    client = stack.aclient()
+    agent = await client.beta.agents.create(model="scripted", name="kept")
+    env = await create_environment(client)
+    async with stack.http() as http:
+        created = await http.post("/agents/sessions", json={"agent_id": agent.id, "environment": {"type": "reference", "environment_id": env.id}})
+        assert created.status_code in (200, 201), created.text
+    session_id = created.json()["id"]
+    routes = [
+        "/agents",
+        f"/agents/{agent.id}",
+        "/agents/environments",
+        f"/agents/environments/{env.id}/files",
+        "/agents/sessions",
+        f"/agents/sessions/{session_id}",
+        f"/agents/sessions/{session_id}/events",
+    ]
+    return routes, session_id
+
+
+async def _assert_raw_bodies_rejected(stack: Stack) -> None:
+    routes, session_id = await _json_routes(stack)
+    async with stack.http() as http:
+        before = await everything(http, session_id)
+        for route in routes:
+            for name, body, code, param in RAW_BODIES:
+                response = await http.post(route, content=body.encode(), headers={"content-type": "application/json"})
+                error = assert_rejected(response, f"{route}: {name}")
+                assert (response.status_code, error["code"], error["param"]) == (400, code, param), (route, name, error)
+        assert await everything(http, session_id) == before
+    assert len(sandbox_dirs(stack.data_dir)) <= 1
+
+
+async def test_unparseable_or_unstorable_json_is_a_400_on_every_route_and_writes_nothing(stack: Stack) -> None:
+    await _assert_raw_bodies_rejected(stack)
+
+
+@pytest.mark.postgres
+async def test_nul_and_lone_surrogates_are_400s_on_postgresql_too(postgres_stack: Stack) -> None:
+    await _assert_raw_bodies_rejected(postgres_stack)
+
+
+async def test_json_at_the_depth_limit_and_wide_integers_within_the_bound_are_stored_and_served(stack: Stack) -> None:
+    parameters = _deep(MAX_JSON_DEPTH - 3)[:-1] + ', "maximum": 123456789012345678901234567890}'
+    agent_body = '{"model": "scripted", "tools": [' + _tool(parameters) + "]}"
+    # Inline in a session the tools sit one level deeper.
+    inline_agent = '{"model": "scripted", "tools": [' + _tool(_deep(MAX_JSON_DEPTH - 4)) + "]}"
+    session_body = '{"environment": {"type": "openai_hosted"}, "agent": ' + inline_agent + "}"
+    async with stack.http() as http:
+        created = await http.post("/agents", content=agent_body.encode(), headers={"content-type": "application/json"})
+        assert created.status_code in (200, 201), created.text
+        fetched = await http.get(f"/agents/{created.json()['id']}")
+        assert fetched.status_code == 200, fetched.text
+        stored = fetched.json()["tools"][0]["parameters"]
+        # Struct numbers are doubles: the wide literal is kept as its float.
+        assert stored["maximum"] == float(123456789012345678901234567890)
+        for _ in range(MAX_JSON_DEPTH - 4):
+            stored = stored["a"]
+        assert stored == {"a": 1}
+        session = await http.post("/agents/sessions", content=session_body.encode(), headers={"content-type": "application/json"})
+        assert session.status_code in (200, 201), session.text
+        got = await http.get(f"/agents/sessions/{session.json()['id']}")
+        assert got.status_code == 200, got.text
