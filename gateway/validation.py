@@ -128,12 +128,14 @@ Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
 ServiceTier = Literal["auto", "default", "flex", "priority", "fast", "ultrafast"]
 
 
+# Scalars are typed strictly: the SDK sends JSON types, so ``"stream": "yes"``
+# or ``"enabled": 1`` is a mistake to report, not a value to coerce.
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
 
 def _reject_null(value: Any) -> Any:
@@ -342,7 +344,7 @@ Tool = Annotated[
 
 class MultiAgent(_Open):
     enabled: bool
-    max_concurrent_subagents: int | None = Field(default=None, ge=1)
+    max_concurrent_subagents: int | None = Field(default=None, ge=1, le=2**31 - 1)  # int32 in the contract
 
 
 class Reasoning(_Open):
@@ -510,6 +512,8 @@ def input_events(body: EventsCreateBody) -> list[session_service_pb2.InputEvent]
 
 class EnvironmentFileCreateBody(RootModel[HostedFile]):
     """The files API body is the file object itself: ``{type, path, data | file_id}``."""
+
+    model_config = ConfigDict(strict=True)
 
 
 # --- rules between fields --------------------------------------------------------------

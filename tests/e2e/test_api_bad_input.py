@@ -163,3 +163,61 @@ async def test_json_at_the_depth_limit_and_wide_integers_within_the_bound_are_st
         assert session.status_code in (200, 201), session.text
         got = await http.get(f"/agents/sessions/{session.json()['id']}")
         assert got.status_code == 200, got.text
+
+
+# Bodies valid JSON but mistyped, per route kind, with the param named.
+# "agent", "agent_update", "environment", "file", "session", "session_update"
+# and "events" stand for the routes of _json_routes, in that order.
+TYPED_BODIES: list[tuple[str, str, dict[str, Any], str]] = [
+    ("stream as a string", "session", {"agent": SCRIPTED, "environment": HOSTED, "input": "hi", "stream": "yes"}, "stream"),
+    ("stream as a number", "session", {"agent": SCRIPTED, "environment": HOSTED, "input": "hi", "stream": 1}, "stream"),
+    (
+        "include_obfuscation as a string",
+        "session",
+        {"agent": SCRIPTED, "environment": HOSTED, "input": "hi", "stream": True, "stream_options": {"include_obfuscation": "no"}},
+        "stream_options.include_obfuscation",
+    ),
+    ("multi_agent.enabled as a number", "agent", {**SCRIPTED, "multi_agent": {"enabled": 1}}, "multi_agent.enabled"),
+    (
+        "max_concurrent_subagents as a string",
+        "agent",
+        {**SCRIPTED, "multi_agent": {"enabled": True, "max_concurrent_subagents": "3"}},
+        "multi_agent.max_concurrent_subagents",
+    ),
+    (
+        "max_concurrent_subagents beyond int32",
+        "agent_update",
+        {"multi_agent": {"enabled": True, "max_concurrent_subagents": 2**31}},
+        "multi_agent.max_concurrent_subagents",
+    ),
+    (
+        "defer_loading as a string",
+        "agent",
+        {**SCRIPTED, "tools": [{"type": "function", "name": "f", "description": "d", "parameters": {}, "defer_loading": "true"}]},
+        "tools.0.defer_loading",
+    ),
+    ("time_awareness as a string", "agent_update", {"experimental": {"time_awareness": "false"}}, "experimental.time_awareness"),
+    ("desktop.enabled as a string", "environment", {"environment": {**HOSTED, "desktop": {"enabled": "false"}}}, "environment.desktop.enabled"),
+    ("an inline file path as a number", "file", {"type": "inline", "path": 7, "data": ""}, "path"),
+    ("metadata values as numbers", "session_update", {"metadata": {"k": 1}}, "metadata.k"),
+    (
+        "tool_result success as a string",
+        "events",
+        {"events": [{"type": "agent.session.input.tool_result", "turn_id": "turn_x", "call_id": "c", "success": "true"}]},
+        "events.0.success",
+    ),
+]
+
+_KINDS = ("agent", "agent_update", "environment", "file", "session", "session_update", "events")
+
+
+async def test_mistyped_scalars_are_400s_naming_their_param_and_write_nothing(stack: Stack) -> None:
+    routes, session_id = await _json_routes(stack)
+    by_kind = dict(zip(_KINDS, routes, strict=True))
+    by_kind["session"] = "/agents/sessions"
+    async with stack.http() as http:
+        before = await everything(http, session_id)
+        for name, kind, body, param in TYPED_BODIES:
+            error = assert_rejected(await http.post(by_kind[kind], json=body), name)
+            assert (error["code"], error["param"]) == ("validation_error", param), (name, error)
+        assert await everything(http, session_id) == before
