@@ -33,6 +33,7 @@ from services.core.wire_json import to_message
 
 __all__ = [
     "parse_json_body",
+    "check_text",
     "MAX_JSON_DEPTH",
     "validate_body",
     "canonical_json",
@@ -638,15 +639,20 @@ def _parse_constant(name: str) -> Any:
     raise _Unrepresentable(f"{name} is not valid JSON")
 
 
-def _check_string(value: str, path: list[str | int]) -> None:
+def check_text(value: str, param: str | None) -> None:
+    """A string the stores can hold: no NUL, no lone surrogate. Bodies,
+    query parameters and headers all pass through here."""
     if "\x00" in value:
-        param = ".".join(str(p) for p in path) or None
         raise ApiError(400, "validation_error", "Strings must not contain NUL characters.", param=param)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        param = ".".join(str(p) for p in path) or None
         raise ApiError(400, "invalid_json", "Strings must not contain lone surrogates.", param=param) from exc
+
+
+def _check_string(value: str, path: list[str | int]) -> None:
+    if "\x00" in value or not value.isascii():
+        check_text(value, ".".join(str(p) for p in path) or None)
 
 
 def _check_tree(data: Any) -> None:

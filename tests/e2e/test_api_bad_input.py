@@ -221,3 +221,49 @@ async def test_mistyped_scalars_are_400s_naming_their_param_and_write_nothing(st
             error = assert_rejected(await http.post(by_kind[kind], json=body), name)
             assert (error["code"], error["param"]) == ("validation_error", param), (name, error)
         assert await everything(http, session_id) == before
+
+
+BAD_LAST_EVENT_IDS = ["9223372036854775808", "99999999999999999999999999", "-1", "1_000", "\u0663", "abc", "1.5"]
+BAD_PAGES: list[tuple[dict[str, Any], str]] = [
+    ({"limit": "abc"}, "limit"),
+    ({"limit": "9" * 30}, "limit"),
+    ({"limit": "1e3"}, "limit"),
+    ({"order": "\u0000"}, "order"),
+    ({"after": "a\u0000b"}, "after"),
+]
+
+
+async def _assert_bad_headers_and_queries_rejected(stack: Stack) -> None:
+    _, session_id = await _json_routes(stack)
+    async with stack.http() as http:
+        env_id = (await http.get("/agents/environments")).json()["data"][0]["id"]
+        before = await everything(http, session_id)
+        for value in BAD_LAST_EVENT_IDS:
+            response = await http.get(f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": value.encode()})
+            error = assert_rejected(response, f"Last-Event-ID {value!r}")
+            assert (response.status_code, error["param"]) == (400, "Last-Event-ID"), (value, error)
+        lists = [
+            "/agents",
+            "/agents/environments",
+            "/agents/sessions",
+            "/files",
+            f"/agents/environments/{env_id}/files",
+            f"/agents/sessions/{session_id}/turns",
+            f"/agents/sessions/{session_id}/items",
+            f"/agents/sessions/{session_id}/artifacts",
+        ]
+        for route in lists:
+            for params, param in BAD_PAGES:
+                response = await http.get(route, params=params)
+                error = assert_rejected(response, f"{route} {params}")
+                assert (response.status_code, error["param"]) == (400, param), (route, params, error)
+        assert await everything(http, session_id) == before
+
+
+async def test_out_of_range_headers_and_query_parameters_are_400s(stack: Stack) -> None:
+    await _assert_bad_headers_and_queries_rejected(stack)
+
+
+@pytest.mark.postgres
+async def test_out_of_range_headers_and_query_parameters_are_400s_on_postgresql(postgres_stack: Stack) -> None:
+    await _assert_bad_headers_and_queries_rejected(postgres_stack)
