@@ -30,6 +30,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Va
 from berth.session.v1 import session_service_pb2
 from gateway.errors import ApiError
 from services.core.wire_json import to_message
+from services.core.workspace_limits import path_limit_problem
 
 __all__ = [
     "parse_json_body",
@@ -66,7 +67,11 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def workspace_path(value: str) -> str:
-    """An absolute, normalized POSIX path strictly under /workspace."""
+    """An absolute, normalized POSIX path strictly under /workspace, short
+    and shallow enough for any sandbox."""
+    problem = path_limit_problem(value)
+    if problem is not None:
+        raise ValueError(f"path {problem}")
     if "\x00" in value or "\\" in value:
         raise ValueError("path must not contain NUL or backslash characters")
     if not value.startswith("/workspace/"):

@@ -15,6 +15,7 @@ from e2e_stack import Stack, start_stack
 from e2e_support import assert_error, create_environment, sandbox_dirs
 
 from gateway.validation import MAX_JSON_DEPTH
+from services.core.workspace_limits import MAX_PATH_DEPTH
 
 HOSTED = {"type": "openai_hosted"}
 SCRIPTED = {"model": "scripted"}
@@ -267,3 +268,60 @@ async def test_out_of_range_headers_and_query_parameters_are_400s(stack: Stack) 
 @pytest.mark.postgres
 async def test_out_of_range_headers_and_query_parameters_are_400s_on_postgresql(postgres_stack: Stack) -> None:
     await _assert_bad_headers_and_queries_rejected(postgres_stack)
+
+
+LONG_PATHS: list[tuple[str, str]] = [
+    ("a 300-character name", "/workspace/" + "n" * 300),
+    ("5,000 characters", "/workspace/" + "/".join(["p" * 100] * 50)),
+    ("2,000 directories deep", "/workspace/" + "d/" * 2000 + "f"),
+    ("just over 4,096 bytes", "/workspace/" + "/".join(["q" * 200] * 20) + "/" + "r" * 100),
+    ("one component past the depth bound", "/workspace/" + "d/" * (MAX_PATH_DEPTH - 1) + "f"),
+]
+
+
+async def test_paths_too_long_or_too_deep_are_400s_before_they_reach_a_sandbox(stack: Stack) -> None:
+    client = stack.aclient()
+    env = await create_environment(client)
+    async with stack.http() as http:
+        before = await everything(http)
+        for name, path in LONG_PATHS:
+            inline = {"type": "inline", "path": path, "data": ""}
+            attempts = [
+                (await http.post(f"/agents/environments/{env.id}/files", json=inline), "path"),
+                (await http.post("/agents/environments", json={"environment": {**HOSTED, "files": [inline]}}), "environment.files.0.path"),
+                (
+                    await http.post("/agents/sessions", json={"agent": SCRIPTED, "environment": {**HOSTED, "files": [inline]}}),
+                    "environment.files.0.path",
+                ),
+                (await http.get(f"/agents/environments/{env.id}/files", params={"path": path}), "path"),
+            ]
+            for response, param in attempts:
+                error = assert_rejected(response, name)
+                assert (response.status_code, error["code"], error["param"]) == (400, "validation_error", param), (name, error)
+        assert await everything(http) == before
+        # At the bounds a path is written and listed.
+        deepest = "/workspace/" + "d/" * (MAX_PATH_DEPTH - 2) + "f"
+        widest = "/workspace/" + "n" * 255
+        for path in (deepest, widest):
+            written = await http.post(f"/agents/environments/{env.id}/files", json={"type": "inline", "path": path, "data": ""})
+            assert written.status_code in (200, 201), written.text
+    assert (await client.beta.agents.environments.retrieve(env.id)).status != "failed"
+
+
+async def test_a_refused_write_near_the_length_bound_is_a_4xx_whose_error_fits_in_grpc_metadata(stack: Stack) -> None:
+    # The sandbox's refusal quotes the path: the message and its copy in the
+    # status details travel in gRPC metadata, so the services clip it.
+    client = stack.aclient()
+    env = await create_environment(client)
+    blocker = "/workspace/" + "q" * 200
+    below_a_file = blocker + "/" + "/".join(["q" * 200] * 18) + "/" + "r" * 200 + "/" + "r" * 65
+    async with stack.http() as http:
+        first = await http.post(f"/agents/environments/{env.id}/files", json={"type": "inline", "path": blocker, "data": ""})
+        assert first.status_code in (200, 201), first.text
+        assert len(below_a_file) == 4096
+        # gRPC refuses metadata between its soft and hard limits only sometimes.
+        for _ in range(5):
+            response = await http.post(f"/agents/environments/{env.id}/files", json={"type": "inline", "path": below_a_file, "data": ""})
+            error = assert_rejected(response, "write below a file")
+            assert error["code"] != "internal_error", error
+            assert len(error["message"].encode()) <= 1024, len(error["message"])
