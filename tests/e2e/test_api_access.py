@@ -161,18 +161,18 @@ async def test_another_organizations_lists_show_nothing_of_ours(world: World) ->
             assert response.json()["data"] == [], path
 
 
-async def test_another_organizations_file_id_cannot_seed_an_environment(world: World) -> None:
+async def test_another_organizations_file_id_in_a_body_is_404_like_in_a_path(world: World) -> None:
     other = await world.stack.new_key("org-b")
     client = world.stack.aclient(other)
     refused = await api_error(
         create_environment(client, files=[{"type": "file_id", "file_id": world.ids["file"], "path": "/workspace/x"}])
     )
-    assert (refused.status_code, refused.code) == (400, "validation_error")
+    assert (refused.status_code, refused.code) == (404, "not_found")
     env = await create_environment(client)
     staged = await api_error(
         client.beta.agents.environments.files.create(env.id, type="file_id", file_id=world.ids["file"], path="/workspace/x")
     )
-    assert (staged.status_code, staged.code) == (400, "validation_error")
+    assert (staged.status_code, staged.code) == (404, "not_found")
 
 
 WRITE_ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
