@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from sqlalchemy import Table, insert, select, update
 
-from services.core.errors import Conflict, FailedPrecondition, InvalidArgument
+from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from services.core.ids import new_id
 from services.session import repository as repo
 from services.session import views, wire
@@ -207,6 +207,13 @@ class SessionInput:
         success = event.get("success")
         if not isinstance(success, bool):
             raise InvalidArgument("success must be a boolean", param=f"{p}.success")
+        # A turn of another session (or organization) reads like a missing
+        # one, as it does in a path: 404, never a hint that it exists.
+        turn_exists = (
+            await u.session.execute(select(TurnRow.id).where(TurnRow.id == turn_id, TurnRow.session_id == row.id))
+        ).scalar_one_or_none()
+        if turn_exists is None:
+            raise NotFound(f"turn {turn_id} not found", param=f"{p}.turn_id")
         call = (
             await u.session.execute(
                 select(FunctionCallRow).where(FunctionCallRow.call_id == call_id, FunctionCallRow.session_id == row.id)
