@@ -30,6 +30,7 @@ __all__ = [
     "map_rpc_error",
     "error_body",
     "error_response",
+    "internal_error",
     "install_error_handlers",
     "RequestTooLarge",
     "param_from_loc",
@@ -214,9 +215,14 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(ApiError(400, "validation_error", message, param=param))
 
 
+def internal_error() -> ApiError:
+    """What an unexpected failure looks like: no details leave the gateway."""
+    return ApiError(500, "internal_error", _default_message(_INTERNAL), type="server_error")
+
+
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("gateway_unhandled_error", exc_info=exc)
-    return error_response(ApiError(500, "internal_error", _default_message(_INTERNAL), type="server_error"))
+    return error_response(internal_error())
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -10,9 +10,14 @@ stores its status and response. A later request with the same key:
   (retryable);
 * different body -> 409 ``idempotency_key_reused``.
 
-Only successful responses are stored; a failed attempt releases the key so
-a retry runs again. Records expire after a day; a placeholder whose request
-died is taken over after a few deadlines.
+A failed attempt that may have written something stays bound to its
+outcome: a 5xx other than 503 (an internal error, a timeout, a failure after
+the service answered) is stored like a success, so an SDK retry replays it
+instead of creating a duplicate (replayed errors say ``x-should-retry:
+false``). A 4xx (the request was refused whole) or a 503 (the service was
+not reached or did nothing) releases the key so a retry runs again, as does
+a request cancelled by its client. Records expire after a day; a
+placeholder whose request died is taken over after a few deadlines.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated
 
+import grpc
 from fastapi import Depends, Request
 from fastapi.responses import Response
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
 from gateway.auth import PrincipalDep
-from gateway.errors import ApiError
+from gateway.errors import ApiError, error_response, internal_error, map_rpc_error
 from gateway.models import IdempotencyRow
 from gateway.state import StateDep
 from services.core.db import Database
@@ -48,12 +54,11 @@ class StoredResponse:
     body: str
 
     def to_response(self) -> Response:
-        return Response(
-            content=self.body,
-            status_code=self.status,
-            media_type=self.media_type,
-            headers={"idempotent-replayed": "true"},
-        )
+        headers = {"idempotent-replayed": "true"}
+        if self.status >= 400:
+            # The stored outcome is final for this key: retrying replays it.
+            headers["x-should-retry"] = "false"
+        return Response(content=self.body, status_code=self.status, media_type=self.media_type, headers=headers)
 
 
 class IdempotentRequest:
@@ -103,6 +108,16 @@ class Idempotency:
         held = await self._claim(request_hash)
         try:
             yield held
+        except Exception as exc:
+            error = exc if isinstance(exc, ApiError) else map_rpc_error(exc) if isinstance(exc, grpc.RpcError) else internal_error()
+            if error.status < 500 or error.status == 503:
+                await held._release()
+            else:
+                await held.store(error.status, bytes(error_response(error).body).decode())
+            if error is exc or not isinstance(exc, grpc.RpcError):
+                raise
+            # Rendered once, as stored (and logged once, by map_rpc_error).
+            raise error from exc
         except BaseException:
             await held._release()
             raise

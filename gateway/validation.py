@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 from collections.abc import Mapping
 from posixpath import normpath
@@ -29,9 +30,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Va
 from berth.session.v1 import session_service_pb2
 from gateway.errors import ApiError
 from services.core.wire_json import to_message
+from services.core.workspace_limits import path_limit_problem
 
 __all__ = [
     "parse_json_body",
+    "check_text",
+    "MAX_JSON_DEPTH",
     "validate_body",
     "canonical_json",
     "workspace_path",
@@ -63,7 +67,11 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def workspace_path(value: str) -> str:
-    """An absolute, normalized POSIX path strictly under /workspace."""
+    """An absolute, normalized POSIX path strictly under /workspace, short
+    and shallow enough for any sandbox."""
+    problem = path_limit_problem(value)
+    if problem is not None:
+        raise ValueError(f"path {problem}")
     if "\x00" in value or "\\" in value:
         raise ValueError("path must not contain NUL or backslash characters")
     if not value.startswith("/workspace/"):
@@ -126,12 +134,14 @@ Metadata = Annotated[dict[str, str] | None, AfterValidator(_metadata)]
 ServiceTier = Literal["auto", "default", "flex", "priority", "fast", "ultrafast"]
 
 
+# Scalars are typed strictly: the SDK sends JSON types, so ``"stream": "yes"``
+# or ``"enabled": 1`` is a mistake to report, not a value to coerce.
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
 
 def _reject_null(value: Any) -> Any:
@@ -340,7 +350,7 @@ Tool = Annotated[
 
 class MultiAgent(_Open):
     enabled: bool
-    max_concurrent_subagents: int | None = Field(default=None, ge=1)
+    max_concurrent_subagents: int | None = Field(default=None, ge=1, le=2**31 - 1)  # int32 in the contract
 
 
 class Reasoning(_Open):
@@ -509,6 +519,8 @@ def input_events(body: EventsCreateBody) -> list[session_service_pb2.InputEvent]
 class EnvironmentFileCreateBody(RootModel[HostedFile]):
     """The files API body is the file object itself: ``{type, path, data | file_id}``."""
 
+    model_config = ConfigDict(strict=True)
+
 
 # --- rules between fields --------------------------------------------------------------
 
@@ -596,16 +608,97 @@ def check_session_create(body: SessionCreateBody) -> None:
 # --- parsing ----------------------------------------------------------------------------
 
 
+# JSON that Berth can store and hand on unchanged. RFC 8259 has no NaN or
+# Infinity; PostgreSQL text and jsonb cannot hold NUL; a lone surrogate
+# cannot be encoded as UTF-8. Nesting is bounded by what the contract can
+# carry: a JSON object inside a ``google.protobuf.Struct`` costs three of
+# protobuf's 100 levels of message recursion, so a tool's ``parameters`` or a
+# ``text.format.schema`` (three levels below the body) nested past ~30 levels
+# would be accepted here and fail to decode in a service. 32 levels from the
+# body root leaves room for the messages that wrap a Struct (request, agent,
+# tool, session, event). Integer literals are bounded too (the widest
+# contract field is int64; a schema's bounds fit comfortably), so Python's
+# 4,300-digit conversion limit is never reached.
+MAX_JSON_DEPTH = 32
+MAX_INT_DIGITS = 32
+
+
+class _Unrepresentable(ValueError):
+    pass
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _Unrepresentable(f"integer literals are limited to {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Unrepresentable("numbers must be finite")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise _Unrepresentable(f"{name} is not valid JSON")
+
+
+def check_text(value: str, param: str | None) -> None:
+    """A string the stores can hold: no NUL, no lone surrogate. Bodies,
+    query parameters and headers all pass through here."""
+    if "\x00" in value:
+        raise ApiError(400, "validation_error", "Strings must not contain NUL characters.", param=param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "invalid_json", "Strings must not contain lone surrogates.", param=param) from exc
+
+
+def _check_string(value: str, path: list[str | int]) -> None:
+    if "\x00" in value or not value.isascii():
+        check_text(value, ".".join(str(p) for p in path) or None)
+
+
+def _check_tree(data: Any) -> None:
+    """Walks the parsed body without recursion: depth, strings and keys."""
+    stack: list[tuple[Any, list[str | int]]] = [(data, [])]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            _check_string(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if len(path) >= MAX_JSON_DEPTH:
+            raise ApiError(400, "invalid_json", f"JSON nesting is limited to {MAX_JSON_DEPTH} levels.")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_string(key, path)
+                stack.append((item, [*path, key]))
+        else:
+            stack.extend((item, [*path, i]) for i, item in enumerate(value))
+
+
 def parse_json_body(raw: bytes) -> Any:
-    """The body as JSON; an empty body is ``{}``. Malformed JSON is a 400."""
+    """The body as JSON; an empty body is ``{}``. Malformed JSON, and JSON
+    outside the limits above, is a 400."""
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw)
+        data = json.loads(
+            raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+        )
+    except RecursionError as exc:
+        raise ApiError(400, "invalid_json", f"JSON nesting is limited to {MAX_JSON_DEPTH} levels.") from exc
+    except _Unrepresentable as exc:
+        raise ApiError(400, "invalid_json", f"We could not parse the JSON body of your request: {exc}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(
             400, "invalid_json", f"We could not parse the JSON body of your request: {exc}", param=None
         ) from exc
+    _check_tree(data)
+    return data
 
 
 def canonical_json(value: Any) -> str:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from berth.session.v1 import session_service_pb2
 from gateway.auth import authorize
 from gateway.errors import ApiError
-from gateway.validation import canonical_json, parse_json_body
+from gateway.validation import canonical_json, check_text, parse_json_body
 
 __all__ = ["v1_router", "JsonBody", "read_json", "require_id", "Page", "PageDep", "json_response", "body_hash", "stream_content"]
 
@@ -24,7 +24,15 @@ _ID_BODY = r"[0-9A-Za-z][0-9A-Za-z_-]{0,127}"
 def v1_router() -> APIRouter:
     """A router for authenticated ``/v1`` routes. Each module declares the full
     path (prefix included) so the route template metrics see is the public one."""
-    return APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    return APIRouter(prefix="/v1", dependencies=[Depends(authorize), Depends(_storable_query)])
+
+
+def _storable_query(request: Request) -> None:
+    """No query parameter carries what a store cannot hold (a NUL in a
+    cursor reached PostgreSQL as a 500)."""
+    for key, value in request.query_params.multi_items():
+        check_text(key, key)
+        check_text(value, key)
 
 
 @dataclass(frozen=True)

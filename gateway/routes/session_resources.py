@@ -39,15 +39,18 @@ async def create_events(
         return Response(status_code=202)
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _last_event_id(value: str | None) -> int | None:
-    """The sequence to resume after, or None for a live subscription."""
+    """The sequence to resume after, or None for a live subscription. It
+    travels as an int64, so a larger one is as invalid as a negative one."""
     if value is None or not value.strip():
         return None
-    try:
-        sequence = int(value.strip())
-    except ValueError:
-        sequence = -1
-    if sequence < 0:
+    text = value.strip()
+    # ASCII digits only: int() would also take "1_000" and other scripts' digits.
+    sequence = int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else -1
+    if not 0 <= sequence <= _INT64_MAX:
         raise ApiError(400, "validation_error", "Last-Event-ID must be an event sequence number.", param="Last-Event-ID")
     return sequence
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import structlog
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from services.core.context import (
@@ -133,8 +134,36 @@ class _Status(grpc.Status):
         self.trailing_metadata = trailing_metadata
 
 
+# An error travels in trailing metadata (grpc-message, and again in
+# grpc-status-details-bin with its ErrorInfo), which peers cap at 8 KiB by
+# default: a message that quotes a long input must not outgrow it and turn
+# a clean INVALID_ARGUMENT into a transport failure.
+# Bounds in UTF-8 bytes: grpc-message percent-encodes each non-ASCII byte.
+_MAX_MESSAGE_BYTES = 1024
+_MAX_METADATA_VALUE_BYTES = 256
+
+
+def _clip(text: str, limit: int) -> str:
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode("utf-8", "ignore") + "\u2026"
+
+
+def _bounded(status: status_pb2.Status) -> status_pb2.Status:
+    """``status`` with its message and ErrorInfo metadata clipped."""
+    status.message = _clip(status.message, _MAX_MESSAGE_BYTES)
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            for key, value in info.metadata.items():
+                info.metadata[key] = _clip(value, _MAX_METADATA_VALUE_BYTES)
+            detail.Pack(info)
+    return status
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: BerthError) -> None:
-    status = rpc_status.to_status(to_rpc_status(error))
+    status = rpc_status.to_status(_bounded(to_rpc_status(error)))
     metadata = tuple(status.trailing_metadata)
     if error.grpc_code == grpc.StatusCode.UNAVAILABLE:
         # A domain UNAVAILABLE (e.g. the sandbox is unreachable) comes from a

@@ -230,7 +230,8 @@ class EnvironmentDomain:
                 try:
                     stored = await self._files.get(org_id, f.file_id)
                 except NotFound:
-                    raise InvalidArgument(f"file {f.file_id} not found", param=f"environment.files[{i}].file_id") from None
+                    # Another organization's file reads like a missing one, as in a path.
+                    raise NotFound(f"file {f.file_id} not found", param=f"environment.files[{i}].file_id") from None
                 f.size_bytes = stored.size_bytes
             elif len(f.data) > self._settings.max_body_bytes:
                 raise InvalidArgument("inline file is too large", param=f"environment.files[{i}].data")
@@ -710,7 +711,7 @@ class EnvironmentDomain:
             try:
                 content = await self._files.read(org_id, file_id)
             except NotFound:
-                raise InvalidArgument(f"file {file_id} not found", param="file_id") from None
+                raise NotFound(f"file {file_id} not found", param="file_id") from None
             source = "file_id"
         else:
             content = data or b""

@@ -6,6 +6,7 @@ import posixpath
 import re
 
 from services.core.errors import InvalidArgument, PathOutsideWorkspace
+from services.core.workspace_limits import path_limit_problem
 
 __all__ = [
     "WORKSPACE",
@@ -36,6 +37,9 @@ def session_output_dir(session_id: str) -> str:
 
 
 def _check(path: str, param: str, *, allow_root: bool) -> str:
+    problem = path_limit_problem(path)
+    if problem is not None:
+        raise InvalidArgument(f"{param} {problem}", param=param)
     if not path.startswith("/"):
         raise PathOutsideWorkspace(f"{param} must be an absolute path under {WORKSPACE}", param=param)
     if "\x00" in path or posixpath.normpath(path) != path:

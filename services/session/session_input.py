@@ -12,7 +12,7 @@ from typing import Any, cast
 from sqlalchemy import Table, insert, select, update
 
 from berth.session.v1 import session_service_pb2
-from services.core.errors import Conflict, FailedPrecondition, InvalidArgument
+from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound
 from services.core.ids import new_id
 from services.core.structs import from_value
 from services.core.wire_json import to_wire
@@ -177,6 +177,13 @@ class SessionInput:
         call_id = event.call_id
         turn_id: str = event.turn_id
         success = event.success
+        # A turn of another session (or organization) reads like a missing
+        # one, as it does in a path: 404, never a hint that it exists.
+        turn_exists = (
+            await u.session.execute(select(TurnRow.id).where(TurnRow.id == turn_id, TurnRow.session_id == row.id))
+        ).scalar_one_or_none()
+        if turn_exists is None:
+            raise NotFound(f"turn {turn_id} not found", param=f"{p}.turn_id")
         call = (
             await u.session.execute(
                 select(FunctionCallRow).where(FunctionCallRow.call_id == call_id, FunctionCallRow.session_id == row.id)

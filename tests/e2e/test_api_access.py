@@ -161,18 +161,31 @@ async def test_another_organizations_lists_show_nothing_of_ours(world: World) ->
             assert response.json()["data"] == [], path
 
 
-async def test_another_organizations_file_id_cannot_seed_an_environment(world: World) -> None:
+async def test_another_organizations_file_id_in_a_body_is_404_like_in_a_path(world: World) -> None:
     other = await world.stack.new_key("org-b")
     client = world.stack.aclient(other)
     refused = await api_error(
         create_environment(client, files=[{"type": "file_id", "file_id": world.ids["file"], "path": "/workspace/x"}])
     )
-    assert (refused.status_code, refused.code) == (400, "validation_error")
+    assert (refused.status_code, refused.code) == (404, "not_found")
     env = await create_environment(client)
     staged = await api_error(
         client.beta.agents.environments.files.create(env.id, type="file_id", file_id=world.ids["file"], path="/workspace/x")
     )
-    assert (staged.status_code, staged.code) == (400, "validation_error")
+    assert (staged.status_code, staged.code) == (404, "not_found")
+
+
+async def test_a_tool_result_for_another_organizations_turn_is_404_like_in_a_path(world: World) -> None:
+    other = await world.stack.new_key("org-b")
+    async with world.stack.http(other) as http:
+        created = await http.post(
+            "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "none"}, "input": "hello"}
+        )
+        assert created.status_code in (200, 201), created.text
+        result = {"type": "agent.session.input.tool_result", "turn_id": world.ids["turn"], "call_id": "call_1", "success": True}
+        refused = await http.post(f"/agents/sessions/{created.json()['id']}/events", json={"events": [result]})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (404, "not_found"), refused.text
+        assert refused.json()["error"]["param"] == "events[0].turn_id"
 
 
 WRITE_ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [

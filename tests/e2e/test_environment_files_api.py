@@ -73,7 +73,7 @@ async def test_files_are_written_inline_and_by_file_id(stack: Stack) -> None:
     unknown = await api_error(
         client.beta.agents.environments.files.create(env.id, type="file_id", file_id="file-nope", path="/workspace/x")
     )
-    assert (unknown.status_code, unknown.code, unknown.param) == (400, "validation_error", "file_id")
+    assert (unknown.status_code, unknown.code, unknown.param) == (404, "not_found", "file_id")
 
 
 async def test_sdk_upload_helper_stages_a_local_file(stack: Stack, tmp_path: Path) -> None:

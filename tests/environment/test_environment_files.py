@@ -123,7 +123,8 @@ async def test_environment_files_are_written_and_registered_from_inline_data_or_
         await env_service.stub.CreateEnvironmentFile(
             pb.CreateEnvironmentFileRequest(environment_id=env.id, path="/workspace/x", file_id=other_org_file.id), metadata=md()
         )
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Another organization's file reads like a missing one.
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_initial_files_are_written_during_setup_and_registered_with_their_ids(

@@ -227,10 +227,6 @@ async def test_environments_list_by_creation_with_cursor_pages(env_service: EnvS
         (environment_pb2.EnvironmentConfig(files=[environment_pb2.InitialFile(path="/etc/passwd", data=b"x")]), "environment.files[0].path"),
         (environment_pb2.EnvironmentConfig(files=[environment_pb2.InitialFile(path="/workspace/../etc", data=b"x")]), "environment.files[0].path"),
         (environment_pb2.EnvironmentConfig(files=[environment_pb2.InitialFile(path="workspace/a", data=b"x")]), "environment.files[0].path"),
-        (
-            environment_pb2.EnvironmentConfig(files=[environment_pb2.InitialFile(path="/workspace/a", file_id="file-missing")]),
-            "environment.files[0].file_id",
-        ),
         # The network policy's and container size's shape is checked by the
         # gateway (tests/e2e/test_api_validation.py).
         (environment_pb2.EnvironmentConfig(skills_json='[{"type": "inline", "data": "not-a-zip"}]'), "environment.skills[0]"),
@@ -250,6 +246,21 @@ async def test_invalid_configuration_is_rejected_with_its_parameter(
     detail = error_details_pb2.ErrorInfo()
     status.details[0].Unpack(detail)
     assert detail.metadata["param"] == param
+
+
+async def test_an_unknown_file_id_in_a_configuration_is_not_found_with_its_parameter(env_service: EnvService) -> None:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    config = environment_pb2.EnvironmentConfig(files=[environment_pb2.InitialFile(path="/workspace/a", file_id="file-missing")])
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await create_env(env_service.stub, config=config)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    status = rpc_status.from_call(info.value)  # type: ignore[arg-type]
+    assert status is not None
+    detail = error_details_pb2.ErrorInfo()
+    status.details[0].Unpack(detail)
+    assert detail.metadata["param"] == "environment.files[0].file_id"
 
 
 async def test_blocked_domains_are_accepted_with_restricted_access(env_service: EnvService) -> None:

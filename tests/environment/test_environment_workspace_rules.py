@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from services.core.errors import PathOutsideWorkspace
+from services.core.errors import InvalidArgument, PathOutsideWorkspace
 from services.environment.setup_steps import parse_capabilities
 from services.environment.workspace_paths import workspace_dir_path, workspace_file_path
 
@@ -64,3 +64,24 @@ def test_skill_references_and_inline_skills_parse_in_order() -> None:
     assert [(c.kind, c.name) for c in parsed] == [("skill_reference", "skill_1"), ("inline", "fmt")]
     with pytest.raises(ValueError):
         parse_capabilities(raw, kind="plugin", max_bytes=1 << 20)  # plugins are inline only
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/workspace/" + "n" * 256,
+        "/workspace/" + "/".join(["p" * 100] * 50),
+        "/workspace/" + "d/" * 2000 + "f",
+        "/workspace/" + "d/" * 127 + "f",
+    ],
+)
+def test_paths_too_long_or_too_deep_are_invalid_arguments_for_files_and_directories(path: str) -> None:
+    with pytest.raises(InvalidArgument):
+        workspace_file_path(path)
+    with pytest.raises(InvalidArgument):
+        workspace_dir_path(path)
+
+
+def test_paths_at_the_length_and_depth_bounds_are_accepted() -> None:
+    for path in ("/workspace/" + "n" * 255, "/workspace/" + "d/" * 126 + "f"):
+        assert workspace_file_path(path) == path

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from gateway.keys import create_key
 from gateway_support import Stack, domain_error
@@ -40,6 +41,36 @@ async def test_a_failed_attempt_releases_the_key_for_a_retry(stack: Stack) -> No
         del stack.environment.fail["CreateEnvironment"]
         retried = await client.post("/v1/agents/environments", json=BODY, headers={"Idempotency-Key": "k3"})
     assert (failed.status_code, retried.status_code) == (503, 201)
+    assert stack.environment.count("CreateEnvironment") == 2
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [(grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.UNKNOWN, 500)]
+)
+async def test_an_attempt_that_may_have_written_stays_bound_to_its_outcome(
+    stack: Stack, code: grpc.StatusCode, status: int
+) -> None:
+    # The service may have committed before it failed: a retry must not run again.
+    stack.environment.fail["CreateEnvironment"] = domain_error(code, "")
+    async with stack.client() as client:
+        failed = await client.post("/v1/agents/environments", json=BODY, headers={"Idempotency-Key": "k-bound"})
+        del stack.environment.fail["CreateEnvironment"]
+        retried = await client.post("/v1/agents/environments", json=BODY, headers={"Idempotency-Key": "k-bound"})
+    assert (failed.status_code, retried.status_code) == (status, status)
+    assert retried.json() == failed.json()
+    assert (retried.headers["idempotent-replayed"], retried.headers["x-should-retry"]) == ("true", "false")
+    assert stack.environment.count("CreateEnvironment") == 1
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION])
+async def test_an_attempt_refused_whole_releases_the_key_for_a_retry(stack: Stack, code: grpc.StatusCode) -> None:
+    stack.environment.fail["CreateEnvironment"] = domain_error(code, "")
+    async with stack.client() as client:
+        refused = await client.post("/v1/agents/environments", json=BODY, headers={"Idempotency-Key": "k-free"})
+        del stack.environment.fail["CreateEnvironment"]
+        retried = await client.post("/v1/agents/environments", json=BODY, headers={"Idempotency-Key": "k-free"})
+    assert 400 <= refused.status_code < 500
+    assert retried.status_code == 201
     assert stack.environment.count("CreateEnvironment") == 2
 
 

@@ -95,3 +95,16 @@ async def test_symlinks_leaving_the_workspace_are_permission_denied(sandbox: San
     assert (await client.stat("passwd_link")).type == "symlink"
     await client.remove("passwd_link")
     assert os.path.exists("/etc/passwd")
+
+
+async def test_trees_deeper_than_the_interpreters_recursion_limit_are_written_and_removed(sandbox: Any) -> None:
+    # os.makedirs and shutil.rmtree take a stack frame per level.
+    deep = "/workspace/" + "d/" * 1200 + "leaf.txt"
+
+    await sandbox.client.write_file(deep, b"x")
+    await sandbox.client.mkdir("/workspace/" + "m/" * 1200)
+    assert (sandbox.workspace / deep.removeprefix("/workspace/")).read_bytes() == b"x"
+    await sandbox.client.remove("/workspace/d", recursive=True)
+    await sandbox.client.remove("/workspace/m", recursive=True)
+
+    assert await sandbox.client.list_files() == []

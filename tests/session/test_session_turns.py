@@ -156,14 +156,15 @@ async def test_function_tool_round_trip_waits_for_the_tool_result(client: Any) -
     assert answered_twice.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS)
 
 
-async def test_tool_result_for_an_unknown_call_is_invalid_argument(client: Any) -> None:
+async def test_tool_result_for_a_turn_not_in_the_session_is_not_found(client: Any) -> None:
+    # Unknown or another organization's: the same answer as a path ID.
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV})
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await client.submit(
             created.session.id,
             {"type": "agent.session.input.tool_result", "turn_id": "turn_x", "call_id": "call_nope", "success": True, "output": "x"},
         )
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_a_user_message_with_the_models_output_text_is_invalid_argument(client: Any) -> None:

@@ -13,7 +13,6 @@ import asyncio
 import errno
 import os
 import secrets
-import shutil
 import stat
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -122,7 +121,7 @@ class Files:
         real = self.workspace.resolve(path)
         try:
             if parents:
-                os.makedirs(real, exist_ok=True)
+                _makedirs(real)
             else:
                 os.mkdir(real)
         except OSError as exc:
@@ -193,7 +192,7 @@ def _write_file(real: str, data: bytes, mode: Optional[int], append: bool, paren
     parent = os.path.dirname(real)
     try:
         if parents:
-            os.makedirs(parent, exist_ok=True)
+            _makedirs(parent)
         if append:
             fd = os.open(real, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644 if mode is None else mode)
             try:
@@ -233,6 +232,44 @@ def _write_file(real: str, data: bytes, mode: Optional[int], append: bool, paren
         raise _os_error(exc, shown) from None
 
 
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` without its recursion (one frame
+    per missing directory), so a deep path cannot exhaust the stack."""
+    missing = []
+    current = path
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+
+
+def _rmtree(top: str) -> None:
+    """``shutil.rmtree`` without its recursion (one frame per level): the
+    tree below a workspace path may be as deep as its commands made it.
+    Symlinks are removed, never followed."""
+    pending = [(top, False)]
+    while pending:
+        current, emptied = pending.pop()
+        if emptied:
+            os.rmdir(current)
+            continue
+        pending.append((current, True))
+        with os.scandir(current) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((entry.path, False))
+                else:
+                    os.unlink(entry.path)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -265,7 +302,7 @@ def _remove(real: str, recursive: bool, shown: str) -> None:
         st = os.lstat(real)
         if stat.S_ISDIR(st.st_mode):
             if recursive:
-                shutil.rmtree(real)
+                _rmtree(real)
             else:
                 os.rmdir(real)
         else:
