@@ -11,7 +11,7 @@ cursor (the last sandbox ID of the previous page).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import JSON, ColumnElement, and_, func, literal, select, update
@@ -31,7 +31,6 @@ __all__ = [
     "transition",
     "count_by_state",
     "count_in_states",
-    "list_sandboxes",
     "list_labeled_sandboxes",
 ]
 
@@ -99,26 +98,6 @@ async def count_in_states(session: AsyncSession, states: Collection[str]) -> int
     return int((await session.execute(stmt)).scalar_one())
 
 
-async def list_sandboxes(
-    session: AsyncSession,
-    org_id: str,
-    selector: Mapping[str, str],
-    *,
-    exclude_state: str,
-    page_size: int,
-    page_token: str,
-) -> Page:
-    """The organization's sandboxes not in ``exclude_state`` that carry
-    every label of ``selector`` with its value, by ID."""
-    matches = [_has_label(session, key, value) for key, value in selector.items()]
-    return await _page(
-        session,
-        and_(SandboxRow.org_id == org_id, SandboxRow.state != exclude_state, *matches),
-        page_size=page_size,
-        page_token=page_token,
-    )
-
-
 async def list_labeled_sandboxes(
     session: AsyncSession, label_key: str, *, exclude_state: str, page_size: int, page_token: str
 ) -> Page:
@@ -126,7 +105,7 @@ async def list_labeled_sandboxes(
     the label ``label_key``, by ID."""
     return await _page(
         session,
-        and_(SandboxRow.state != exclude_state, _has_label(session, label_key, None)),
+        and_(SandboxRow.state != exclude_state, _has_label(session, label_key)),
         page_size=page_size,
         page_token=page_token,
     )
@@ -145,16 +124,13 @@ async def _page(session: AsyncSession, where: ColumnElement[bool], *, page_size:
     return Page(page, page[-1].sandbox_id)
 
 
-def _has_label(session: AsyncSession, key: str, value: str | None) -> ColumnElement[bool]:
-    """Whether the row's labels (a JSON object of strings) hold ``key``,
-    with ``value`` unless it is None. Keys are bound parameters, never part
-    of a JSON path, so any key matches exactly."""
+def _has_label(session: AsyncSession, key: str) -> ColumnElement[bool]:
+    """Whether the row's labels (a JSON object of strings) hold ``key``.
+    Keys are bound parameters, never part of a JSON path, so any key matches
+    exactly."""
     if session.get_bind().dialect.name == "postgresql":
         each = func.json_each_text(sql_cast(SandboxRow.labels_json, JSON))
     else:
         each = func.json_each(SandboxRow.labels_json)
     label = each.table_valued("key", "value").alias("label")
-    matched = label.c.key == key
-    if value is not None:
-        matched = and_(matched, label.c.value == value)
-    return select(literal(1)).select_from(label).where(matched).exists()
+    return select(literal(1)).select_from(label).where(label.c.key == key).exists()

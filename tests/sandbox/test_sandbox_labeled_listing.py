@@ -11,7 +11,7 @@ from typing import TypeAlias
 import grpc
 import pytest
 from grpc_support import internal_channel
-from sandbox_support import wait_until
+from waiting import wait_until
 
 from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_service_pb2_grpc
 from services.core.settings import Settings
