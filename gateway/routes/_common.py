@@ -27,9 +27,10 @@ def v1_router() -> APIRouter:
     return APIRouter(prefix="/v1", dependencies=[Depends(authorize), Depends(_storable_query)])
 
 
-def _storable_query(request: Request) -> None:
+async def _storable_query(request: Request) -> None:
     """No query parameter carries what a store cannot hold (a NUL in a
-    cursor reached PostgreSQL as a 500)."""
+    cursor reached PostgreSQL as a 500). Async: FastAPI runs a sync
+    dependency on its thread pool, a hop per request."""
     for key, value in request.query_params.multi_items():
         check_text(key, key)
         check_text(value, key)
