@@ -28,9 +28,10 @@ __all__ = ["router", "FILE_PURPOSES"]
 
 router = v1_router()
 
-FILE_PURPOSES = frozenset(
-    {"assistants", "batch", "fine-tune", "vision", "user_data", "evals", "assistants_output", "batch_output"}
-)
+# What a client may upload and the SDK's FileObject can carry back. "evals"
+# (a create param) is refused: Berth runs no evals, and the SDK's FileObject
+# does not admit it; "*_output" purposes are the API's own, never uploaded.
+FILE_PURPOSES = frozenset({"assistants", "batch", "fine-tune", "vision", "user_data"})
 _MIN_EXPIRY_S, _MAX_EXPIRY_S = 3600, 2_592_000
 
 

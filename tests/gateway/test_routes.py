@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import openai
+import pytest
 
 from berth.session.v1 import session_pb2
 from gateway_support import Stack
@@ -79,10 +80,15 @@ async def test_environment_files_list_uses_token_pagination(stack: Stack) -> Non
     assert (outside.status_code, outside.json()["error"]["param"]) == (400, "path")
 
 
-async def test_file_upload_with_an_unknown_purpose_is_rejected(stack: Stack) -> None:
+@pytest.mark.parametrize("purpose", ["nonsense", "evals", "batch_output"])
+async def test_file_upload_with_a_purpose_berth_cannot_serve_is_rejected_and_stores_nothing(stack: Stack, purpose: str) -> None:
+    # "evals" is a create param the SDK's FileObject cannot carry back, and
+    # Berth runs no evals; "*_output" purposes are never uploaded.
     async with stack.client(beta=False) as client:
-        response = await client.post("/v1/files", files={"file": ("a.txt", b"x")}, data={"purpose": "nonsense"})
+        response = await client.post("/v1/files", files={"file": ("a.txt", b"x")}, data={"purpose": purpose})
+        listed = await client.get("/v1/files")
     assert (response.status_code, response.json()["error"]["param"]) == (400, "purpose")
+    assert listed.status_code == 200 and listed.json()["data"] == []
 
 
 async def test_healthz_reports_serving_upstreams_without_auth(stack: Stack) -> None:
