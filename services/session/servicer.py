@@ -12,7 +12,7 @@ import grpc
 from berth.session.v1 import session_pb2, session_service_pb2, session_service_pb2_grpc
 from services.core.context import current_org
 from services.core.wire_json import to_message
-from services.session import views
+from services.session import views, wire
 from services.session.agents import config_message
 from services.session.domain import SessionDomain
 from services.session.saved_agents import AgentView
@@ -126,15 +126,30 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         stream = await self.domain.events.stream_events(
             current_org(), request.session_id, request.after_sequence, follow=request.follow, keepalive_ms=request.keepalive_ms
         )
+        now: session_pb2.Session | None = None
+
+        async def typed(sequence: int, event_json: str) -> session_pb2.SessionEvent:
+            """One event, read back from its pre-contract form if need be."""
+            nonlocal now
+            try:
+                return _event(sequence, event_json)
+            except ValueError:
+                if now is None:
+                    now = (await self.domain.sessions.get_session(current_org(), request.session_id)).message
+                legacy = wire.legacy_status_event(sequence, event_json, now)
+                if legacy is None:
+                    raise
+                return legacy
+
         async for message in stream:
             if isinstance(message, int):
                 yield session_service_pb2.StreamSessionEventsResponse(keepalive_ms=message)
             else:
-                yield session_service_pb2.StreamSessionEventsResponse(
-                    batch=session_service_pb2.SessionEventBatch(
-                        events=[_event(q, j) for q, _, j in message]
-                    )
-                )
+                try:
+                    events = [_event(q, j) for q, _, j in message]
+                except ValueError:
+                    events = [await typed(q, j) for q, _, j in message]
+                yield session_service_pb2.StreamSessionEventsResponse(batch=session_service_pb2.SessionEventBatch(events=events))
 
     # turns and items
     async def ListTurns(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

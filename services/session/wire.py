@@ -13,6 +13,7 @@ from typing import Any
 
 from berth.session.v1 import session_pb2
 from services.core.wire_json import to_wire
+from services.session.states import SessionStatus, session_status_to_proto
 
 __all__ = [
     "usage",
@@ -24,6 +25,8 @@ __all__ = [
     "turn_event",
     "environment_event",
     "error_event",
+    "without_secrets",
+    "legacy_status_event",
 ]
 
 
@@ -94,7 +97,7 @@ def environment_state(environment_id: str, status: str, error: tuple[str, str] |
     }
 
 
-def _without_secrets(session: session_pb2.Session) -> session_pb2.Session:
+def without_secrets(session: session_pb2.Session) -> session_pb2.Session:
     """What an event may keep of a session: no MCP headers, environment
     variables, setup commands or inline file bytes (sizes stay)."""
     out = session_pb2.Session()
@@ -115,7 +118,7 @@ def _without_secrets(session: session_pb2.Session) -> session_pb2.Session:
 def session_event(event_type: str, session: session_pb2.Session) -> dict[str, Any]:
     """agent.session.{created,in_progress,idle,requires_action,failed}, as
     stored: the typed session in the converter's JSON (``SessionStatusEvent``)."""
-    return {"type": event_type, "session": to_wire(_without_secrets(session))}
+    return {"type": event_type, "session": to_wire(without_secrets(session))}
 
 
 def turn_event(event_type: str, turn: dict[str, Any], *, with_usage: bool = False) -> dict[str, Any]:
@@ -140,3 +143,31 @@ def error_event(session_id: str, error_type: str, code: str, message: str) -> di
         "session_id": session_id,
         "error": {"type": error_type, "code": code, "message": message, "param": None},
     }
+
+
+# Session status events written before the typed contract stored the
+# public AgentSession JSON, which the converter cannot read back.
+_STATUS_MEMBERS = {
+    "agent.session.created": "session_created",
+    "agent.session.in_progress": "session_in_progress",
+    "agent.session.idle": "session_idle",
+    "agent.session.requires_action": "session_requires_action",
+    "agent.session.failed": "session_failed",
+}
+
+
+def legacy_status_event(sequence: int, event_json: str, now: session_pb2.Session) -> session_pb2.SessionEvent | None:
+    """A pre-contract session status event, served with the session as it is
+    ``now`` at the status the event announced; None if it is not one."""
+    stored = json.loads(event_json)
+    member = _STATUS_MEMBERS.get(stored.get("type", ""))
+    legacy = stored.get("session")
+    if member is None or not isinstance(legacy, dict) or legacy.get("object") != "agent.session":
+        return None
+    event = session_pb2.SessionEvent(sequence=sequence, type=stored["type"], event_id=str(stored.get("event_id", "")))
+    session = getattr(event, member).session
+    session.CopyFrom(without_secrets(now))
+    status = legacy.get("status")
+    if isinstance(status, str) and status in SessionStatus._value2member_map_:
+        session.status = session_status_to_proto(status)
+    return event
