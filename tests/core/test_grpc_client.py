@@ -169,7 +169,12 @@ async def test_a_channel_without_domain_errors_raises_the_grpc_error(flaky: Any)
         await running.stop(0)
 
 
-@pytest.mark.parametrize("cls", sorted(set(errors._BY_REASON.values()) - {errors.PeerUnauthenticated, errors.PeerNotAllowed}, key=lambda c: c.reason))
+_CROSSING: list[type[errors.BerthError]] = sorted(
+    set(errors._BY_REASON.values()) - {errors.PeerUnauthenticated, errors.PeerNotAllowed}, key=lambda c: c.reason
+)
+
+
+@pytest.mark.parametrize("cls", _CROSSING)
 async def test_every_domain_error_crosses_a_hop_as_its_own_class(flaky: Any, cls: type[errors.BerthError]) -> None:
     servicer, stub = flaky
     servicer.error = cls("it failed", param="path")

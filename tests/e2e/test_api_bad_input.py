@@ -240,7 +240,7 @@ async def _assert_bad_headers_and_queries_rejected(stack: Stack) -> None:
         env_id = (await http.get("/agents/environments")).json()["data"][0]["id"]
         before = await everything(http, session_id)
         for value in BAD_LAST_EVENT_IDS:
-            response = await http.get(f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": value.encode()})
+            response = await http.get(f"/agents/sessions/{session_id}/events", headers=[(b"Last-Event-ID", value.encode())])
             error = assert_rejected(response, f"Last-Event-ID {value!r}")
             assert (response.status_code, error["param"]) == (400, "Last-Event-ID"), (value, error)
         lists = [

@@ -41,6 +41,8 @@ class FakeCompute:
     brokers: dict[str, dict[str, sandbox_pb2.McpBroker]] = field(default_factory=dict)
     # ("stop" | "close" | "destroy", sandbox_id, label) in call order.
     mcp_calls: list[tuple[str, str, str]] = field(default_factory=list)
+    # sandbox_id -> process_id -> process; processes never exit on their own.
+    processes: dict[str, dict[str, sandbox_pb2.Process]] = field(default_factory=dict)
 
     def setup_runs(self, command: str) -> int:
         return sum(1 for c in self.execs if c.shell == command)
@@ -131,6 +133,43 @@ class FakeCompute:
             label=label, transport_type=kind, state=sandbox_pb2.MCP_BROKER_STATE_RUNNING, pid=100 + len(brokers)
         )
         return brokers[label], True
+
+    async def start_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+    ) -> sandbox_pb2.Process:
+        self._check()
+        table = self.processes.setdefault(sandbox.sandbox_id, {})
+        process = sandbox_pb2.Process(process_id=f"proc_{len(table) + 1}", name=name, running=True, keepalive=keepalive)
+        table[process.process_id] = process
+        return process
+
+    async def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
+        self._check()
+        process = self.processes.get(sandbox.sandbox_id, {}).get(process_id)
+        if process is None:
+            raise NotFound(f"process {process_id} not found")
+        if not process.running:
+            yield process.exit
+
+    async def kill_process(self, sandbox: SandboxRef, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
+        self._check()
+        process = self.processes.get(sandbox.sandbox_id, {}).get(process_id)
+        if process is not None:
+            process.running = False
+            process.exit.CopyFrom(common_pb2.ExitStatus(exit_code=-(signal or 9)))
+        return process
+
+    async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]:
+        self._check()
+        return list(self.processes.get(sandbox.sandbox_id, {}).values())
 
     async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]:
         self._check()

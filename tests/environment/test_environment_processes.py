@@ -24,7 +24,7 @@ from services.session.store import Store
 from services.session.turn_environment import TurnEnvironment
 from services.session.turn_writer import TurnWriter
 
-_SESSION_MIGRATIONS = Path(__import__("services.session.server", fromlist=["x"]).__file__).parent / "migrations" / "versions"
+_SESSION_MIGRATIONS = Path(str(__import__("services.session.server", fromlist=["x"]).__file__)).parent / "migrations" / "versions"
 
 
 async def test_a_background_process_outlives_its_call_and_is_listed_followed_and_killed(
