@@ -3,12 +3,13 @@ in-process on port 0, running commands in real bubblewrap sandboxes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from session_support import Client
 
 from berth.session.v1 import session_pb2, session_service_pb2
 from services.core.errors import reason_from_rpc_error
@@ -19,7 +20,7 @@ AGENT = {"model": "scripted"}
 
 
 @pytest.fixture
-async def real(tmp_path: Path, bwrap_available: None, client_for: Any) -> AsyncIterator[Any]:
+async def real(tmp_path: Path, bwrap_available: None, client_for: Callable[[str], Client]) -> AsyncIterator[Client]:
     from services.environment.server import start_environment_service
     from services.sandbox.server import start_sandbox_service
     from services.session.server import start_session_service
@@ -37,19 +38,19 @@ async def real(tmp_path: Path, bwrap_available: None, client_for: Any) -> AsyncI
         await sandbox.stop(0.5)
 
 
-async def artifacts(client: Any, session_id: str) -> list[Any]:
+async def artifacts(client: Client, session_id: str) -> list[Any]:
     r = await client.stub.ListArtifacts(session_service_pb2.ListArtifactsRequest(session_id=session_id), metadata=client.md)
     return list(r.artifacts)
 
 
-async def content(client: Any, session_id: str, artifact_id: str) -> bytes:
+async def content(client: Client, session_id: str, artifact_id: str) -> bytes:
     call = client.stub.GetArtifactContent(
         session_service_pb2.GetArtifactContentRequest(session_id=session_id, artifact_id=artifact_id), metadata=client.md
     )
     return b"".join([m.data async for m in call])
 
 
-async def test_a_scripted_command_publishes_its_output_file_as_an_artifact(real: Any) -> None:
+async def test_a_scripted_command_publishes_its_output_file_as_an_artifact(real: Client) -> None:
     created = await real.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo hi > $REBYTE_OUTPUT_DIR/a.txt"})
     session_id = created.session.id
     end = await real.wait_turn_end(session_id, created.turn_id, timeout=60)
@@ -68,7 +69,7 @@ async def test_a_scripted_command_publishes_its_output_file_as_an_artifact(real:
     assert await content(real, session_id, artifact.id) == b"hi\n"
 
 
-async def test_cancel_during_sleep_ends_the_turn_within_two_seconds_and_kills_the_process(real: Any) -> None:
+async def test_cancel_during_sleep_ends_the_turn_within_two_seconds_and_kills_the_process(real: Client) -> None:
     created = await real.create_session(
         {"agent": AGENT, "environment": HOSTED, "input": "$ echo $$ > /workspace/pid; echo started; exec sleep 60"}
     )
@@ -87,7 +88,7 @@ async def test_cancel_during_sleep_ends_the_turn_within_two_seconds_and_kills_th
     assert command["output"].strip() == "gone"
 
 
-async def test_sessions_sharing_an_environment_each_publish_only_their_own_outputs(real: Any) -> None:
+async def test_sessions_sharing_an_environment_each_publish_only_their_own_outputs(real: Client) -> None:
     owner = await real.create_session({"agent": AGENT, "environment": HOSTED})
     env_id = owner.session.environment_id
     ref = await real.create_session({"agent": AGENT, "environment": {"type": "reference", "environment_id": env_id}})
@@ -106,7 +107,7 @@ async def test_sessions_sharing_an_environment_each_publish_only_their_own_outpu
     assert command["output"].strip() == f"/workspace/outputs/sessions/{ref.session.id}"
 
 
-async def test_a_failed_setup_fails_the_turn_with_sandbox_error_and_the_session_shows_it(real: Any) -> None:
+async def test_a_failed_setup_fails_the_turn_with_sandbox_error_and_the_session_shows_it(real: Client) -> None:
     created = await real.create_session(
         {
             "agent": AGENT,
@@ -126,7 +127,7 @@ async def test_a_failed_setup_fails_the_turn_with_sandbox_error_and_the_session_
     assert any(e["type"] == "agent.session.environment.failed" for e in events)
 
 
-async def test_deleting_a_session_with_a_running_turn_is_refused_then_allowed(real: Any) -> None:
+async def test_deleting_a_session_with_a_running_turn_is_refused_then_allowed(real: Client) -> None:
     created = await real.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo go; sleep 60"})
     session_id = created.session.id
     await real.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta", timeout=60)

@@ -12,6 +12,7 @@ import pytest
 from openai.types.beta.agent import Agent
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
+from session_support import Client, FakeEnvironmentService
 
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2, session_service_pb2
@@ -54,7 +55,7 @@ def session_wire(session: Any) -> dict[str, Any]:
     }
 
 
-async def test_saved_agents_render_as_sdk_agents_and_update_by_key(client: Any) -> None:
+async def test_saved_agents_render_as_sdk_agents_and_update_by_key(client: Client) -> None:
     created = await client.create_agent(
         {
             "model": "scripted",
@@ -89,7 +90,7 @@ async def test_saved_agents_render_as_sdk_agents_and_update_by_key(client: Any) 
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_agent_configs_break_no_service_invariant(client: Any) -> None:
+async def test_agent_configs_break_no_service_invariant(client: Client) -> None:
     for config, param in [
         (session_pb2.AgentConfig(model=""), "model"),
         (
@@ -129,7 +130,7 @@ async def test_agent_configs_break_no_service_invariant(client: Any) -> None:
         assert reason_from_rpc_error(error.value)[1].get("param") == param
 
 
-async def test_a_session_snapshots_its_saved_agent_with_overrides(client: Any) -> None:
+async def test_a_session_snapshots_its_saved_agent_with_overrides(client: Client) -> None:
     saved = await client.create_agent({"model": "scripted", "name": "base", "instructions": "Base."})
     created = await client.create_session({"agent_id": saved["id"], "agent": {"instructions": "Override."}, "environment": NONE_ENV})
     session = created.session
@@ -146,7 +147,7 @@ async def test_a_session_snapshots_its_saved_agent_with_overrides(client: Any) -
     assert [s.id for s in listed.sessions] == [session.id]
 
 
-async def test_inline_agents_get_a_generated_id_and_credentials_are_never_echoed(client: Any) -> None:
+async def test_inline_agents_get_a_generated_id_and_credentials_are_never_echoed(client: Client) -> None:
     agent = {
         "model": "scripted",
         "tools": [
@@ -165,7 +166,7 @@ async def test_inline_agents_get_a_generated_id_and_credentials_are_never_echoed
     assert "secret" not in json.dumps(events)
 
 
-async def test_update_session_replaces_metadata_and_changes_the_model(client: Any) -> None:
+async def test_update_session_replaces_metadata_and_changes_the_model(client: Client) -> None:
     created = await client.create_session({"agent": {"model": "scripted"}, "environment": NONE_ENV, "metadata": {"a": "1", "b": "2"}})
     r = await client.update_session(
         created.session.id,
@@ -178,7 +179,7 @@ async def test_update_session_replaces_metadata_and_changes_the_model(client: An
     assert dict(cleared.session.metadata) == {}
 
 
-async def test_sessions_list_newest_first_with_cursors(client: Any) -> None:
+async def test_sessions_list_newest_first_with_cursors(client: Client) -> None:
     ids = [(await client.create_session({"agent": {"model": "scripted"}, "environment": NONE_ENV})).session.id for _ in range(3)]
     first = await client.stub.ListSessions(
         session_service_pb2.ListSessionsRequest(page=session_service_pb2.PageRequest(limit=2)), metadata=client.md
@@ -196,7 +197,7 @@ async def test_sessions_list_newest_first_with_cursors(client: Any) -> None:
     assert [s.id for s in before.sessions] == [ids[1]]
 
 
-async def test_another_orgs_session_is_not_found(client: Any) -> None:
+async def test_another_orgs_session_is_not_found(client: Client) -> None:
     created = await client.create_session({"agent": {"model": "scripted"}, "environment": NONE_ENV})
     other = client.as_org("org_b")
     for call in (
@@ -212,7 +213,7 @@ async def test_another_orgs_session_is_not_found(client: Any) -> None:
     assert list(listed.sessions) == []
 
 
-async def test_inline_hosted_environment_is_created_for_the_new_session_without_compute(client: Any, fake: Any) -> None:
+async def test_inline_hosted_environment_is_created_for_the_new_session_without_compute(client: Client, fake: FakeEnvironmentService) -> None:
     created = await client.create_session(
         {
             "agent": {"model": "scripted"},
@@ -237,7 +238,7 @@ async def test_inline_hosted_environment_is_created_for_the_new_session_without_
     AgentSession.model_validate(session_wire(session))
 
 
-async def test_a_reference_attaches_and_attach_errors_propagate(client: Any, fake: Any) -> None:
+async def test_a_reference_attaches_and_attach_errors_propagate(client: Client, fake: FakeEnvironmentService) -> None:
     owner = (await client.create_session({"agent": {"model": "scripted"}, "environment": HOSTED})).session
     ref = await client.create_session(
         {"agent": {"model": "scripted"}, "environment": {"type": "reference", "environment_id": owner.environment_id}}
@@ -259,7 +260,7 @@ async def test_a_reference_attaches_and_attach_errors_propagate(client: Any, fak
     # (tests/e2e/test_api_validation.py).
 
 
-async def test_failed_setup_fails_the_turn_with_sandbox_error_and_the_session_reports_it(client: Any, fake: Any) -> None:
+async def test_failed_setup_fails_the_turn_with_sandbox_error_and_the_session_reports_it(client: Client, fake: FakeEnvironmentService) -> None:
     async def broken(env: Any) -> None:
         raise RuntimeError("setup command exited with 3")
 
@@ -293,7 +294,7 @@ async def test_failed_setup_fails_the_turn_with_sandbox_error_and_the_session_re
     assert fake.setup_calls == 1
 
 
-async def test_cancelling_a_turn_waiting_on_setup_stops_only_its_wait(client: Any, fake: Any) -> None:
+async def test_cancelling_a_turn_waiting_on_setup_stops_only_its_wait(client: Client, fake: FakeEnvironmentService) -> None:
     release = asyncio.Event()
 
     async def slow(env: Any) -> None:
@@ -318,7 +319,7 @@ async def test_cancelling_a_turn_waiting_on_setup_stops_only_its_wait(client: An
     assert end["type"] == "agent.session.turn.completed" and fake.setup_calls == 1
 
 
-async def test_completed_turns_publish_new_or_changed_outputs_as_artifacts(client: Any) -> None:
+async def test_completed_turns_publish_new_or_changed_outputs_as_artifacts(client: Client) -> None:
     created = await client.create_session(
         {"agent": {"model": "scripted"}, "environment": HOSTED, "input": "$ echo one > $REBYTE_OUTPUT_DIR/a.txt; mkdir -p $REBYTE_OUTPUT_DIR/d; echo x > $REBYTE_OUTPUT_DIR/d/b.txt"}
     )
@@ -384,7 +385,7 @@ async def test_completed_turns_publish_new_or_changed_outputs_as_artifacts(clien
     assert scoped.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_deleting_a_session_removes_its_artifacts_and_unreferenced_blobs(client: Any, settings: Any) -> None:
+async def test_deleting_a_session_removes_its_artifacts_and_unreferenced_blobs(client: Client, settings: Any) -> None:
     created = await client.create_session({"agent": {"model": "scripted"}, "environment": HOSTED, "input": "$ echo unique-bytes > $REBYTE_OUTPUT_DIR/x.txt"})
     await client.wait_turn_end(created.session.id, created.turn_id)
     r = await client.stub.ListArtifacts(session_service_pb2.ListArtifactsRequest(session_id=created.session.id), metadata=client.md)
@@ -395,7 +396,7 @@ async def test_deleting_a_session_removes_its_artifacts_and_unreferenced_blobs(c
     assert not blob.exists()
 
 
-async def test_two_sessions_on_a_shared_environment_publish_only_their_own_outputs(client: Any) -> None:
+async def test_two_sessions_on_a_shared_environment_publish_only_their_own_outputs(client: Client) -> None:
     owner = await client.create_session({"agent": {"model": "scripted"}, "environment": HOSTED})
     env_id = owner.session.environment_id
     ref = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "reference", "environment_id": env_id}})

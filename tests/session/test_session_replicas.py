@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from session_support import FakeEnvironmentService
 
 from services.core.settings import Settings
 from services.session.server import start_session_service
@@ -43,7 +44,7 @@ async def test_concurrent_input_on_two_replicas_keeps_sequences_gapless(replicas
     assert sorted(answers) == sorted(f"message {i}" for i in range(4) for _ in range(2))
 
 
-async def test_a_stream_on_one_replica_follows_a_turn_cancelled_through_the_other(replicas: tuple[Any, Any], fake: Any) -> None:
+async def test_a_stream_on_one_replica_follows_a_turn_cancelled_through_the_other(replicas: tuple[Any, Any], fake: FakeEnvironmentService) -> None:
     a, b = replicas
     created = await a.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ echo started; sleep 60"})
     session_id = created.session.id

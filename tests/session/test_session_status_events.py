@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import update
+from session_support import Client
 
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
@@ -84,7 +85,7 @@ def test_an_unreadable_event_that_is_not_a_pre_contract_status_event_is_not_gues
 
 
 async def test_a_session_whose_log_holds_a_pre_contract_status_event_still_streams(
-    client: Any, settings: Settings
+    client: Client, settings: Settings
 ) -> None:
     created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "none"}})
     session_id = created.session.id

@@ -14,6 +14,7 @@ from openai.types.beta import agent_session
 from openai.types.beta.agent_session_item import AgentSessionItem
 from openai.types.beta.agents.sessions.turn import Turn
 from pydantic import TypeAdapter
+from session_support import Client, FakeEnvironmentService
 
 from berth.session.v1 import session_pb2, session_service_pb2
 from services.core.wire_json import to_wire
@@ -28,7 +29,7 @@ def types(events: list[tuple[int, dict[str, Any]]]) -> list[str]:
     return [e["type"] for _, e in events]
 
 
-async def test_input_on_create_runs_a_turn_to_a_final_answer_with_sdk_valid_events(client: Any) -> None:
+async def test_input_on_create_runs_a_turn_to_a_final_answer_with_sdk_valid_events(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": "Hello there"})
     session_id = created.session.id
     assert created.turn_id and created.created_sequence == 1
@@ -69,7 +70,7 @@ async def test_input_on_create_runs_a_turn_to_a_final_answer_with_sdk_valid_even
     TypeAdapter(agent_session.Agent).validate_python(render.session_agent(session.agent))
 
 
-async def test_scripted_command_streams_output_and_records_a_command_execution_item(client: Any, fake: Any) -> None:
+async def test_scripted_command_streams_output_and_records_a_command_execution_item(client: Client, fake: FakeEnvironmentService) -> None:
     created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo hi\nall good"})
     session_id = created.session.id
     end = await client.wait_turn_end(session_id, created.turn_id)
@@ -98,7 +99,7 @@ async def test_scripted_command_streams_output_and_records_a_command_execution_i
     assert fake.setup_calls == 1
 
 
-async def test_function_tool_round_trip_waits_for_the_tool_result(client: Any) -> None:
+async def test_function_tool_round_trip_waits_for_the_tool_result(client: Client) -> None:
     agent = {
         "model": "scripted",
         "tools": [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}],
@@ -156,7 +157,7 @@ async def test_function_tool_round_trip_waits_for_the_tool_result(client: Any) -
     assert answered_twice.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS)
 
 
-async def test_tool_result_for_a_turn_not_in_the_session_is_not_found(client: Any) -> None:
+async def test_tool_result_for_a_turn_not_in_the_session_is_not_found(client: Client) -> None:
     # Unknown or another organization's: the same answer as a path ID.
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV})
     with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -167,7 +168,7 @@ async def test_tool_result_for_a_turn_not_in_the_session_is_not_found(client: An
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_a_user_message_with_the_models_output_text_is_invalid_argument(client: Any) -> None:
+async def test_a_user_message_with_the_models_output_text_is_invalid_argument(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV})
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await client.submit(
@@ -178,7 +179,7 @@ async def test_a_user_message_with_the_models_output_text_is_invalid_argument(cl
     assert [e["type"] for _, e in await client.events(created.session.id)] == ["agent.session.created"]
 
 
-async def test_a_failed_tool_result_reaches_the_model_as_an_error(client: Any) -> None:
+async def test_a_failed_tool_result_reaches_the_model_as_an_error(client: Client) -> None:
     agent = {"model": "scripted", "tools": [{"type": "function", "name": "lookup", "description": "", "parameters": {}}]}
     created = await client.create_session({"agent": agent, "environment": NONE_ENV, "input": "call lookup"})
     seen = await client.wait_for(created.session.id, lambda e: e["type"] == "agent.session.requires_action")
@@ -194,7 +195,7 @@ async def test_a_failed_tool_result_reaches_the_model_as_an_error(client: Any) -
     assert output["status"] == "failed" and output["error"] == "boom" and output["output"] is None
 
 
-async def test_cancel_during_a_long_command_ends_the_turn_quickly_and_kills_the_process(client: Any, fake: Any) -> None:
+async def test_cancel_during_a_long_command_ends_the_turn_quickly_and_kills_the_process(client: Client, fake: FakeEnvironmentService) -> None:
     created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo started; sleep 60"})
     session_id = created.session.id
     await client.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
@@ -218,7 +219,7 @@ async def test_cancel_during_a_long_command_ends_the_turn_quickly_and_kills_the_
     assert list(artifacts.artifacts) == []
 
 
-async def test_a_message_sent_during_a_turn_queues_and_runs_next(client: Any) -> None:
+async def test_a_message_sent_during_a_turn_queues_and_runs_next(client: Client) -> None:
     agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
     created = await client.create_session({"agent": agent, "environment": NONE_ENV, "input": "call hold\nfirst"})
     session_id = created.session.id
@@ -245,7 +246,7 @@ async def test_a_message_sent_during_a_turn_queues_and_runs_next(client: Any) ->
     assert texts == ["first", "second"]
 
 
-async def test_input_to_an_idle_session_with_a_known_environment_starts_its_turn_in_the_same_commit(client: Any) -> None:
+async def test_input_to_an_idle_session_with_a_known_environment_starts_its_turn_in_the_same_commit(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": "first"})
     session_id = created.session.id
     await client.wait_for(session_id, lambda e: e["type"] == "agent.session.idle")
@@ -267,7 +268,7 @@ async def test_input_to_an_idle_session_with_a_known_environment_starts_its_turn
     assert texts == ["first", "second"]
 
 
-async def test_turns_on_a_ready_environment_start_without_asking_the_environment_service(client: Any, fake: Any) -> None:
+async def test_turns_on_a_ready_environment_start_without_asking_the_environment_service(client: Client, fake: FakeEnvironmentService) -> None:
     created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo one"})
     session_id = created.session.id
     first = await client.wait_turn_end(session_id, created.turn_id)
@@ -282,7 +283,7 @@ async def test_turns_on_a_ready_environment_start_without_asking_the_environment
     assert outputs == ["one\n", "two\n", "three\n"]
 
 
-async def test_an_agent_update_during_a_turn_applies_to_its_next_model_call(client: Any) -> None:
+async def test_an_agent_update_during_a_turn_applies_to_its_next_model_call(client: Client) -> None:
     hold = {"type": "function", "name": "hold", "description": "", "parameters": {}}
     later = {"type": "function", "name": "later", "description": "", "parameters": {}}
     created = await client.create_session(
@@ -305,7 +306,7 @@ async def test_an_agent_update_during_a_turn_applies_to_its_next_model_call(clie
     assert waiting[-1][1]["session"]["required_actions"][0]["turn_id"] == created.turn_id
 
 
-async def test_cancelling_a_waiting_turn_leaves_queued_turns_to_run(client: Any) -> None:
+async def test_cancelling_a_waiting_turn_leaves_queued_turns_to_run(client: Client) -> None:
     agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
     created = await client.create_session({"agent": agent, "environment": NONE_ENV, "input": "call hold"})
     session_id = created.session.id
@@ -323,7 +324,7 @@ async def test_cancelling_a_waiting_turn_leaves_queued_turns_to_run(client: Any)
     assert list((await client.get_session(session_id)).required_actions) == []
 
 
-async def test_deleting_a_session_with_a_running_turn_is_session_active(client: Any, fake: Any) -> None:
+async def test_deleting_a_session_with_a_running_turn_is_session_active(client: Client, fake: FakeEnvironmentService) -> None:
     created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ sleep 60"})
     session_id = created.session.id
     await client.wait_for(session_id, lambda e: e["type"] == "agent.session.turn.item.added" and e["item"]["type"] == "command_execution")
@@ -348,7 +349,7 @@ def _error_info(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
     return [("reason", reason)]
 
 
-async def test_a_resumed_stream_misses_nothing(client: Any) -> None:
+async def test_a_resumed_stream_misses_nothing(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": "one"})
     session_id = created.session.id
     await client.wait_turn_end(session_id, created.turn_id)
@@ -365,7 +366,7 @@ async def test_a_resumed_stream_misses_nothing(client: Any) -> None:
     assert followed == everything[cut:]
 
 
-async def test_a_following_stream_sends_keepalives_when_idle(client: Any) -> None:
+async def test_a_following_stream_sends_keepalives_when_idle(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV})
     call = client.stub.StreamSessionEvents(
         session_service_pb2.StreamSessionEventsRequest(session_id=created.session.id, follow=True, keepalive_ms=50),
@@ -380,7 +381,7 @@ async def test_a_following_stream_sends_keepalives_when_idle(client: Any) -> Non
     assert kinds[0] == "batch" and kinds.count("keepalive_ms") == 2
 
 
-async def test_turns_are_listed_and_render_as_sdk_turns(client: Any) -> None:
+async def test_turns_are_listed_and_render_as_sdk_turns(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": "a"})
     session_id = created.session.id
     await client.wait_turn_end(session_id, created.turn_id)
@@ -400,7 +401,7 @@ async def test_turns_are_listed_and_render_as_sdk_turns(client: Any) -> None:
     assert [t.id for t in older.turns] == [created.turn_id] and not older.has_more
 
 
-async def test_scripted_file_writes_and_reads_go_through_the_environment(client: Any, fake: Any) -> None:
+async def test_scripted_file_writes_and_reads_go_through_the_environment(client: Client, fake: FakeEnvironmentService) -> None:
     script = "write notes/a.md\n```\n# Title\n```\nread notes/a.md\nread missing.txt"
     created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": script})
     end = await client.wait_turn_end(created.session.id, created.turn_id)
@@ -412,7 +413,7 @@ async def test_scripted_file_writes_and_reads_go_through_the_environment(client:
     assert commands[2]["status"] == "failed" and commands[2]["output"].startswith("error:")
 
 
-async def test_a_call_to_an_unconfigured_mcp_server_fails_as_an_mcp_call_item(client: Any) -> None:
+async def test_a_call_to_an_unconfigured_mcp_server_fails_as_an_mcp_call_item(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": 'mcp docs.search {"q": "x"}'})
     end = await client.wait_turn_end(created.session.id, created.turn_id)
     assert end["type"] == "agent.session.turn.completed"
@@ -424,7 +425,7 @@ async def test_a_call_to_an_unconfigured_mcp_server_fails_as_an_mcp_call_item(cl
     assert call["status"] == "failed" and isinstance(call["error"], str) and call["output"] is None
 
 
-async def test_environment_tools_are_offered_only_with_an_environment(client: Any) -> None:
+async def test_environment_tools_are_offered_only_with_an_environment(client: Client) -> None:
     created = await client.create_session({"agent": AGENT, "environment": NONE_ENV, "input": "$ echo hi"})
     end = await client.wait_turn_end(created.session.id, created.turn_id)
     assert end["type"] == "agent.session.turn.completed"

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from google.protobuf import field_mask_pb2
 from grpc_support import internal_channel
+from session_support import Client
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
 from berth.session.v1 import session_pb2, session_service_pb2
@@ -38,7 +39,7 @@ def _user_message(text: str) -> session_service_pb2.InputEvent:
     )
 
 
-async def _create_session_on(client: Any, environment_id: str) -> session_pb2.Session:
+async def _create_session_on(client: Client, environment_id: str) -> session_pb2.Session:
     request = session_service_pb2.CreateSessionRequest(
         agent=session_pb2.AgentConfig(model="scripted"),
         agent_mask=field_mask_pb2.FieldMask(paths=["model"]),
@@ -49,7 +50,7 @@ async def _create_session_on(client: Any, environment_id: str) -> session_pb2.Se
     return session
 
 
-async def _follow_until_turn_ends(client: Any, session_id: str, turn_id: str) -> list[session_pb2.SessionEvent]:
+async def _follow_until_turn_ends(client: Client, session_id: str, turn_id: str) -> list[session_pb2.SessionEvent]:
     seen: list[session_pb2.SessionEvent] = []
     call = client.stub.StreamSessionEvents(
         session_service_pb2.StreamSessionEventsRequest(session_id=session_id, after_sequence=0, follow=True),
@@ -72,7 +73,7 @@ async def _follow_until_turn_ends(client: Any, session_id: str, turn_id: str) ->
 
 
 async def test_an_internal_client_runs_a_turn_on_a_referenced_environment_with_typed_messages(
-    client: Any, environments: environment_service_pb2_grpc.EnvironmentServiceStub
+    client: Client, environments: environment_service_pb2_grpc.EnvironmentServiceStub
 ) -> None:
     env = await environments.CreateEnvironment(
         environment_service_pb2.CreateEnvironmentRequest(config=environment_pb2.EnvironmentConfig()), metadata=client.md
