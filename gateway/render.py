@@ -9,7 +9,7 @@ inline file or archive bytes are never rendered.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp

@@ -22,10 +22,6 @@ from services.session.repository import Page
 __all__ = ["SessionServicer"]
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
 def _page(page: session_service_pb2.PageRequest) -> Page:
     return Page(limit=page.limit, after=page.after, before=page.before, order=page.order)
 
