@@ -43,7 +43,6 @@ class CreatedSession:
     created_sequence: int
 
 
-
 class Sessions:
     def __init__(
         self,

@@ -301,15 +301,22 @@ async def _feed_stdin(pipe: Any, data: bytes) -> None:
     transport.close()
 
 
-async def _drain_after_exit(pumps: List["asyncio.Task[None]"], progress: List[int]) -> None:
-    """Waits for the output pumps while they keep making progress, then
-    abandons pipes that only a leftover background child holds open."""
+async def _wait_while_progressing(pumps: List["asyncio.Task[None]"], progress: List[int]) -> List["asyncio.Task[None]"]:
+    """Waits for the output pumps while they keep making progress; returns
+    those still open, which only a leftover background child holds."""
     pending = [p for p in pumps if not p.done()]
     last = -1
     while pending and progress[0] != last:
         last = progress[0]
         _, still = await asyncio.wait(pending, timeout=OUTPUT_IDLE_GRACE_S)
         pending = list(still)
+    return pending
+
+
+async def _drain_after_exit(pumps: List["asyncio.Task[None]"], progress: List[int]) -> None:
+    """Waits for the output pumps while they keep making progress, then
+    abandons pipes that only a leftover background child holds open."""
+    pending = await _wait_while_progressing(pumps, progress)
     for task in pending:
         task.cancel()
     if pending:
@@ -597,12 +604,7 @@ class Processes:
         code = await proc.child.exited
         # Output already in the pipes belongs before the exit frame; whatever a
         # leftover child writes later is still recorded, after it.
-        pending = [p for p in pumps if not p.done()]
-        last = -1
-        while pending and progress[0] != last:
-            last = progress[0]
-            _, still = await asyncio.wait(pending, timeout=OUTPUT_IDLE_GRACE_S)
-            pending = list(still)
+        pending = await _wait_while_progressing(pumps, progress)
         proc.finish(code)
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
