@@ -44,6 +44,8 @@ class Process:
     exit: CommandExit | None
     # The sequence number its next output chunk will get.
     next_seq: int
+    # Whether its stdin is a pipe still open for ``write_stdin``.
+    stdin_open: bool = False
 
 
 class EnvironmentPort(Protocol):
@@ -62,9 +64,22 @@ class EnvironmentPort(Protocol):
         """Creates or replaces the file with ``data``."""
         ...
 
-    async def start_process(self, shell: str, *, name: str, cwd: str, keepalive: bool) -> Process:
+    async def remove_file(self, path: str) -> None:
+        """Removes the file (a symlink itself, not its target)."""
+        ...
+
+    async def start_process(
+        self, shell: str, *, name: str, cwd: str, keepalive: bool, stdin: bool = False
+    ) -> Process:
         """Starts ``sh -c shell`` in the background; it outlives the turn.
-        A ``keepalive`` process keeps the sandbox from pausing while idle."""
+        A ``keepalive`` process keeps the sandbox from pausing while idle.
+        With ``stdin`` its stdin is a pipe for ``write_stdin``; otherwise it
+        reads /dev/null."""
+        ...
+
+    async def write_stdin(self, process_id: str, data: bytes, *, close: bool) -> Process:
+        """Writes ``data`` to the stdin of a process started with ``stdin``,
+        then closes it (the process reads end of file) when ``close``."""
         ...
 
     def process_output(self, process_id: str, *, from_seq: int) -> AsyncGenerator[CommandEvent, None]:
