@@ -37,7 +37,7 @@ def _command_event(
 ) -> CommandEvent | None:
     kind = message.WhichOneof("event")
     if kind == "chunk":
-        return CommandOutput(message.chunk.data)
+        return CommandOutput(message.chunk.data, int(message.chunk.seq))
     if kind == "exit":
         return _exit(message.exit)
     return None

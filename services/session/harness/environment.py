@@ -11,7 +11,15 @@ from typing import Protocol
 
 from services.core.errors import BerthError, FailedPrecondition, Unavailable
 
-__all__ = ["EnvironmentPort", "CommandOutput", "CommandExit", "CommandEvent", "Process", "environment_unusable"]
+__all__ = [
+    "EnvironmentPort",
+    "CommandOutput",
+    "CommandExit",
+    "CommandEvent",
+    "Process",
+    "environment_unusable",
+    "model_fault",
+]
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,8 @@ class CommandOutput:
     """A chunk of a command's combined stdout and stderr."""
 
     data: bytes
+    # Its sequence number in the command's or process's output, when known.
+    seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,3 +112,12 @@ def environment_unusable(error: BerthError) -> bool:
     be used (the turn fails with sandbox_error), rather than that the tool's
     input was wrong (the model is told and goes on)."""
     return isinstance(error, (Unavailable, FailedPrecondition)) or type(error) is BerthError
+
+
+def model_fault(error: BerthError) -> bool:
+    """Whether a failed call on a file or process the model named is the
+    model's to handle (it is told and goes on): every error that does not
+    make the environment unusable, and a plain FailedPrecondition, which the
+    sandbox raises for a directory where a file was expected or a closed
+    stdin."""
+    return type(error) is FailedPrecondition or not environment_unusable(error)
