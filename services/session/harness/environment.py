@@ -6,7 +6,7 @@ it ended with, and this package imports no ``grpc``."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.core.errors import BerthError, FailedPrecondition, Unavailable
@@ -27,8 +27,9 @@ class CommandOutput:
     """A chunk of a command's combined stdout and stderr."""
 
     data: bytes
-    # Its sequence number in the command's or process's output, when known.
-    seq: int | None = None
+    # Its sequence number in the command's or process's output, when known
+    # (not part of equality: two chunks with the same bytes are the same output).
+    seq: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
