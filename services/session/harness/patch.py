@@ -284,6 +284,8 @@ class _Files:
         self._env = env
         self.original: dict[str, bytes | None] = {}
         self.current: dict[str, str | None] = {}
+        # Existing files that are not UTF-8 text: they can be deleted or replaced, not updated.
+        self.binary: set[str] = set()
 
     async def _load(self, path: str) -> None:
         if path in self.original:
@@ -305,18 +307,23 @@ class _Files:
             self.current[path] = data.decode("utf-8")
         except UnicodeDecodeError:
             self.current[path] = None
-            raise PatchError(f"{path}: not UTF-8 text") from None
+            self.binary.add(path)
+
+    async def exists(self, path: str) -> bool:
+        await self._load(path)
+        return self.current[path] is not None or path in self.binary
 
     async def text(self, path: str, shown: str) -> str:
         await self._load(path)
         text = self.current[path]
         if text is None:
-            raise PatchError(f"{shown}: no such file")
+            raise PatchError(f"{shown}: " + ("not UTF-8 text" if path in self.binary else "no such file"))
         return text
 
     async def put(self, path: str, text: str | None) -> None:
         await self._load(path)
         self.current[path] = text
+        self.binary.discard(path)
 
 
 async def apply_patch(env: EnvironmentPort, text: str) -> PatchResult:
@@ -333,7 +340,8 @@ async def apply_patch(env: EnvironmentPort, text: str) -> PatchResult:
             await files.put(path, op.content)
             result.changes.append(("A", op.path))
         elif isinstance(op, DeleteFile):
-            await files.text(path, op.path)
+            if not await files.exists(path):
+                raise PatchError(f"{op.path}: no such file")
             await files.put(path, None)
             result.changes.append(("D", op.path))
         else:
@@ -341,7 +349,7 @@ async def apply_patch(env: EnvironmentPort, text: str) -> PatchResult:
             if op.move_to is not None:
                 target = workspace_path(op.move_to)
                 await files.put(path, None)
-                existed = await _exists(files, target)
+                existed = await files.exists(target)
                 await files.put(target, new_text)
                 result.changes.append(("D", op.path))
                 result.changes.append(("M" if existed else "A", op.move_to))
@@ -352,18 +360,12 @@ async def apply_patch(env: EnvironmentPort, text: str) -> PatchResult:
     return result
 
 
-async def _exists(files: _Files, path: str) -> bool:
-    try:
-        await files.text(path, path)
-    except PatchError:
-        return False
-    return True
-
-
 async def _commit(env: EnvironmentPort, files: _Files) -> None:
     done: list[str] = []
     try:
         for path, text in files.current.items():
+            if path in files.binary:
+                continue  # read, never changed
             before = files.original[path]
             if text is None:
                 if before is not None:

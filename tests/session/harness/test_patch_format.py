@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
+from services.core.errors import NotFound, SandboxUnavailable
+from services.session.harness.environment import EnvironmentPort
 from services.session.harness.patch import (
     AddFile,
     DeleteFile,
     PatchError,
     UpdateFile,
     apply_hunks,
+    apply_patch,
     parse_patch,
     workspace_path,
 )
@@ -97,3 +102,52 @@ def test_paths_outside_the_workspace_are_refused(path: str) -> None:
 
 def test_relative_and_absolute_workspace_paths_name_the_same_file() -> None:
     assert workspace_path("src/a.py") == workspace_path("/workspace/src/a.py") == "/workspace/src/a.py"
+
+
+class _MemoryFiles:
+    """The file half of the environment port, in memory; ``fail_on`` makes
+    writing that path fail as an unreachable sandbox would."""
+
+    def __init__(self, files: dict[str, bytes], fail_on: str | None = None) -> None:
+        self.files = dict(files)
+        self.fail_on = fail_on
+
+    async def read_file(self, path: str, *, limit: int) -> tuple[bytes, bool]:
+        if path not in self.files:
+            raise NotFound(f"{path} not found")
+        return self.files[path][:limit], len(self.files[path]) > limit
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        if path == self.fail_on:
+            raise SandboxUnavailable("the sandbox is unavailable")
+        self.files[path] = data
+
+    async def remove_file(self, path: str) -> None:
+        del self.files[path]
+
+
+MOVE_AND_ADD = """*** Begin Patch
+*** Update File: a.txt
+*** Move to: b.txt
+@@
+-one
++uno
+*** Delete File: bin.dat
+*** Add File: c.txt
++three
+*** End Patch"""
+
+
+async def test_a_patch_applies_through_the_port_and_deletes_binary_files() -> None:
+    env = _MemoryFiles({"/workspace/a.txt": b"one\ntwo\n", "/workspace/bin.dat": b"\xff\xfe"})
+    result = await apply_patch(cast(EnvironmentPort, env), MOVE_AND_ADD)
+    assert env.files == {"/workspace/b.txt": b"uno\ntwo\n", "/workspace/c.txt": b"three\n"}
+    assert result.changes == [("D", "a.txt"), ("A", "b.txt"), ("D", "bin.dat"), ("A", "c.txt")]
+
+
+async def test_a_write_that_fails_midway_restores_the_files_already_changed() -> None:
+    before = {"/workspace/a.txt": b"one\ntwo\n", "/workspace/bin.dat": b"\xff\xfe"}
+    env = _MemoryFiles(before, fail_on="/workspace/c.txt")
+    with pytest.raises(SandboxUnavailable):
+        await apply_patch(cast(EnvironmentPort, env), MOVE_AND_ADD)
+    assert env.files == before
