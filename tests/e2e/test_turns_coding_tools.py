@@ -120,7 +120,8 @@ async def test_paths_outside_the_workspace_are_refused_by_the_coding_tools(stack
         [
             "*** Begin Patch\n*** Add File: ../escaped.txt\n+x\n*** End Patch",
             "*** Begin Patch\n*** Add File: /tmp/escaped.txt\n+x\n*** End Patch",
-            "*** Begin Patch\n*** Add File: inside.txt\n+x\n*** Update File: inside.txt\n*** Move to: ../../moved.txt\n@@\n-x\n+y\n*** End Patch",
+            "*** Begin Patch\n*** Add File: inside.txt\n+x\n"
+            "*** Update File: inside.txt\n*** Move to: ../../moved.txt\n@@\n-x\n+y\n*** End Patch",
             'call start_process {"command": "pwd", "cwd": "/etc"}',
             "done",
         ]

@@ -31,6 +31,7 @@ import asyncio
 import codecs
 import contextlib
 import json
+import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -366,7 +367,8 @@ def _report(state: _Call, process_id: str, read: _Read, stdin_open: bool) -> str
 
 async def _start_process(state: _Call, args: dict[str, Any]) -> str:
     command = _string(args, "command", required=True)
-    cwd = _string(args, "cwd", required=False) or WORKSPACE
+    # Relative to /workspace; the Environment service refuses one outside it.
+    cwd = posixpath.normpath(posixpath.join(WORKSPACE, _string(args, "cwd", required=False)))
     yield_ms = _yield_ms(args, DEFAULT_START_YIELD_MS)
     io = state.io
     assert io.env is not None
