@@ -133,8 +133,10 @@ class Compute(Protocol):
         cwd: str = "",
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
+        stdin: bool = False,
     ) -> sandbox_pb2.Process:
-        """Starts a background process that outlives the call."""
+        """Starts a background process that outlives the call; with
+        ``stdin`` its stdin is a pipe for ``write_process_stdin``."""
         ...
 
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
@@ -147,6 +149,16 @@ class Compute(Protocol):
         ...
 
     async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]: ...
+
+    async def write_process_stdin(
+        self, sandbox: SandboxRef, process_id: str, data: bytes, *, close: bool
+    ) -> sandbox_pb2.Process:
+        """Writes to the stdin of a process started with ``stdin``; ``close`` then closes it."""
+        ...
+
+    async def remove_file(self, sandbox: SandboxRef, path: str) -> None:
+        """Removes a file or an empty directory; a symlink itself, not its target."""
+        ...
 
     async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]: ...
 
@@ -309,9 +321,17 @@ class SandboxClient:
         cwd: str = "",
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
+        stdin: bool = False,
     ) -> sandbox_pb2.Process:
         request = sandbox_service_pb2.StartProcessRequest(
-            sandbox_id=sandbox_id, name=name, argv=list(argv), shell=shell, cwd=cwd, env=dict(env or {}), keepalive=keepalive
+            sandbox_id=sandbox_id,
+            name=name,
+            argv=list(argv),
+            shell=shell,
+            cwd=cwd,
+            env=dict(env or {}),
+            keepalive=keepalive,
+            stdin=stdin,
         )
         with self._unreachable(sandbox_id):
             response = await self._stub.StartProcess(request)
@@ -341,6 +361,18 @@ class SandboxClient:
         with self._unreachable(sandbox_id):
             response = await self._stub.ListProcesses(request)
         return list(response.processes)
+
+    async def write_process_stdin(self, sandbox_id: str, process_id: str, data: bytes, *, close: bool) -> sandbox_pb2.Process:
+        request = sandbox_service_pb2.WriteProcessStdinRequest(
+            sandbox_id=sandbox_id, process_id=process_id, data=data, close=close
+        )
+        with self._unreachable(sandbox_id):
+            response = await self._stub.WriteProcessStdin(request)
+        return response.process
+
+    async def remove_file(self, sandbox_id: str, path: str) -> None:
+        with self._unreachable(sandbox_id):
+            await self._stub.RemoveFile(sandbox_service_pb2.RemoveFileRequest(sandbox_id=sandbox_id, path=path))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         request = sandbox_service_pb2.WriteFileRequest(sandbox_id=sandbox_id, path=path, data=data, mode=mode)

@@ -485,12 +485,20 @@ class EnvironmentDomain:
         cwd: str,
         env: Mapping[str, str],
         keepalive: bool,
+        stdin: bool = False,
     ) -> sandbox_pb2.Process:
         cwd = _command_cwd(argv, shell, cwd)
         row, command_env = await self._command_site(org_id, environment_id, session_id, env)
         with _sandbox_errors(environment_id, session_id):
             return await self._compute.start_process(
-                _sandbox(row), name=name, argv=argv, shell=shell, cwd=cwd, env=command_env, keepalive=keepalive
+                _sandbox(row),
+                name=name,
+                argv=argv,
+                shell=shell,
+                cwd=cwd,
+                env=command_env,
+                keepalive=keepalive,
+                stdin=stdin,
             )
 
     async def attach_process(
@@ -507,6 +515,15 @@ class EnvironmentDomain:
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
             return await self._compute.kill_process(_sandbox(row), process_id, signal=signal)
+
+    async def write_process_stdin(
+        self, org_id: str, environment_id: str, process_id: str, data: bytes, *, close: bool
+    ) -> sandbox_pb2.Process:
+        if len(data) > self._settings.max_body_bytes:
+            raise InvalidArgument("stdin data is too large", param="data")
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            return await self._compute.write_process_stdin(_sandbox(row), process_id, data, close=close)
 
     async def list_processes(self, org_id: str, environment_id: str) -> list[sandbox_pb2.Process]:
         row = await self._ready(org_id, environment_id)
@@ -542,6 +559,12 @@ class EnvironmentDomain:
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
             return await self._compute.write_file(_sandbox(row), path, data)
+
+    async def remove_workspace_file(self, org_id: str, environment_id: str, path: str) -> None:
+        path = workspace_file_path(path)
+        row = await self._ready(org_id, environment_id)
+        with _sandbox_errors(environment_id):
+            await self._compute.remove_file(_sandbox(row), path)
 
     async def list_workspace_files(
         self, org_id: str, environment_id: str, path: str, *, recursive: bool

@@ -139,9 +139,10 @@ class SandboxNodes:
         cwd: str = "",
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
+        stdin: bool = False,
     ) -> sandbox_pb2.Process:
         return await self._client(sandbox).start_process(
-            sandbox.sandbox_id, name=name, argv=argv, shell=shell, cwd=cwd, env=env, keepalive=keepalive
+            sandbox.sandbox_id, name=name, argv=argv, shell=shell, cwd=cwd, env=env, keepalive=keepalive, stdin=stdin
         )
 
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
@@ -152,6 +153,14 @@ class SandboxNodes:
 
     async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]:
         return await self._client(sandbox).list_processes(sandbox.sandbox_id)
+
+    async def write_process_stdin(
+        self, sandbox: SandboxRef, process_id: str, data: bytes, *, close: bool
+    ) -> sandbox_pb2.Process:
+        return await self._client(sandbox).write_process_stdin(sandbox.sandbox_id, process_id, data, close=close)
+
+    async def remove_file(self, sandbox: SandboxRef, path: str) -> None:
+        await self._client(sandbox).remove_file(sandbox.sandbox_id, path)
 
     async def write_file(self, sandbox: SandboxRef, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         return await self._client(sandbox).write_file(sandbox.sandbox_id, path, data, mode=mode)

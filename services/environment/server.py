@@ -70,6 +70,8 @@ ENVIRONMENT_CALLERS = allowed_callers(
             "AttachProcess",
             "KillProcess",
             "ListProcesses",
+            "WriteProcessStdin",
+            "RemoveWorkspaceFile",
         ),
         "cli": ("ListMcpServers",),
     },

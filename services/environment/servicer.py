@@ -118,6 +118,7 @@ def _process(process: sandbox_pb2.Process) -> environment_pb2.Process:
         keepalive=process.keepalive,
         start_time=process.start_time if process.HasField("start_time") else None,
         next_seq=process.next_seq,
+        stdin_open=process.stdin_open,
     )
 
 
@@ -317,6 +318,7 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
             cwd=request.cwd,
             env=dict(request.env),
             keepalive=request.keepalive,
+            stdin=request.stdin,
         )
         return pb.StartProcessResponse(process=_process(process))
 
@@ -335,6 +337,20 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
             current_org(), request.environment_id, request.process_id, signal=request.signal
         )
         return pb.KillProcessResponse(process=_process(process) if process is not None else None)
+
+    async def WriteProcessStdin(
+        self, request: pb.WriteProcessStdinRequest, context: _Context
+    ) -> pb.WriteProcessStdinResponse:
+        process = await self._domain.write_process_stdin(
+            current_org(), request.environment_id, request.process_id, request.data, close=request.close
+        )
+        return pb.WriteProcessStdinResponse(process=_process(process))
+
+    async def RemoveWorkspaceFile(
+        self, request: pb.RemoveWorkspaceFileRequest, context: _Context
+    ) -> pb.RemoveWorkspaceFileResponse:
+        await self._domain.remove_workspace_file(current_org(), request.environment_id, request.path)
+        return pb.RemoveWorkspaceFileResponse()
 
     async def ListProcesses(self, request: pb.ListProcessesRequest, context: _Context) -> pb.ListProcessesResponse:
         processes = await self._domain.list_processes(current_org(), request.environment_id)

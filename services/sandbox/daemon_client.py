@@ -110,6 +110,8 @@ class ProcessInfo:
     keepalive: bool
     started_at: float
     next_seq: int
+    # Whether its stdin is a pipe still open for write_stdin.
+    stdin_open: bool = False
 
 
 FileType = Literal["file", "dir", "symlink", "other"]
@@ -236,6 +238,7 @@ def _process_info(raw: Mapping[str, Any]) -> ProcessInfo:
         keepalive=bool(raw.get("keepalive", False)),
         started_at=float(raw.get("started_at", 0.0)),
         next_seq=int(raw.get("next_seq", 0)),
+        stdin_open=bool(raw.get("stdin_open", False)),
     )
 
 
@@ -551,10 +554,15 @@ class DaemonClient:
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
+        stdin: bool = False,
     ) -> ProcessInfo:
-        """Starts a process that outlives this request and this connection."""
+        """Starts a process that outlives this request and this connection.
+        With ``stdin`` its stdin is a pipe that ``write_stdin`` writes to;
+        otherwise it reads /dev/null."""
         fields = _command(argv, shell, cwd, env)
         fields.update(name=name, keepalive=keepalive)
+        if stdin:
+            fields["stdin"] = True
         frame = await self._request("process.start", fields)
         return ProcessInfo(
             process_id=str(frame["process_id"]),
@@ -565,6 +573,7 @@ class DaemonClient:
             keepalive=bool(frame.get("keepalive", keepalive)),
             started_at=float(frame.get("started_at", 0.0)),
             next_seq=0,
+            stdin_open=stdin,
         )
 
     async def attach_process(self, process_id: str, from_seq: int = 0) -> AsyncGenerator[OutputChunk | ExitStatus, None]:
@@ -604,6 +613,15 @@ class DaemonClient:
             if info.process_id == process_id:
                 return info
         return None
+
+    async def write_stdin(self, process_id: str, data: bytes, *, close: bool = False) -> ProcessInfo:
+        """Writes ``data`` to the stdin of a process started with ``stdin``,
+        then closes it when ``close`` is set; returns the process."""
+        if len(data) > MAX_WRITE_BYTES:
+            raise ValueError(f"write_stdin takes at most {MAX_WRITE_BYTES} bytes per call")
+        fields: _Frame = {"process_id": process_id, "data_b64": base64.b64encode(data).decode(), "close": close}
+        frame = await self._request("process.write_stdin", fields)
+        return _process_info(frame["process"])
 
     # ------------------------------------------------------------ files
 

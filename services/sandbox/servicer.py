@@ -99,6 +99,7 @@ def _process(p: ProcessInfo) -> sandbox_pb2.Process:
         keepalive=p.keepalive,
         start_time=_ts(p.started_at),
         next_seq=p.next_seq,
+        stdin_open=p.stdin_open,
     )
     if not p.running and p.exit_code is not None:
         proc.exit.CopyFrom(common_pb2.ExitStatus(exit_code=p.exit_code))
@@ -223,6 +224,7 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
                 cwd=request.cwd or None,
                 env=dict(request.env),
                 keepalive=request.keepalive,
+                stdin=request.stdin,
             )
         return pb.StartProcessResponse(process=_process(info))
 
@@ -242,6 +244,18 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
         async with self._m.operation(current_org(), request.sandbox_id) as client:
             proc = await client.kill_process(request.process_id, signal=request.signal or 9)
         return pb.KillProcessResponse(process=_process(proc) if proc else None)
+
+    async def WriteProcessStdin(
+        self, request: pb.WriteProcessStdinRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WriteProcessStdinResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            proc = await client.write_stdin(request.process_id, request.data, close=request.close)
+        return pb.WriteProcessStdinResponse(process=_process(proc))
+
+    async def RemoveFile(self, request: pb.RemoveFileRequest, context: grpc.aio.ServicerContext) -> pb.RemoveFileResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            await client.remove(request.path)
+        return pb.RemoveFileResponse()
 
     async def ListProcesses(self, request: pb.ListProcessesRequest, context: grpc.aio.ServicerContext) -> pb.ListProcessesResponse:
         async with self._m.operation(current_org(), request.sandbox_id) as client:

@@ -37,7 +37,9 @@ __all__ = [
 AgentConfig = dict[str, Any]
 
 # Names the harness reserves for environment tools.
-ENVIRONMENT_TOOL_NAMES = frozenset({"exec_command", "read_file", "write_file"})
+ENVIRONMENT_TOOL_NAMES = frozenset(
+    {"exec_command", "read_file", "write_file", "apply_patch", "start_process", "write_stdin", "kill_process"}
+)
 
 # The top-level fields of AgentConfig, as the contract declares them.
 CONFIG_FIELDS = tuple(f.name for f in pb.AgentConfig.DESCRIPTOR.fields)

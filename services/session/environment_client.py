@@ -88,14 +88,43 @@ class EnvironmentClient:
         )
 
     async def start_process(
-        self, environment_id: str, session_id: str, *, name: str, shell: str, cwd: str = "", keepalive: bool = False
+        self,
+        environment_id: str,
+        session_id: str,
+        *,
+        name: str,
+        shell: str,
+        cwd: str = "",
+        keepalive: bool = False,
+        stdin: bool = False,
     ) -> environment_pb2.Process:
         response = await self._stub.StartProcess(
             environment_service_pb2.StartProcessRequest(
-                environment_id=environment_id, session_id=session_id, name=name, shell=shell, cwd=cwd, keepalive=keepalive
+                environment_id=environment_id,
+                session_id=session_id,
+                name=name,
+                shell=shell,
+                cwd=cwd,
+                keepalive=keepalive,
+                stdin=stdin,
             )
         )
         return response.process
+
+    async def write_process_stdin(
+        self, environment_id: str, process_id: str, data: bytes, *, close: bool = False
+    ) -> environment_pb2.Process:
+        response = await self._stub.WriteProcessStdin(
+            environment_service_pb2.WriteProcessStdinRequest(
+                environment_id=environment_id, process_id=process_id, data=data, close=close
+            )
+        )
+        return response.process
+
+    async def remove_file(self, environment_id: str, path: str) -> None:
+        await self._stub.RemoveWorkspaceFile(
+            environment_service_pb2.RemoveWorkspaceFileRequest(environment_id=environment_id, path=path)
+        )
 
     def attach_process(self, environment_id: str, process_id: str, *, from_seq: int = 0) -> grpc.aio.UnaryStreamCall:
         """The AttachProcess stream; cancelling the call leaves the process running."""

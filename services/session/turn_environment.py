@@ -37,7 +37,7 @@ def _command_event(
 ) -> CommandEvent | None:
     kind = message.WhichOneof("event")
     if kind == "chunk":
-        return CommandOutput(message.chunk.data)
+        return CommandOutput(message.chunk.data, int(message.chunk.seq))
     if kind == "exit":
         return _exit(message.exit)
     return None
@@ -50,6 +50,7 @@ def _process(process: environment_pb2.Process) -> Process:
         running=process.running,
         exit=_exit(process.exit) if process.HasField("exit") else None,
         next_seq=int(process.next_seq),
+        stdin_open=process.stdin_open,
     )
 
 
@@ -92,11 +93,25 @@ class TurnEnvironment:
     async def write_file(self, path: str, data: bytes) -> None:
         await self._client.write_file(self.environment_id, path, data)
 
-    async def start_process(self, shell: str, *, name: str, cwd: str, keepalive: bool) -> Process:
+    async def remove_file(self, path: str) -> None:
+        await self._client.remove_file(self.environment_id, path)
+
+    async def start_process(
+        self, shell: str, *, name: str, cwd: str, keepalive: bool, stdin: bool = False
+    ) -> Process:
         process = await self._client.start_process(
-            self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=keepalive
+            self.environment_id,
+            self._writer.session_id,
+            name=name,
+            shell=shell,
+            cwd=cwd,
+            keepalive=keepalive,
+            stdin=stdin,
         )
         return _process(process)
+
+    async def write_stdin(self, process_id: str, data: bytes, *, close: bool) -> Process:
+        return _process(await self._client.write_process_stdin(self.environment_id, process_id, data, close=close))
 
     async def process_output(self, process_id: str, *, from_seq: int) -> AsyncGenerator[CommandEvent, None]:
         call = self._client.attach_process(self.environment_id, process_id, from_seq=from_seq)

@@ -43,6 +43,8 @@ class FakeCompute:
     mcp_calls: list[tuple[str, str, str]] = field(default_factory=list)
     # sandbox_id -> process_id -> process; processes never exit on their own.
     processes: dict[str, dict[str, sandbox_pb2.Process]] = field(default_factory=dict)
+    # process_id -> everything written to its stdin.
+    stdin: dict[str, bytearray] = field(default_factory=dict)
 
     def setup_runs(self, command: str) -> int:
         return sum(1 for c in self.execs if c.shell == command)
@@ -144,10 +146,13 @@ class FakeCompute:
         cwd: str = "",
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
+        stdin: bool = False,
     ) -> sandbox_pb2.Process:
         self._check()
         table = self.processes.setdefault(sandbox.sandbox_id, {})
-        process = sandbox_pb2.Process(process_id=f"proc_{len(table) + 1}", name=name, running=True, keepalive=keepalive)
+        process = sandbox_pb2.Process(
+            process_id=f"proc_{len(table) + 1}", name=name, running=True, keepalive=keepalive, stdin_open=stdin
+        )
         table[process.process_id] = process
         return process
 
@@ -170,6 +175,23 @@ class FakeCompute:
     async def list_processes(self, sandbox: SandboxRef) -> list[sandbox_pb2.Process]:
         self._check()
         return list(self.processes.get(sandbox.sandbox_id, {}).values())
+
+    async def write_process_stdin(
+        self, sandbox: SandboxRef, process_id: str, data: bytes, *, close: bool
+    ) -> sandbox_pb2.Process:
+        self._check()
+        process = self.processes.get(sandbox.sandbox_id, {}).get(process_id)
+        if process is None:
+            raise NotFound(f"process {process_id} not found")
+        self.stdin.setdefault(process_id, bytearray()).extend(data)
+        if close:
+            process.stdin_open = False
+        return process
+
+    async def remove_file(self, sandbox: SandboxRef, path: str) -> None:
+        self._check()
+        if self.files.get(sandbox.sandbox_id, {}).pop(path, None) is None:
+            raise NotFound(f"{path} does not exist")
 
     async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]:
         self._check()

@@ -120,3 +120,35 @@ async def test_the_session_environment_port_runs_commands_files_and_processes_an
         assert replay[0] == CommandOutput(b"ready\n") and isinstance(replay[-1], CommandExit)
     finally:
         await client.close()
+
+
+async def test_the_port_writes_a_process_stdin_and_removes_files_inside_the_workspace_only(
+    cluster: Cluster, sqlite_url: str, sandbox_service: SandboxService, session_store: Store
+) -> None:
+    service = await cluster.start(sqlite_url, sandbox_addr=sandbox_service.address)
+    env = (await create_env(service.stub, owner_session_id="sess_owner")).environment
+    client = EnvironmentClient(
+        service.handle.address, credentials=credentials("session"), timeout_s=30, setup_timeout_s=60
+    )
+    writer = TurnWriter(session_store, session_id="sess_owner", turn_id="turn_1", agent_config_json='{"config": {}}', transcript=[])
+    port = TurnEnvironment(writer, client, environment_id=env.id, environment=None)
+    org_id_var.set("org_a")
+    try:
+        process = await port.start_process("tr a-z A-Z", name="upper", cwd="", keepalive=False, stdin=True)
+        assert process.stdin_open
+        closed = await port.write_stdin(process.process_id, b"hello\n", close=True)
+        assert not closed.stdin_open
+        events = [event async for event in port.process_output(process.process_id, from_seq=0)]
+        assert [e.seq for e in events if isinstance(e, CommandOutput)] == [0]
+        assert events[0] == CommandOutput(b"HELLO\n") and isinstance(events[-1], CommandExit)
+        with pytest.raises(errors.FailedPrecondition):
+            await port.write_stdin(process.process_id, b"more\n", close=False)
+
+        await port.write_file("/workspace/gone.txt", b"x")
+        await port.remove_file("/workspace/gone.txt")
+        with pytest.raises(errors.NotFound):
+            await port.read_file("/workspace/gone.txt", limit=4)
+        with pytest.raises(errors.InvalidArgument):
+            await port.remove_file("/workspace/../etc/passwd")
+    finally:
+        await client.close()

@@ -206,6 +206,20 @@ async def test_background_process_survives_the_connection_that_started_it(shared
     assert b"".join(c.data for c in chunks) == b"started\nfinished\n" and final == status
 
 
+async def test_a_background_process_reads_stdin_written_to_it_until_it_is_closed(shared: Sandbox) -> None:
+    reader = 'while read line; do echo "<$line>"; done'
+    proc = await shared.client.start_process(name="reader", argv=["sh", "-c", reader], stdin=True)
+
+    await shared.client.write_stdin(proc.process_id, b"a\nb\n")
+    closed = await shared.client.write_stdin(proc.process_id, b"c\n", close=True)
+    status = await shared.client.wait_process(proc.process_id, timeout_s=20)
+    chunks, final = await collect_output(shared.client.attach_process(proc.process_id))
+
+    assert not closed.stdin_open
+    assert status is not None and status.exit_code == 0 and final == status
+    assert b"".join(c.data for c in chunks) == b"<a>\n<b>\n<c>\n"
+
+
 async def test_reattaching_after_a_disconnect_loses_no_output(shared: Sandbox) -> None:
     # About 1.8 MiB, more than the daemon's in-memory ring, before a pause
     # point and a little after it.

@@ -10,7 +10,7 @@ import pytest
 from sandbox_support import Sandbox, collect_output
 from waiting import wait_until
 
-from services.sandbox.daemon_client import DaemonClient, OutputChunk
+from services.sandbox.daemon_client import DaemonClient, DaemonError, OutputChunk
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,3 +145,40 @@ async def test_exit_codes_are_kept_after_a_process_exits(sandbox: Sandbox) -> No
     assert listed[slow.process_id].running
     assert b"".join(c.data for c in replay) == b"bye\n" and final == status
     await sandbox.client.kill_process(slow.process_id)
+
+
+ECHO_LINES = "import sys\nfor line in sys.stdin:\n    print('got ' + line.strip(), flush=True)\nprint('eof', flush=True)\n"
+
+
+async def test_a_process_started_with_stdin_reads_what_is_written_and_sees_eof_on_close(sandbox: Sandbox) -> None:
+    proc = await sandbox.client.start_process(name="echo", argv=["python3", "-c", ECHO_LINES], stdin=True)
+    assert proc.stdin_open
+
+    await sandbox.client.write_stdin(proc.process_id, b"one\n")
+    stream = sandbox.client.attach_process(proc.process_id)
+    first = await anext(stream)
+    await stream.aclose()
+    after = await sandbox.client.write_stdin(proc.process_id, b"two\n", close=True)
+    status = await sandbox.client.wait_process(proc.process_id, timeout_s=10)
+    chunks, final = await collect_output(sandbox.client.attach_process(proc.process_id))
+
+    assert isinstance(first, OutputChunk) and first.data == b"got one\n"
+    assert not after.stdin_open
+    assert status is not None and status.exit_code == 0 and final == status
+    assert b"".join(c.data for c in chunks) == b"got one\ngot two\neof\n"
+
+
+async def test_writing_stdin_is_refused_without_a_pipe_or_after_close(sandbox: Sandbox) -> None:
+    plain = await sandbox.client.start_process(name="plain", argv=["sleep", "600"])
+    piped = await sandbox.client.start_process(name="piped", argv=["sleep", "600"], stdin=True)
+    await sandbox.client.write_stdin(piped.process_id, b"", close=True)
+
+    for process_id in (plain.process_id, piped.process_id):
+        with pytest.raises(DaemonError) as refused:
+            await sandbox.client.write_stdin(process_id, b"x\n")
+        assert refused.value.code == "failed_precondition"
+    with pytest.raises(DaemonError) as unknown:
+        await sandbox.client.write_stdin("proc_unknown", b"x\n")
+    assert unknown.value.code == "not_found"
+    for process_id in (plain.process_id, piped.process_id):
+        await sandbox.client.kill_process(process_id)

@@ -161,7 +161,9 @@ async def test_chat_completions_provider_runs_a_tool_call_then_answers(openai_cl
     assert first["model"] == "gpt-test"
     assert first["messages"][0] == {"role": "system", "content": "Be terse."}
     assert first["messages"][1] == {"role": "user", "content": "say hi"}
-    assert {t["function"]["name"] for t in first["tools"]} == {"exec_command", "read_file", "write_file"}
+    assert {t["function"]["name"] for t in first["tools"]} == {
+        "exec_command", "read_file", "write_file", "apply_patch", "start_process", "write_stdin", "kill_process"
+    }
     assert second["messages"][2]["tool_calls"][0]["id"] == "call_m1"
     assert second["messages"][3]["role"] == "tool" and second["messages"][3]["tool_call_id"] == "call_m1"
 

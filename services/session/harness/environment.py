@@ -6,12 +6,20 @@ it ended with, and this package imports no ``grpc``."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.core.errors import BerthError, FailedPrecondition, Unavailable
 
-__all__ = ["EnvironmentPort", "CommandOutput", "CommandExit", "CommandEvent", "Process", "environment_unusable"]
+__all__ = [
+    "EnvironmentPort",
+    "CommandOutput",
+    "CommandExit",
+    "CommandEvent",
+    "Process",
+    "environment_unusable",
+    "model_fault",
+]
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,9 @@ class CommandOutput:
     """A chunk of a command's combined stdout and stderr."""
 
     data: bytes
+    # Its sequence number in the command's or process's output, when known
+    # (not part of equality: two chunks with the same bytes are the same output).
+    seq: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class Process:
     exit: CommandExit | None
     # The sequence number its next output chunk will get.
     next_seq: int
+    # Whether its stdin is a pipe still open for ``write_stdin``.
+    stdin_open: bool = False
 
 
 class EnvironmentPort(Protocol):
@@ -62,9 +75,22 @@ class EnvironmentPort(Protocol):
         """Creates or replaces the file with ``data``."""
         ...
 
-    async def start_process(self, shell: str, *, name: str, cwd: str, keepalive: bool) -> Process:
+    async def remove_file(self, path: str) -> None:
+        """Removes the file (a symlink itself, not its target)."""
+        ...
+
+    async def start_process(
+        self, shell: str, *, name: str, cwd: str, keepalive: bool, stdin: bool = False
+    ) -> Process:
         """Starts ``sh -c shell`` in the background; it outlives the turn.
-        A ``keepalive`` process keeps the sandbox from pausing while idle."""
+        A ``keepalive`` process keeps the sandbox from pausing while idle.
+        With ``stdin`` its stdin is a pipe for ``write_stdin``; otherwise it
+        reads /dev/null."""
+        ...
+
+    async def write_stdin(self, process_id: str, data: bytes, *, close: bool) -> Process:
+        """Writes ``data`` to the stdin of a process started with ``stdin``,
+        then closes it (the process reads end of file) when ``close``."""
         ...
 
     def process_output(self, process_id: str, *, from_seq: int) -> AsyncGenerator[CommandEvent, None]:
@@ -87,3 +113,12 @@ def environment_unusable(error: BerthError) -> bool:
     be used (the turn fails with sandbox_error), rather than that the tool's
     input was wrong (the model is told and goes on)."""
     return isinstance(error, (Unavailable, FailedPrecondition)) or type(error) is BerthError
+
+
+def model_fault(error: BerthError) -> bool:
+    """Whether a failed call on a file or process the model named is the
+    model's to handle (it is told and goes on): every error that does not
+    make the environment unusable, and a plain FailedPrecondition, which the
+    sandbox raises for a directory where a file was expected or a closed
+    stdin."""
+    return type(error) is FailedPrecondition or not environment_unusable(error)

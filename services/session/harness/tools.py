@@ -1,7 +1,9 @@
 """Tools the harness offers the model and how each call executes.
 
 - Environment tools (only with an environment): ``exec_command``,
-  ``read_file``, ``write_file``. They run through the Environment service, so
+  ``read_file``, ``write_file``, and the coding tools ``apply_patch``,
+  ``start_process``, ``write_stdin`` and ``kill_process``
+  (``harness/coding_tools.py``). They run through the Environment service, so
   the first one of a turn enters the init guard.
 - Application function tools (``agent.tools`` of type ``function``): the call
   becomes a pending function call; the turn waits for the tool result.
@@ -20,15 +22,17 @@ from typing import Any
 
 from services.core.errors import BerthError
 from services.session.agents import AgentConfig, function_tools
+from services.session.harness.coding_tools import CODING_TOOL_NAMES, CODING_TOOLS, run_coding_tool
 from services.session.harness.environment import CommandExit, CommandOutput, environment_unusable
 from services.session.harness.io import TurnFailure, TurnIO
 from services.session.harness.models.base import ToolCall, ToolSpec
+from services.session.harness.tool_output import MAX_ITEM_OUTPUT, MAX_MODEL_OUTPUT
+from services.session.harness.tool_output import call_entries as _call_entries
+from services.session.harness.tool_output import clip_for_model as _clip_for_model
 
 __all__ = ["tool_specs", "execute_tool_call", "PendingCall", "WORKSPACE", "MAX_MODEL_OUTPUT"]
 
 WORKSPACE = "/workspace"
-MAX_ITEM_OUTPUT = 256 * 1024
-MAX_MODEL_OUTPUT = 16 * 1024
 MAX_READ_BYTES = 1024 * 1024
 DEFAULT_EXEC_TIMEOUT_MS = 10 * 60 * 1000
 
@@ -75,7 +79,7 @@ _ENV_TOOL_NAMES = {t.name for t in _ENV_TOOLS}
 
 
 def tool_specs(config: AgentConfig, *, has_environment: bool) -> list[ToolSpec]:
-    specs = list(_ENV_TOOLS) if has_environment else []
+    specs = [*_ENV_TOOLS, *CODING_TOOLS] if has_environment else []
     for tool in function_tools(config):
         specs.append(ToolSpec(tool["name"], tool.get("description") or "", tool.get("parameters") or {"type": "object"}))
     return specs
@@ -94,22 +98,8 @@ def _arguments(call: ToolCall) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _clip_for_model(text: str) -> str:
-    if len(text) <= MAX_MODEL_OUTPUT:
-        return text
-    half = MAX_MODEL_OUTPUT // 2
-    return f"{text[:half]}\n...[{len(text) - MAX_MODEL_OUTPUT} characters omitted]...\n{text[-half:]}"
-
-
 def _workspace_path(path: str) -> str:
     return posixpath.normpath(path if path.startswith("/") else posixpath.join(WORKSPACE, path))
-
-
-def _call_entries(call: ToolCall, output: str) -> list[dict[str, Any]]:
-    return [
-        {"role": "assistant", "tool_calls": [call.as_entry()]},
-        {"role": "tool", "call_id": call.id, "output": output},
-    ]
 
 
 async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> PendingCall | None:
@@ -118,6 +108,9 @@ async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> 
     functions = {t["name"] for t in function_tools(config)}
     if call.name in _ENV_TOOL_NAMES:
         await _environment_tool(io, call)
+        return None
+    if call.name in CODING_TOOL_NAMES:
+        await run_coding_tool(io, call)
         return None
     if call.name in functions:
         return PendingCall(await io.add_function_call(call.name, call.arguments, call.id))

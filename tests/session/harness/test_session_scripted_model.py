@@ -86,3 +86,41 @@ async def test_actions_prefixed_with_an_ampersand_are_issued_in_one_model_respon
     assert [c.name for c in second.tool_calls] == ["exec_command"]
     transcript += [{"role": "assistant", "tool_calls": [second.tool_calls[0].as_entry()]}]
     assert (await model.complete(request)).text == "ok"
+
+
+def test_a_script_has_syntax_for_patches_and_background_processes() -> None:
+    script = (
+        "*** Begin Patch\n*** Add File: a.txt\n+x\n*** End Patch\n"
+        "start ~500 python3 server.py\n"
+        "stdin hello\n"
+        "poll ~2000\n"
+        "eof\n"
+        "kill\n"
+        "ok"
+    )
+    actions, text = parse_script(script)
+    assert [(a.tool, a.arguments) for a in actions] == [
+        ("apply_patch", {"input": "*** Begin Patch\n*** Add File: a.txt\n+x\n*** End Patch\n"}),
+        ("start_process", {"command": "python3 server.py", "yield_time_ms": 500}),
+        ("write_stdin", {"process_id": "@last", "chars": "hello\n"}),
+        ("write_stdin", {"process_id": "@last", "yield_time_ms": 2000}),
+        ("write_stdin", {"process_id": "@last", "close_stdin": True}),
+        ("kill_process", {"process_id": "@last"}),
+    ]
+    assert text == "ok"
+
+
+async def test_the_last_process_is_the_one_the_latest_start_reported() -> None:
+    model = ScriptedProvider()
+    transcript: list[dict[str, Any]] = [
+        {"role": "user", "text": "start a"},
+        {"role": "assistant", "tool_calls": [{"id": "s1", "name": "start_process", "arguments": "{}"}]},
+        {"role": "tool", "call_id": "s1", "output": "process_id: proc_old\nstatus: running"},
+        {"role": "assistant", "tool_calls": [{"id": "s2", "name": "start_process", "arguments": "{}"}]},
+        {"role": "tool", "call_id": "s2", "output": "process_id: proc_new\nstatus: running"},
+        {"role": "assistant", "text": "started"},
+        {"role": "user", "text": "stdin hi"},
+    ]
+    request = ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[])
+    (call,) = (await model.complete(request)).tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("write_stdin", {"process_id": "proc_new", "chars": "hi\n"})

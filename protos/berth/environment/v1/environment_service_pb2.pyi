@@ -1333,6 +1333,7 @@ class StartProcessRequest(_message.Message):
     CWD_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     KEEPALIVE_FIELD_NUMBER: _builtins.int
+    STDIN_FIELD_NUMBER: _builtins.int
     environment_id: _builtins.str
     """The environment."""
     session_id: _builtins.str
@@ -1347,6 +1348,10 @@ class StartProcessRequest(_message.Message):
     """Working directory, default /workspace."""
     keepalive: _builtins.bool
     """A keepalive process keeps the sandbox from idle pause."""
+    stdin: _builtins.bool
+    """Give the process a stdin pipe for WriteProcessStdin; otherwise it
+    reads /dev/null.
+    """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The argument vector; exclusive with shell."""
@@ -1366,10 +1371,11 @@ class StartProcessRequest(_message.Message):
         cwd: _builtins.str = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         keepalive: _builtins.bool = ...,
+        stdin: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cwd", b"cwd", "env", b"env", "environment_id", b"environment_id", "keepalive", b"keepalive", "name", b"name", "session_id", b"session_id", "shell", b"shell"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cwd", b"cwd", "env", b"env", "environment_id", b"environment_id", "keepalive", b"keepalive", "name", b"name", "session_id", b"session_id", "shell", b"shell", "stdin", b"stdin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1560,3 +1566,104 @@ class ListProcessesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListProcessesResponse: _TypeAlias = ListProcessesResponse  # noqa: Y015
+
+@_typing.final
+class WriteProcessStdinRequest(_message.Message):
+    """Request for WriteProcessStdin."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PROCESS_ID_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    process_id: _builtins.str
+    """The process, started with stdin."""
+    data: _builtins.bytes
+    """Bytes to write; may be empty."""
+    close: _builtins.bool
+    """Close stdin after writing: the process reads end of file."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        process_id: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        close: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "data", b"data", "environment_id", b"environment_id", "process_id", b"process_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteProcessStdinRequest: _TypeAlias = WriteProcessStdinRequest  # noqa: Y015
+
+@_typing.final
+class WriteProcessStdinResponse(_message.Message):
+    """Response for WriteProcessStdin."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCESS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def process(self) -> _environment_pb2.Process:
+        """The process after writing."""
+
+    def __init__(
+        self,
+        *,
+        process: _environment_pb2.Process | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteProcessStdinResponse: _TypeAlias = WriteProcessStdinResponse  # noqa: Y015
+
+@_typing.final
+class RemoveWorkspaceFileRequest(_message.Message):
+    """Request for RemoveWorkspaceFile."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENVIRONMENT_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    environment_id: _builtins.str
+    """The environment."""
+    path: _builtins.str
+    """Path under /workspace; a symlink is removed, not followed."""
+    def __init__(
+        self,
+        *,
+        environment_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveWorkspaceFileRequest: _TypeAlias = RemoveWorkspaceFileRequest  # noqa: Y015
+
+@_typing.final
+class RemoveWorkspaceFileResponse(_message.Message):
+    """Response for RemoveWorkspaceFile."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveWorkspaceFileResponse: _TypeAlias = RemoveWorkspaceFileResponse  # noqa: Y015

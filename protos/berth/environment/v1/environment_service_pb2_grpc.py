@@ -170,6 +170,16 @@ class EnvironmentServiceStub:
                 request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesRequest.SerializeToString,
                 response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesResponse.FromString,
                 _registered_method=True)
+        self.WriteProcessStdin = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/WriteProcessStdin',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.WriteProcessStdinRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.WriteProcessStdinResponse.FromString,
+                _registered_method=True)
+        self.RemoveWorkspaceFile = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/RemoveWorkspaceFile',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RemoveWorkspaceFileRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RemoveWorkspaceFileResponse.FromString,
+                _registered_method=True)
 
 
 class EnvironmentServiceServicer:
@@ -391,6 +401,22 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteProcessStdin(self, request, context):
+        """Writes to the stdin of a background process started with stdin, and
+        optionally closes it. Enters the init guard first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveWorkspaceFile(self, request, context):
+        """Removes a file, or an empty directory, under /workspace. Enters the init
+        guard first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -528,6 +554,16 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.ListProcesses,
                     request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesRequest.FromString,
                     response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesResponse.SerializeToString,
+            ),
+            'WriteProcessStdin': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteProcessStdin,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.WriteProcessStdinRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.WriteProcessStdinResponse.SerializeToString,
+            ),
+            'RemoveWorkspaceFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveWorkspaceFile,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RemoveWorkspaceFileRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RemoveWorkspaceFileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1260,6 +1296,60 @@ class EnvironmentService:
             '/berth.environment.v1.EnvironmentService/ListProcesses',
             berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesRequest.SerializeToString,
             berth_dot_environment_dot_v1_dot_environment__service__pb2.ListProcessesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteProcessStdin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/WriteProcessStdin',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.WriteProcessStdinRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.WriteProcessStdinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveWorkspaceFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/RemoveWorkspaceFile',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.RemoveWorkspaceFileRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.RemoveWorkspaceFileResponse.FromString,
             options,
             channel_credentials,
             insecure,

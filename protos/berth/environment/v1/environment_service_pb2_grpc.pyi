@@ -131,6 +131,14 @@ class EnvironmentServiceStub:
     """Lists the environment's background processes, running and exited.
     Enters the init guard first.
     """
+    WriteProcessStdin: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.WriteProcessStdinRequest, _environment_service_pb2.WriteProcessStdinResponse]
+    """Writes to the stdin of a background process started with stdin, and
+    optionally closes it. Enters the init guard first.
+    """
+    RemoveWorkspaceFile: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.RemoveWorkspaceFileRequest, _environment_service_pb2.RemoveWorkspaceFileResponse]
+    """Removes a file, or an empty directory, under /workspace. Enters the init
+    guard first.
+    """
 
 @_typing.type_check_only
 class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
@@ -230,6 +238,14 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     ListProcesses: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListProcessesRequest, _environment_service_pb2.ListProcessesResponse]  # type: ignore[assignment]
     """Lists the environment's background processes, running and exited.
     Enters the init guard first.
+    """
+    WriteProcessStdin: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.WriteProcessStdinRequest, _environment_service_pb2.WriteProcessStdinResponse]  # type: ignore[assignment]
+    """Writes to the stdin of a background process started with stdin, and
+    optionally closes it. Enters the init guard first.
+    """
+    RemoveWorkspaceFile: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.RemoveWorkspaceFileRequest, _environment_service_pb2.RemoveWorkspaceFileResponse]  # type: ignore[assignment]
+    """Removes a file, or an empty directory, under /workspace. Enters the init
+    guard first.
     """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -489,6 +505,26 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_environment_service_pb2.ListProcessesResponse, _abc.Awaitable[_environment_service_pb2.ListProcessesResponse]]:
         """Lists the environment's background processes, running and exited.
         Enters the init guard first.
+        """
+
+    @_abc_1.abstractmethod
+    def WriteProcessStdin(
+        self,
+        request: _environment_service_pb2.WriteProcessStdinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.WriteProcessStdinResponse, _abc.Awaitable[_environment_service_pb2.WriteProcessStdinResponse]]:
+        """Writes to the stdin of a background process started with stdin, and
+        optionally closes it. Enters the init guard first.
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveWorkspaceFile(
+        self,
+        request: _environment_service_pb2.RemoveWorkspaceFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.RemoveWorkspaceFileResponse, _abc.Awaitable[_environment_service_pb2.RemoveWorkspaceFileResponse]]:
+        """Removes a file, or an empty directory, under /workspace. Enters the init
+        guard first.
         """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -280,6 +280,7 @@ class Process(_message.Message):
     KEEPALIVE_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    STDIN_OPEN_FIELD_NUMBER: _builtins.int
     process_id: _builtins.str
     """Daemon-assigned process ID ("proc_...")."""
     name: _builtins.str
@@ -292,6 +293,8 @@ class Process(_message.Message):
     """A keepalive process keeps the sandbox from idle pause."""
     next_seq: _builtins.int
     """The sequence number the next output chunk will get."""
+    stdin_open: _builtins.bool
+    """Whether its stdin is a pipe still open for WriteProcessStdin."""
     @_builtins.property
     def exit(self) -> _common_pb2.ExitStatus:
         """Exit status once it has exited."""
@@ -311,10 +314,11 @@ class Process(_message.Message):
         keepalive: _builtins.bool = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         next_seq: _builtins.int = ...,
+        stdin_open: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "keepalive", b"keepalive", "name", b"name", "next_seq", b"next_seq", "pid", b"pid", "process_id", b"process_id", "running", b"running", "start_time", b"start_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "keepalive", b"keepalive", "name", b"name", "next_seq", b"next_seq", "pid", b"pid", "process_id", b"process_id", "running", b"running", "start_time", b"start_time", "stdin_open", b"stdin_open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

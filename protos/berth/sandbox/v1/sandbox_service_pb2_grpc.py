@@ -75,6 +75,16 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessResponse.FromString,
                 _registered_method=True)
+        self.WriteProcessStdin = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/WriteProcessStdin',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.WriteProcessStdinRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.WriteProcessStdinResponse.FromString,
+                _registered_method=True)
+        self.RemoveFile = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/RemoveFile',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.FromString,
+                _registered_method=True)
         self.ListProcesses = channel.unary_unary(
                 '/berth.sandbox.v1.SandboxService/ListProcesses',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListProcessesRequest.SerializeToString,
@@ -199,6 +209,21 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteProcessStdin(self, request, context):
+        """Writes to the stdin of a background process started with stdin, and
+        optionally closes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveFile(self, request, context):
+        """Removes a file, or an empty directory, under /workspace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListProcesses(self, request, context):
         """Lists background processes, running and exited.
         """
@@ -318,6 +343,16 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.KillProcess,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessResponse.SerializeToString,
+            ),
+            'WriteProcessStdin': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteProcessStdin,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.WriteProcessStdinRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.WriteProcessStdinResponse.SerializeToString,
+            ),
+            'RemoveFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveFile,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.SerializeToString,
             ),
             'ListProcesses': grpc.unary_unary_rpc_method_handler(
                     servicer.ListProcesses,
@@ -587,6 +622,60 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/KillProcess',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteProcessStdin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/WriteProcessStdin',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.WriteProcessStdinRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.WriteProcessStdinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/RemoveFile',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.FromString,
             options,
             channel_credentials,
             insecure,

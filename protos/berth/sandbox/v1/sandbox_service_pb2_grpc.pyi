@@ -67,6 +67,12 @@ class SandboxServiceStub:
     """Streams a background process's output from a sequence number, then its exit."""
     KillProcess: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.KillProcessRequest, _sandbox_service_pb2.KillProcessResponse]
     """Signals a background process and its whole process tree."""
+    WriteProcessStdin: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteProcessStdinRequest, _sandbox_service_pb2.WriteProcessStdinResponse]
+    """Writes to the stdin of a background process started with stdin, and
+    optionally closes it.
+    """
+    RemoveFile: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.RemoveFileRequest, _sandbox_service_pb2.RemoveFileResponse]
+    """Removes a file, or an empty directory, under /workspace."""
     ListProcesses: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListProcessesRequest, _sandbox_service_pb2.ListProcessesResponse]
     """Lists background processes, running and exited."""
     WriteFile: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteFileRequest, _sandbox_service_pb2.WriteFileResponse]
@@ -135,6 +141,12 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Streams a background process's output from a sequence number, then its exit."""
     KillProcess: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.KillProcessRequest, _sandbox_service_pb2.KillProcessResponse]  # type: ignore[assignment]
     """Signals a background process and its whole process tree."""
+    WriteProcessStdin: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteProcessStdinRequest, _sandbox_service_pb2.WriteProcessStdinResponse]  # type: ignore[assignment]
+    """Writes to the stdin of a background process started with stdin, and
+    optionally closes it.
+    """
+    RemoveFile: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.RemoveFileRequest, _sandbox_service_pb2.RemoveFileResponse]  # type: ignore[assignment]
+    """Removes a file, or an empty directory, under /workspace."""
     ListProcesses: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListProcessesRequest, _sandbox_service_pb2.ListProcessesResponse]  # type: ignore[assignment]
     """Lists background processes, running and exited."""
     WriteFile: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteFileRequest, _sandbox_service_pb2.WriteFileResponse]  # type: ignore[assignment]
@@ -248,6 +260,24 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_service_pb2.KillProcessResponse, _abc.Awaitable[_sandbox_service_pb2.KillProcessResponse]]:
         """Signals a background process and its whole process tree."""
+
+    @_abc_1.abstractmethod
+    def WriteProcessStdin(
+        self,
+        request: _sandbox_service_pb2.WriteProcessStdinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.WriteProcessStdinResponse, _abc.Awaitable[_sandbox_service_pb2.WriteProcessStdinResponse]]:
+        """Writes to the stdin of a background process started with stdin, and
+        optionally closes it.
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveFile(
+        self,
+        request: _sandbox_service_pb2.RemoveFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.RemoveFileResponse, _abc.Awaitable[_sandbox_service_pb2.RemoveFileResponse]]:
+        """Removes a file, or an empty directory, under /workspace."""
 
     @_abc_1.abstractmethod
     def ListProcesses(

@@ -51,6 +51,9 @@ EXEC_TIMEOUT_EXIT_CODE = 124
 # keep the exec open forever.
 OUTPUT_IDLE_GRACE_S = 0.2
 LOG_INDEX_EVERY = 64
+# The most stdin bytes a background process may have waiting unread: a write
+# beyond it is refused until the process reads what it was given.
+MAX_STDIN_BUFFER = 1024 * 1024
 
 _LOG_RECORD = struct.Struct(">QBI")
 _STREAM_NAMES = {1: "stdout", 2: "stderr"}
@@ -292,6 +295,47 @@ async def pump_pipe(pipe: Any, on_data: Callable[[bytes], Awaitable[None]], prog
         transport.close()
 
 
+class StdinPipe(asyncio.Protocol):
+    """The write end of a background process's stdin. Writes are buffered
+    by the transport, up to MAX_STDIN_BUFFER unread bytes."""
+
+    def __init__(self) -> None:
+        self.transport: Optional[asyncio.WriteTransport] = None
+        self.broken = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        # The process closed its end (or exited); further writes fail.
+        self.broken = True
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.broken and not self.transport.is_closing()
+
+    def write(self, data: bytes) -> int:
+        assert self.transport is not None
+        if self.transport.get_write_buffer_size() + len(data) > MAX_STDIN_BUFFER:
+            raise OpError(
+                "failed_precondition",
+                "the process has not read its earlier input (%d bytes waiting)" % self.transport.get_write_buffer_size(),
+            )
+        self.transport.write(data)
+        return self.transport.get_write_buffer_size()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            # Flushes what is buffered, then closes: the process sees EOF.
+            self.transport.close()
+
+
+async def _open_stdin(pipe: Any) -> StdinPipe:
+    loop = asyncio.get_running_loop()
+    _, protocol = await loop.connect_write_pipe(StdinPipe, pipe)
+    return protocol
+
+
 async def _feed_stdin(pipe: Any, data: bytes) -> None:
     loop = asyncio.get_running_loop()
     transport, _ = await loop.connect_write_pipe(asyncio.Protocol, pipe)
@@ -356,6 +400,8 @@ class ManagedProcess:
         self.duration_ms = 0
         self.finished = asyncio.Event()
         self.supervisor: Optional["asyncio.Task[None]"] = None
+        # Set when the process was started with ``stdin``: the pipe to it.
+        self.stdin: Optional[StdinPipe] = None
         self._changed = asyncio.Event()
         self._index: List[Tuple[int, int]] = []
         self._log_offset = 0
@@ -455,6 +501,7 @@ class ManagedProcess:
             "keepalive": self.keepalive,
             "started_at": self.started_at,
             "next_seq": self.next_seq,
+            "stdin_open": self.stdin is not None and self.stdin.open,
         }
 
     def exit_frame(self) -> Json:
@@ -486,6 +533,7 @@ class Processes:
             "process.list": self._op_process_list,
             "process.wait": self._op_process_wait,
             "process.kill": self._op_process_kill,
+            "process.write_stdin": self._op_process_write_stdin,
         }
 
     def running(self) -> int:
@@ -566,15 +614,18 @@ class Processes:
     async def _op_process_start(self, conn: Sender, rid: int, req: Json) -> Json:
         name = opt_str(req, "name") or ""
         keepalive = opt_bool(req, "keepalive", False)
+        with_stdin = opt_bool(req, "stdin", False)
         process_id = "proc_" + secrets.token_hex(8)
         try:
-            child = self._spawn(req, process_id, False)
+            child = self._spawn(req, process_id, with_stdin)
         except FileNotFoundError as exc:
             raise OpError("not_found", str(exc)) from None
         except PermissionError as exc:
             raise OpError("permission_denied", str(exc)) from None
         log_path = os.path.join(self.procs_dir, process_id + ".log")
         proc = ManagedProcess(process_id, name, child, keepalive, log_path, self.ring_bytes)
+        if with_stdin:
+            proc.stdin = await _open_stdin(child.popen.stdin)
         self.processes[process_id] = proc
         self._forget_old_processes()
         proc.supervisor = asyncio.ensure_future(self._supervise(proc))
@@ -605,6 +656,8 @@ class Processes:
         # Output already in the pipes belongs before the exit frame; whatever a
         # leftover child writes later is still recorded, after it.
         pending = await _wait_while_progressing(pumps, progress)
+        if proc.stdin is not None:
+            proc.stdin.close()
         proc.finish(code)
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
@@ -663,3 +716,20 @@ class Processes:
             except asyncio.TimeoutError:
                 pass
         return {"signalled": signalled, "running": proc.running, "exit_code": proc.exit_code}
+
+    async def _op_process_write_stdin(self, conn: Sender, rid: int, req: Json) -> Json:
+        """Writes ``data_b64`` to the process's stdin, then closes it when
+        ``close`` is set (the process reads EOF). Returns how many bytes are
+        still waiting for the process to read them."""
+        proc = self._process(req)
+        data = unb64(req["data_b64"], "data_b64") if req.get("data_b64") is not None else b""
+        close = opt_bool(req, "close", False)
+        pipe = proc.stdin
+        if pipe is None:
+            raise OpError("failed_precondition", "process %s was not started with stdin" % proc.process_id)
+        if not pipe.open or not proc.running:
+            raise OpError("failed_precondition", "the stdin of process %s is closed" % proc.process_id)
+        buffered = pipe.write(data) if data else 0
+        if close:
+            pipe.close()
+        return {"buffered": buffered, "process": proc.describe()}

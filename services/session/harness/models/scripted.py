@@ -19,12 +19,33 @@ backticks, the content, and a closing line of three backticks)
 ``mcp LABEL.TOOL {JSON}``
     Call TOOL of the MCP server LABEL (tool name ``LABEL.TOOL``) with the
     JSON object as its arguments.
+``*** Begin Patch`` … ``*** End Patch``
+    The lines from ``*** Begin Patch`` through ``*** End Patch`` are one
+    ``apply_patch`` call with that patch (the Codex format, see
+    ``harness/patch.py``).
+``start [~MS] COMMAND``
+    Start COMMAND in the background with the ``start_process`` tool,
+    waiting up to MS milliseconds (``yield_time_ms``) for its output.
+``stdin [~MS] TEXT``
+    Write TEXT and a newline to the stdin of the last process a ``start``
+    of this session started (``write_stdin``), then read its output for up
+    to MS milliseconds.
+``poll [~MS]``
+    Read more output of that process (``write_stdin`` without chars).
+``eof [~MS]``
+    Close that process's stdin, then read its output.
+``kill``
+    Kill that process (``kill_process``).
 ``& ACTION``
     Any action line prefixed with ``& `` is issued in the same model response
     as the action before it (parallel tool calls).
 any other line
     Echoed: all such lines, joined by newlines and stripped, form the final
     assistant message. A script made only of actions ends with ``done``.
+
+"The last process" is resolved when the call is issued: the
+``process_id`` in the output of the latest ``start_process`` call in the
+session's transcript, in this turn or an earlier one.
 
 Actions run one step per model call, in order (a step is an action plus the
 ``&`` actions after it): the model counts the tool calls it already made
@@ -36,6 +57,7 @@ four characters.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +72,20 @@ class ScriptAction:
     arguments: dict[str, Any]
     # Issued in the same model response as the action before it.
     parallel: bool = False
+
+
+# Stands for the process_id of the last process started, until a call is issued.
+LAST_PROCESS = "@last"
+_PROCESS_ID = re.compile(r"^process_id: (\S+)$", re.MULTILINE)
+
+
+def _yield_option(rest: str) -> tuple[dict[str, Any], str]:
+    """A leading ``~MS`` as ``yield_time_ms``, and the rest of the line."""
+    if rest.startswith("~"):
+        option, _, rest = rest.partition(" ")
+        if option[1:].isdigit():
+            return {"yield_time_ms": int(option[1:])}, rest.strip()
+    return {}, rest
 
 
 def mcp_tool_name(label: str, tool: str) -> str:
@@ -96,6 +132,28 @@ def parse_script(script: str) -> tuple[list[ScriptAction], str]:
         elif stripped.startswith("call "):
             name, _, rest = stripped[len("call ") :].strip().partition(" ")
             actions.append(ScriptAction(name, _json_object(rest)))
+        elif stripped == "*** Begin Patch":
+            body = [stripped]
+            i += 1
+            while i < len(lines) and lines[i].strip() != "*** End Patch":
+                body.append(lines[i])
+                i += 1
+            body.append("*** End Patch")
+            actions.append(ScriptAction("apply_patch", {"input": "\n".join(body) + "\n"}))
+        elif stripped.startswith("start "):
+            options, command = _yield_option(stripped[len("start ") :].strip())
+            actions.append(ScriptAction("start_process", {"command": command, **options}))
+        elif stripped.split(" ", 1)[0] in ("stdin", "poll", "eof"):
+            word, _, rest = stripped.partition(" ")
+            options, text = _yield_option(rest.strip())
+            arguments: dict[str, Any] = {"process_id": LAST_PROCESS, **options}
+            if word == "stdin":
+                arguments["chars"] = text + "\n"
+            elif word == "eof":
+                arguments["close_stdin"] = True
+            actions.append(ScriptAction("write_stdin", arguments))
+        elif stripped == "kill":
+            actions.append(ScriptAction("kill_process", {"process_id": LAST_PROCESS}))
         elif stripped.startswith("mcp "):
             target, _, rest = stripped[len("mcp ") :].strip().partition(" ")
             label, _, tool = target.partition(".")
@@ -139,7 +197,7 @@ class ScriptedProvider:
                     ToolCall(
                         id=f"call_script_{issued + n}",
                         name=action.tool,
-                        arguments=json.dumps(action.arguments, separators=(",", ":")),
+                        arguments=json.dumps(_resolve(action.arguments, request.transcript), separators=(",", ":")),
                     )
                     for n, action in enumerate(step)
                 ]
@@ -154,3 +212,22 @@ def _entry_text(entry: Entry) -> str:
     parts = [str(entry.get("text") or ""), str(entry.get("output") or "")]
     parts.extend(str(c.get("arguments", "")) for c in entry.get("tool_calls") or ())
     return "".join(parts)
+
+
+def _resolve(arguments: dict[str, Any], transcript: list[Entry]) -> dict[str, Any]:
+    """``arguments`` with LAST_PROCESS replaced by the process_id the latest
+    start_process call reported (left as is when there is none)."""
+    if arguments.get("process_id") != LAST_PROCESS:
+        return arguments
+    started = {
+        c.get("id")
+        for e in transcript
+        for c in e.get("tool_calls") or ()
+        if c.get("name") == "start_process"
+    }
+    for entry in reversed(transcript):
+        if entry.get("role") == "tool" and entry.get("call_id") in started:
+            found = _PROCESS_ID.search(str(entry.get("output") or ""))
+            if found:
+                return {**arguments, "process_id": found.group(1)}
+    return arguments
