@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,24 @@ async def test_an_enabled_sandbox_reaches_a_test_host_only_when_its_range_is_all
     assert (reached.exit_code, reached.stdout) == (0, b"from the test host\n"), reached.stderr
     assert refused.exit_code != 0
     assert unreachable.exit_code != 0
+
+
+async def test_starting_an_enabled_sandbox_leaves_the_hosts_mounts_alone(make_sandbox: SandboxFactory) -> None:
+    with make_test_host() as host:
+        before = _mounts_under("/run/netns")
+        await make_sandbox("mounts", network="enabled")
+        after = _mounts_under("/run/netns")
+        entered = subprocess.run(["nsenter", f"--net=/run/netns/{host.name}", "--", "true"], capture_output=True)
+
+    assert f"/run/netns/{host.name}" in before
+    assert before <= after
+    assert entered.returncode == 0, entered.stderr
+
+
+def _mounts_under(prefix: str) -> set[str]:
+    with open("/proc/self/mountinfo") as mountinfo:
+        points = {line.split()[4] for line in mountinfo}
+    return {point for point in points if point.startswith(prefix + "/")}
 
 
 async def test_each_sandbox_has_its_own_network_namespace(make_sandbox: SandboxFactory) -> None:

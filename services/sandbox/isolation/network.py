@@ -295,12 +295,29 @@ def _exited_within(pid: int, timeout_s: float) -> bool:
     return False
 
 
+def _private_mounts(sandboxed: bool) -> list[str]:
+    """The prefix that runs a sandboxed slirp4netns in a mount namespace of
+    its own whose mounts are all private. slirp's sandbox makes only ``/``
+    private before it pivots and detaches the old root, so without this the
+    detach propagates to the host's shared mounts: every namespace bind-mounted
+    under ``/run/netns`` (``ip netns add``) was unmounted on the host each time
+    an ``enabled`` sandbox started. ``unshare`` execs slirp4netns in place, so
+    the pid stays slirp's."""
+    if not sandboxed:
+        return []
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise NetworkSetupError("unshare (util-linux) is needed to run slirp4netns's sandbox")
+    return [unshare, "--mount", "--propagation", "private", "--"]
+
+
 async def _spawn_slirp(binary: str, netns: Path, log_path: Path, *, sandboxed: bool) -> UserNetwork:
     read_end, write_end = os.pipe()
     try:
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(
                 [
+                    *_private_mounts(sandboxed),
                     binary,
                     "--configure",
                     f"--mtu={_MTU}",
