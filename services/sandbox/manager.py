@@ -36,6 +36,7 @@ from services.sandbox.backends.base import (
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
 from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
 from services.sandbox.isolation.sizes import size_for
+from services.sandbox.mcp_http import SandboxHttpBrokers
 from services.sandbox.models import SandboxRow
 from services.sandbox.states import LIVE_STATES, SandboxState
 
@@ -98,6 +99,15 @@ class _Live:
     in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
     paused: bool = False
+    # The clients of the sandbox's environment-origin HTTP MCP servers.
+    http_mcp: SandboxHttpBrokers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.http_mcp = SandboxHttpBrokers(self.client)
+
+    async def close(self) -> None:
+        await self.http_mcp.close()
+        await self.client.close()
 
 
 class SandboxManager:
@@ -163,7 +173,7 @@ class SandboxManager:
             except asyncio.CancelledError:
                 pass
         for live in self._live.values():
-            await live.client.close()
+            await live.close()
         await self._egress.close()
 
     # --- rows ---------------------------------------------------------------------------
@@ -312,7 +322,7 @@ class SandboxManager:
         await self._egress.stop(sandbox_id)
         live = self._live.pop(sandbox_id, None)
         if live is not None:
-            await live.client.close()
+            await live.close()
             await self._backend.destroy(live.handle)
         else:
             # Not held here (an `error` sandbox, say one that did not survive
@@ -385,6 +395,12 @@ class SandboxManager:
         finally:
             live.in_flight -= 1
             live.last_active = time.monotonic()
+
+    @asynccontextmanager
+    async def mcp_operation(self, org_id: str, sandbox_id: str) -> AsyncIterator[tuple[DaemonClient, SandboxHttpBrokers]]:
+        """``operation`` plus the sandbox's HTTP MCP brokers."""
+        async with self.operation(org_id, sandbox_id) as client:
+            yield client, self._require_live(sandbox_id).http_mcp
 
     async def _reap_idle(self) -> None:
         interval = max(0.05, min(self._idle_pause_s / 4, 10.0))
