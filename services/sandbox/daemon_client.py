@@ -186,6 +186,8 @@ class McpUpstream:
     server_url: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     proxy: str | None = None
+    # The first client's initialize params, once remembered.
+    init_params: dict[str, Any] | None = None
 
 
 def _broker_info(raw: Mapping[str, Any]) -> McpBrokerInfo:
@@ -760,7 +762,12 @@ class DaemonClient:
             server_url=str(frame.get("server_url") or ""),
             headers={str(k): str(v) for k, v in headers.items()} if isinstance(headers, dict) else {},
             proxy=str(proxy) if proxy else None,
+            init_params=cast(dict[str, Any], frame["init_params"]) if isinstance(frame.get("init_params"), dict) else None,
         )
+
+    async def mcp_remember_handshake(self, label: str, params: Mapping[str, Any]) -> None:
+        """Records an HTTP label's first initialize params in the daemon."""
+        await self._request("mcp.remember_handshake", {"label": label, "params": dict(params)})
 
     # ------------------------------------------------------------ tunnels
 

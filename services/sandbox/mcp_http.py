@@ -224,6 +224,10 @@ class SandboxHttpBroker(McpBroker):
         self._open_lock = asyncio.Lock()
         self._handshaken = False
         self.protocol_version: str | None = None
+        # Params remembered by sandboxd: a handshake callers did before this
+        # service restarted, replayed before their next request.
+        self._init_params = upstream.init_params
+        self._remembered = upstream.init_params is not None
 
     # ------------------------------------------------------------ the SDK client
 
@@ -282,18 +286,19 @@ class SandboxHttpBroker(McpBroker):
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise _Gone() from None
 
-    async def _ready(self) -> _Upstream:
-        """The running upstream, opened (and, with a cached handshake,
+    async def _ready(self, *, replay: bool = True) -> _Upstream:
+        """The running upstream, opened (and, with a known handshake,
         initialized again) when there is none."""
         async with self._open_lock:
             up = self._upstream
-            if up is not None and not up.ended and (self._handshaken or self._init_result is None):
+            needs_handshake = replay and not self._handshaken and self._init_params is not None
+            if up is not None and not up.ended and not needs_handshake:
                 return up
             if up is None or up.ended:
                 up = await self._open()
                 if up.ended:
                     raise _Gone()
-            if self._init_result is not None and not self._handshaken:
+            if needs_handshake:
                 await self._replay_handshake(up)
             return up
 
@@ -311,6 +316,8 @@ class SandboxHttpBroker(McpBroker):
         result = response.get("result")
         if not isinstance(result, dict):
             raise OpError("unavailable", f"re-initializing MCP server {self.label} failed: {response.get('error')}")
+        if self._init_result is None:
+            self._init_result = result  # later initializes are answered from it
         self._handshake_done(result)
         await self._deliver(up, {"jsonrpc": "2.0", "method": "notifications/initialized"})
         self._initialized_sent = True
@@ -329,7 +336,8 @@ class SandboxHttpBroker(McpBroker):
 
     async def _send_request(self, msg: Json, upstream_id: int) -> None:
         try:
-            up = await self._ready()
+            # A client's own initialize is the handshake: nothing to replay first.
+            up = await self._ready(replay=msg.get("method") != "initialize")
             up.pending.add(upstream_id)
             await self._deliver(up, msg)
         except _Gone:
@@ -358,6 +366,12 @@ class SandboxHttpBroker(McpBroker):
             # The server ended the session: once more on a fresh one.
             await self._drop(up, terminate=False)
             response = await super().request(msg)
+        if not self._remembered and self._init_params is not None:
+            self._remembered = True
+            try:
+                await self._daemon.mcp_remember_handshake(self.label, self._init_params)
+            except (DaemonError, DaemonUnavailable) as exc:
+                log.warning("mcp_http_handshake_not_remembered", label=self.label, error=str(exc))
         return response
 
     async def _drop(self, up: _Upstream, *, terminate: bool) -> None:

@@ -11,6 +11,7 @@ such as pydantic_core) as /usr/bin/python3.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -77,6 +78,14 @@ async def service(
     """The Sandbox service composed like ``start_sandbox_service``, with a
     backend that mounts the site-packages and the test server, whose enabled
     sandboxes may reach the test host."""
+    async with serve(tmp_path, test_host) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def serve(tmp_path: Path, test_host: TestHost) -> AsyncIterator[Service]:
+    """One run of the Sandbox service over the data dir in ``tmp_path``: a
+    later run adopts the sandboxes an earlier one left."""
     settings = Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0)
     db = await open_database(settings.database_url("sandbox"), "sandbox", MIGRATIONS)
     backend = LocalBackend(
@@ -484,6 +493,25 @@ async def test_a_restricted_sandbox_reaches_an_http_server_through_its_egress_pr
         assert result_of(await send(stub, "sbx_http_allowed", "remote", call(2, "echo", text="via the proxy"))) == "via the proxy"
         refused = await send(stub, "sbx_http_other", "remote", initialize(1))
         assert refused is not None and "error" in refused and "result" not in refused
+
+
+async def test_callers_initialized_before_a_service_restart_keep_calling_an_http_server(
+    tmp_path: Path, bwrap_available: None, host_python_runs_mcp: None, test_host: TestHost
+) -> None:
+    async with http_mcp_server(test_host) as url:
+        async with serve(tmp_path, test_host) as before:
+            await create_sandbox(before.stub, "sbx_restart", network=True)
+            await start(before.stub, "sbx_restart", "remote", http_transport(url))
+            await handshake(before.stub, "sbx_restart", "remote", msg_id=1)
+            assert result_of(await send(before.stub, "sbx_restart", "remote", call(2, "initialize_count"))) == 1
+        async with serve(tmp_path, test_host) as after:
+            # No initialize from the caller: the service replays the one it saw.
+            assert result_of(await send(after.stub, "sbx_restart", "remote", call(3, "echo", text="again"))) == "again"
+            assert result_of(await send(after.stub, "sbx_restart", "remote", call(4, "initialize_count"))) == 2
+            later = await send(after.stub, "sbx_restart", "remote", initialize("later"))
+            assert later is not None and later["id"] == "later" and "result" in later
+            assert result_of(await send(after.stub, "sbx_restart", "remote", call(5, "initialize_count"))) == 2
+            await after.stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_restart"), metadata=ORG_A)
 
 
 def test_extra_read_only_mounts_must_not_shadow_the_sandboxs_own_paths(tmp_path: Path) -> None:

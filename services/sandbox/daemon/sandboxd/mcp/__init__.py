@@ -6,8 +6,11 @@ here, in the sandbox. A streamable HTTP endpoint is only registered here:
 its client runs in the Sandbox service, which reaches the server through
 ``net.connect`` tunnels this daemon opens from the sandbox's network (see
 ``relay``), and ``mcp.upstream {label}`` hands it the registration
-(``{transport, server_url, headers, proxy, state}``; ``proxy`` is the one
-the sandbox's proxy variables name for the URL, or null).
+(``{transport, server_url, headers, proxy, state, init_params}``; ``proxy``
+is the one the sandbox's proxy variables name for the URL, or null).
+``mcp.remember_handshake {label, params}`` records the first client's
+``initialize`` params there, which a restarted Sandbox service replays to
+open a session for callers that initialized before it restarted.
 
 ``mcp.start {label, transport}`` with ``transport`` either
 ``{"type": "stdio", "command", "args", "cwd", "env", "env_vars"}`` or
@@ -80,6 +83,7 @@ class Mcp:
             "mcp.stop": self._op_mcp_stop,
             "mcp.close_upstream": self._op_mcp_close_upstream,
             "mcp.upstream": self._op_mcp_upstream,
+            "mcp.remember_handshake": self._op_mcp_remember_handshake,
         }
 
     def kill_all(self) -> None:
@@ -192,3 +196,13 @@ class Mcp:
         if isinstance(broker, HttpEndpoint):
             return broker.upstream()
         return {"transport": broker.transport, "state": broker.state}
+
+    async def _op_mcp_remember_handshake(self, conn: Sender, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        if not isinstance(broker, HttpEndpoint):
+            raise OpError("invalid_argument", "only HTTP labels keep a handshake here", param="label")
+        params = req.get("params")
+        if not isinstance(params, dict):
+            raise OpError("invalid_argument", "params must be an object", param="params")
+        broker.init_params = params
+        return {}

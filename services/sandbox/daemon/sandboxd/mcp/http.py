@@ -27,9 +27,19 @@ class HttpEndpoint(McpBroker):
         self.url = url
         self.headers = headers
         self.proxy = proxy
+        # The first client's initialize params, so a restarted Sandbox
+        # service can open a session again for callers already initialized.
+        self.init_params: Any = None
 
     def upstream(self) -> Json:
-        return {"transport": "http", "server_url": self.url, "headers": dict(self.headers), "proxy": self.proxy, "state": self.state}
+        return {
+            "transport": "http",
+            "server_url": self.url,
+            "headers": dict(self.headers),
+            "proxy": self.proxy,
+            "state": self.state,
+            "init_params": self.init_params,
+        }
 
     def _elsewhere(self) -> OpError:
         return OpError(
