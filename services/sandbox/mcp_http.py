@@ -153,11 +153,17 @@ class _SandboxTransport(httpx2.AsyncHTTPTransport):
             self._pool = httpcore2.AsyncHTTPProxy(proxy_url=proxy, ssl_context=context, network_backend=network)
 
 
+RequestHook = Callable[[httpx2.Request], Awaitable[None]]
 ResponseHook = Callable[[httpx2.Response], Awaitable[None]]
 
 
 def sandbox_http_client(
-    daemon: DaemonClient, *, headers: dict[str, str], proxy: str | None, on_response: ResponseHook | None = None
+    daemon: DaemonClient,
+    *,
+    headers: dict[str, str],
+    proxy: str | None,
+    on_request: RequestHook | None = None,
+    on_response: ResponseHook | None = None,
 ) -> httpx2.AsyncClient:
     """An httpx2 client whose connections all originate in the sandbox of
     ``daemon``; ``proxy`` (an http:// URL, from the sandbox's environment)
@@ -170,7 +176,7 @@ def sandbox_http_client(
         headers=headers,
         timeout=_TIMEOUT,
         trust_env=False,
-        event_hooks={"response": [on_response]} if on_response is not None else None,
+        event_hooks={"request": [on_request] if on_request else [], "response": [on_response] if on_response else []},
     )
 
 
@@ -199,6 +205,8 @@ class _Upstream:
         # The server answered 404 to this session: it ended or forgot it.
         self.expired = False
         self.ended = False
+        # Whether ending this run ends the server's session (HTTP DELETE).
+        self.terminate = True
 
 
 class SandboxHttpBroker(McpBroker):
@@ -235,11 +243,19 @@ class SandboxHttpBroker(McpBroker):
         error = f"the connection to MCP server {self.label} closed"
         try:
 
+            async def on_request(request: httpx2.Request) -> None:
+                if request.method == "DELETE" and not up.terminate:
+                    # Abandoned (the sandbox goes away, the service stops):
+                    # the SDK's DELETE on the way out is not sent.
+                    raise _Abandoned()
+
             async def on_response(response: httpx2.Response) -> None:
                 if response.status_code == 404 and "mcp-session-id" in response.request.headers:
                     up.expired = True
 
-            client = sandbox_http_client(self._daemon, headers=self.headers, proxy=self.proxy, on_response=on_response)
+            client = sandbox_http_client(
+                self._daemon, headers=self.headers, proxy=self.proxy, on_request=on_request, on_response=on_response
+            )
             async with client, streamable_http_client(self.url, http_client=client, terminate_on_close=True) as (read, write):
                 up.write = write
                 up.started.set_result(None)
@@ -375,10 +391,10 @@ class SandboxHttpBroker(McpBroker):
         return response
 
     async def _drop(self, up: _Upstream, *, terminate: bool) -> None:
-        async with self._open_lock:
-            if self._upstream is up:
-                self._upstream = None
-                self._handshaken = False
+        if self._upstream is up:
+            self._upstream = None
+            self._handshaken = False
+        up.terminate = terminate
         if terminate and up.write is not None:
             await up.write.aclose()  # the SDK ends the session with DELETE
         elif up.task is not None:
@@ -398,15 +414,26 @@ class SandboxHttpBroker(McpBroker):
             await self.close_upstream()
         self.mark_dead(None, "stopped")
 
+    async def abandon(self) -> None:
+        """Stops the client without ending the server's session."""
+        up = self._upstream
+        if up is not None:
+            await self._drop(up, terminate=False)
+
     def kill(self) -> None:
         up = self._upstream
         if up is not None and up.task is not None:
+            up.terminate = False
             up.task.cancel()
         self.mark_dead(None, "stopped")
 
 
 class _Gone(Exception):
     """The upstream ended before the message could be sent."""
+
+
+class _Abandoned(Exception):
+    """Refuses the DELETE of an abandoned upstream."""
 
 
 def _daemon_error(exc: OpError) -> DaemonError:
@@ -458,11 +485,9 @@ class SandboxHttpBrokers:
             raise _daemon_error(exc) from None
 
     async def close(self) -> None:
-        """Ends every upstream session (the sandbox is going away, or this
-        service is stopping)."""
+        """Stops every client, leaving the servers' sessions alone (as a
+        destroyed sandbox or a stopped service always did): the sandbox may
+        be paused or gone, and a restarted service opens new sessions."""
         brokers, self._brokers = list(self._brokers.values()), {}
         for broker in brokers:
-            try:
-                await broker.close_upstream()
-            except Exception as exc:  # one broken upstream must not keep the others open
-                log.warning("mcp_http_close_failed", label=broker.label, error=str(exc))
+            await broker.abandon()
