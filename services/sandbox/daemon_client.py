@@ -739,8 +739,8 @@ class DaemonClient:
         return [_broker_info(raw) for raw in frame.get("brokers", [])]
 
     async def mcp_stop(self, label: str) -> McpBrokerInfo:
-        """Kills a stdio server's process tree (an HTTP broker ends its
-        upstream session); the broker stays, dead."""
+        """Kills a stdio server's process tree (an HTTP label's upstream
+        session is the Sandbox service's to end); the broker stays, dead."""
         frame = await self._request("mcp.stop", {"label": label})
         return _broker_info(frame)
 
