@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.core.db import Database
 from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
@@ -99,11 +100,13 @@ class _Live:
     in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
     paused: bool = False
+    # What the TLS of its HTTP MCP clients trusts (None: the host's store).
+    ca_bundle: Path | None = None
     # The clients of the sandbox's environment-origin HTTP MCP servers.
     http_mcp: SandboxHttpBrokers = field(init=False)
 
     def __post_init__(self) -> None:
-        self.http_mcp = SandboxHttpBrokers(self.client)
+        self.http_mcp = SandboxHttpBrokers(self.client, ca_bundle=self.ca_bundle)
 
     async def close(self) -> None:
         await self.http_mcp.close()
@@ -120,8 +123,12 @@ class SandboxManager:
         isolation: str,
         idle_pause_s: float,
         egress: EgressProxies | None = None,
+        mcp_ca_bundle: Path | None = None,
     ) -> None:
+        """``mcp_ca_bundle`` is what sandboxes trust (``BERTH_SANDBOX_CA_BUNDLE``),
+        so their HTTP MCP clients' TLS trusts the same; None is the host's store."""
         self._db = db
+        self._mcp_ca_bundle = mcp_ca_bundle
         self._backend = backend
         self._egress = egress or EgressProxies(EgressOptions())
         self._backend_name = backend_name
@@ -150,7 +157,12 @@ class SandboxManager:
                         now=None,
                     )
                     continue
-                live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
+                live = _Live(
+                    handle=handle,
+                    client=DaemonClient(self._backend.socket_path(handle)),
+                    org_id=row.org_id,
+                    ca_bundle=self._mcp_ca_bundle,
+                )
                 live.paused = row.state == SandboxState.PAUSED
                 self._live[row.sandbox_id] = live
                 networks.append((row.sandbox_id, handle, json.loads(row.network_json)))
@@ -278,7 +290,7 @@ class SandboxManager:
                 log.warning("sandbox_egress_failed", sandbox_id=params.sandbox_id, error=str(exc))
                 await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.ERROR, error=f"egress proxy: {exc}", handle=handle)
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not start its egress proxy: {exc}") from exc
-            self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id)
+            self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id, ca_bundle=self._mcp_ca_bundle)
             await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.RUNNING, handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -144,9 +145,9 @@ class _SandboxTransport(httpx2.AsyncHTTPTransport):
     connection pool on ``SandboxNetwork``: httpx2 takes no network backend,
     so the pool it built is replaced by one that has it."""
 
-    def __init__(self, network: SandboxNetwork, proxy: str | None) -> None:
+    def __init__(self, network: SandboxNetwork, proxy: str | None, ca_bundle: Path | None) -> None:
         super().__init__(trust_env=False)
-        context = ssl.create_default_context()
+        context = ssl.create_default_context(cafile=str(ca_bundle) if ca_bundle is not None else None)
         if proxy is None:
             self._pool = httpcore2.AsyncConnectionPool(ssl_context=context, network_backend=network)
         else:
@@ -162,17 +163,19 @@ def sandbox_http_client(
     *,
     headers: dict[str, str],
     proxy: str | None,
+    ca_bundle: Path | None = None,
     on_request: RequestHook | None = None,
     on_response: ResponseHook | None = None,
 ) -> httpx2.AsyncClient:
     """An httpx2 client whose connections all originate in the sandbox of
     ``daemon``; ``proxy`` (an http:// URL, from the sandbox's environment)
-    is itself reached from the sandbox. The host's proxy variables are not
-    read."""
+    is itself reached from the sandbox. TLS trusts ``ca_bundle`` (the
+    sandboxes' bundle) or else the host's store. The host's proxy variables
+    are not read."""
     if proxy is not None and not proxy.startswith(("http://", "https://")):
         raise OpError("invalid_argument", "the sandbox's proxy for this URL is not an http(s) URL", param="server_url")
     return httpx2.AsyncClient(
-        transport=_SandboxTransport(SandboxNetwork(daemon), proxy),
+        transport=_SandboxTransport(SandboxNetwork(daemon), proxy, ca_bundle),
         headers=headers,
         timeout=_TIMEOUT,
         trust_env=False,
@@ -222,8 +225,9 @@ class SandboxHttpBroker(McpBroker):
 
     transport = "http"
 
-    def __init__(self, label: str, upstream: McpUpstream, daemon: DaemonClient) -> None:
+    def __init__(self, label: str, upstream: McpUpstream, daemon: DaemonClient, *, ca_bundle: Path | None = None) -> None:
         super().__init__(label)
+        self._ca_bundle = ca_bundle
         self.url = upstream.server_url
         self.headers = dict(upstream.headers)
         self.proxy = upstream.proxy
@@ -254,7 +258,12 @@ class SandboxHttpBroker(McpBroker):
                     up.expired = True
 
             client = sandbox_http_client(
-                self._daemon, headers=self.headers, proxy=self.proxy, on_request=on_request, on_response=on_response
+                self._daemon,
+                headers=self.headers,
+                proxy=self.proxy,
+                ca_bundle=self._ca_bundle,
+                on_request=on_request,
+                on_response=on_response,
             )
             async with client, streamable_http_client(self.url, http_client=client, terminate_on_close=True) as (read, write):
                 up.write = write
@@ -444,8 +453,9 @@ class SandboxHttpBrokers:
     """The HTTP brokers of one sandbox, made on first use from sandboxd's
     registration of the label."""
 
-    def __init__(self, daemon: DaemonClient) -> None:
+    def __init__(self, daemon: DaemonClient, *, ca_bundle: Path | None = None) -> None:
         self._daemon = daemon
+        self._ca_bundle = ca_bundle
         self._brokers: dict[str, SandboxHttpBroker] = {}
         self._stdio: set[str] = set()
         self._lock = asyncio.Lock()
@@ -463,7 +473,7 @@ class SandboxHttpBrokers:
             if upstream.transport != "http":
                 self._stdio.add(label)
                 return None
-            broker = SandboxHttpBroker(label, upstream, self._daemon)
+            broker = SandboxHttpBroker(label, upstream, self._daemon, ca_bundle=self._ca_bundle)
             if upstream.state == McpBrokerState.DEAD:
                 broker.mark_dead(None, "stopped")
             self._brokers[label] = broker

@@ -1,16 +1,22 @@
 """sandboxd's ``net.connect``: a TCP stream opened from inside the sandbox
 and carried over a daemon connection of its own, the only way the Sandbox
-service's MCP HTTP client reaches a server."""
+service's MCP HTTP client (``services/sandbox/mcp_http.py``) reaches a
+server."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
+from pathlib import Path
 
+import httpx2
 import pytest
 from sandbox_support import SandboxFactory, host_listener
 from waiting import wait_until
 
 from services.sandbox.daemon_client import DaemonError
+from services.sandbox.mcp_http import sandbox_http_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,3 +76,57 @@ async def test_a_tunnel_to_a_bad_port_is_an_invalid_argument(make_sandbox: Sandb
         with pytest.raises(DaemonError) as bad:
             await sandbox.client.open_tunnel("127.0.0.1", port)
         assert bad.value.code == "invalid_argument"
+
+
+# Serves HTTPS on 127.0.0.1:argv[1] with the certificate and key at
+# argv[2], argv[3], answering every GET with "over tls".
+_TLS_SERVER = """
+import http.server, ssl, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"over tls"
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(sys.argv[2], sys.argv[3])
+server.socket = context.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
+"""
+
+
+async def test_the_sandboxs_http_client_speaks_tls_over_a_tunnel_and_trusts_only_the_given_bundle(
+    make_sandbox: SandboxFactory, tmp_path: Path
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    sandbox = await make_sandbox("tunnel-tls")
+    await sandbox.client.write_file("/workspace/cert.pem", cert.read_bytes())
+    await sandbox.client.write_file("/workspace/key.pem", key.read_bytes())
+    await sandbox.client.start_process(
+        name="tls", argv=["python3", "-c", _TLS_SERVER, str(_PORT), "/workspace/cert.pem", "/workspace/key.pem"]
+    )
+    url = f"https://localhost:{_PORT}/"
+
+    async with sandbox_http_client(sandbox.client, headers={}, proxy=None, ca_bundle=cert) as http:
+
+        async def answered() -> httpx2.Response | None:
+            try:
+                return await http.get(url)
+            except httpx2.ConnectError as exc:
+                if "ssl" in type(exc.__cause__).__name__.lower() or "certificate" in str(exc).lower():
+                    raise
+                return None  # not listening yet
+
+        response = await wait_until(answered, 20, what="the sandbox's TLS server to answer")
+    assert response.status_code == 200 and response.text == "over tls"
+
+    async with sandbox_http_client(sandbox.client, headers={}, proxy=None) as untrusting:
+        with pytest.raises(httpx2.ConnectError):
+            await untrusting.get(url)
