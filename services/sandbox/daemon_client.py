@@ -431,18 +431,6 @@ class DaemonClient:
             raise
         return _Connection(reader, writer, hello)
 
-    async def _hello(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A fresh connection of its own, past the handshake."""
-        try:
-            reader, writer = await _open_unix(self.socket_path)
-        except OSError as exc:
-            raise DaemonUnavailable(f"cannot connect to sandbox daemon at {self.socket_path}: {exc!r}") from exc
-        try:
-            await _say_hello(reader, writer)
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer
 
     # ------------------------------------------------------------ plumbing
 
@@ -777,10 +765,19 @@ class DaemonClient:
         daemon connection that carries the stream's bytes once the daemon
         answers. Raises DaemonError (reason ``connect_failed``) when the
         sandbox cannot reach the target."""
-        reader, writer = await asyncio.wait_for(self._hello(), self._connect_timeout_s)
         try:
+            reader, writer = await asyncio.wait_for(_open_unix(self.socket_path), self._connect_timeout_s)
+        except OSError as exc:
+            raise DaemonUnavailable(f"cannot connect to sandbox daemon at {self.socket_path}: {exc!r}") from exc
+        try:
+            # Both frames at once: the daemon reads the request after its hello.
+            writer.write(encode_frame({"op": "hello", "v": PROTOCOL_VERSION}))
             writer.write(encode_frame({"id": 1, "op": "net.connect", "host": host, "port": port}))
             await writer.drain()
+            hello = await asyncio.wait_for(_read_frame(reader), self._connect_timeout_s)
+            if not hello.get("ok"):
+                _raise_for_error(hello)
+                raise DaemonUnavailable(f"unexpected handshake answer {hello!r}")
             # The daemon's own connect is bounded by its timeout (30 s).
             answer = await asyncio.wait_for(_read_frame(reader), self._connect_timeout_s + 30.0)
             _raise_for_error(answer)
