@@ -43,6 +43,7 @@ __all__ = [
     "McpHttpTransport",
     "McpTransport",
     "McpBrokerInfo",
+    "McpUpstream",
     "DaemonClient",
 ]
 
@@ -176,6 +177,21 @@ class McpBrokerInfo:
     created: bool = False
 
 
+@dataclass(frozen=True)
+class McpUpstream:
+    """What ``mcp_upstream`` says of a label: its transport and state and,
+    for HTTP, the first start's URL and headers and the proxy the sandbox's
+    environment names for that URL."""
+
+    transport: Literal["stdio", "http"]
+    state: McpBrokerState
+    server_url: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    proxy: str | None = None
+    # The first client's initialize params, once remembered.
+    init_params: dict[str, Any] | None = None
+
+
 def _broker_info(raw: Mapping[str, Any]) -> McpBrokerInfo:
     pid, exit_code = raw.get("pid"), raw.get("exit_code")
     return McpBrokerInfo(
@@ -275,6 +291,16 @@ async def _open_unix(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWri
         return await asyncio.open_unix_connection(alias, limit=1024 * 1024)
     finally:
         os.close(dir_fd)
+
+
+async def _say_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Frame:
+    writer.write(encode_frame({"op": "hello", "v": PROTOCOL_VERSION}))
+    await writer.drain()
+    hello = await _read_frame(reader)
+    if not hello.get("ok"):
+        _raise_for_error(hello)
+        raise DaemonUnavailable(f"unexpected handshake answer {hello!r}")
+    return hello
 
 
 class _Connection:
@@ -402,16 +428,12 @@ class DaemonClient:
     async def _handshake(self) -> _Connection:
         reader, writer = await _open_unix(self.socket_path)
         try:
-            writer.write(encode_frame({"op": "hello", "v": PROTOCOL_VERSION}))
-            await writer.drain()
-            hello = await _read_frame(reader)
-            if not hello.get("ok"):
-                _raise_for_error(hello)
-                raise DaemonUnavailable(f"unexpected handshake answer {hello!r}")
+            hello = await _say_hello(reader, writer)
         except BaseException:
             writer.close()
             raise
         return _Connection(reader, writer, hello)
+
 
     # ------------------------------------------------------------ plumbing
 
@@ -723,16 +745,66 @@ class DaemonClient:
         return [_broker_info(raw) for raw in frame.get("brokers", [])]
 
     async def mcp_stop(self, label: str) -> McpBrokerInfo:
-        """Kills a stdio server's process tree (an HTTP broker ends its
-        upstream session); the broker stays, dead."""
+        """Kills a stdio server's process tree (an HTTP label's upstream
+        session is the Sandbox service's to end); the broker stays, dead."""
         frame = await self._request("mcp.stop", {"label": label})
         return _broker_info(frame)
 
     async def mcp_close_upstream(self, label: str) -> bool:
-        """Ends an HTTP broker's upstream session; the next request opens a
-        fresh one. Returns whether a session was open."""
+        """Ends a broker's upstream session in the daemon; always False
+        since HTTP upstreams live in the Sandbox service (``mcp_http``)."""
         frame = await self._request("mcp.close_upstream", {"label": label})
         return bool(frame.get("closed", False))
+
+    async def mcp_upstream(self, label: str) -> McpUpstream:
+        """The label's registration: for HTTP, whom the Sandbox service's
+        client connects to."""
+        frame = await self._request("mcp.upstream", {"label": label})
+        headers = frame.get("headers")
+        proxy = frame.get("proxy")
+        return McpUpstream(
+            transport="http" if frame.get("transport") == "http" else "stdio",
+            state=McpBrokerState.DEAD if frame.get("state") == McpBrokerState.DEAD else McpBrokerState.RUNNING,
+            server_url=str(frame.get("server_url") or ""),
+            headers={str(k): str(v) for k, v in headers.items()} if isinstance(headers, dict) else {},
+            proxy=str(proxy) if proxy else None,
+            init_params=cast(dict[str, Any], frame["init_params"]) if isinstance(frame.get("init_params"), dict) else None,
+        )
+
+    async def mcp_remember_handshake(self, label: str, params: Mapping[str, Any]) -> None:
+        """Records an HTTP label's first initialize params in the daemon."""
+        await self._request("mcp.remember_handshake", {"label": label, "params": dict(params)})
+
+    # ------------------------------------------------------------ tunnels
+
+    async def open_tunnel(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to ``host:port`` opened by the daemon inside the
+        sandbox (``net.connect``), under the sandbox's network policy: a new
+        daemon connection that carries the stream's bytes once the daemon
+        answers. Raises DaemonError (reason ``connect_failed``) when the
+        sandbox cannot reach the target."""
+        try:
+            reader, writer = await asyncio.wait_for(_open_unix(self.socket_path), self._connect_timeout_s)
+        except OSError as exc:
+            raise DaemonUnavailable(f"cannot connect to sandbox daemon at {self.socket_path}: {exc!r}") from exc
+        try:
+            # Both frames at once: the daemon reads the request after its hello.
+            writer.write(encode_frame({"op": "hello", "v": PROTOCOL_VERSION}))
+            writer.write(encode_frame({"id": 1, "op": "net.connect", "host": host, "port": port}))
+            await writer.drain()
+            hello = await asyncio.wait_for(_read_frame(reader), self._connect_timeout_s)
+            if not hello.get("ok"):
+                _raise_for_error(hello)
+                raise DaemonUnavailable(f"unexpected handshake answer {hello!r}")
+            # The daemon's own connect is bounded by its timeout (30 s).
+            answer = await asyncio.wait_for(_read_frame(reader), self._connect_timeout_s + 30.0)
+            _raise_for_error(answer)
+            if not answer.get("ok"):
+                raise DaemonUnavailable(f"unexpected net.connect answer {answer!r}")
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
 
 
 async def probe(socket_path: str) -> Exception | None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.core.db import Database
 from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
@@ -36,6 +37,7 @@ from services.sandbox.backends.base import (
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
 from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
 from services.sandbox.isolation.sizes import size_for
+from services.sandbox.mcp_http import SandboxHttpBrokers
 from services.sandbox.models import SandboxRow
 from services.sandbox.states import LIVE_STATES, SandboxState
 
@@ -98,6 +100,17 @@ class _Live:
     in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
     paused: bool = False
+    # What the TLS of its HTTP MCP clients trusts (None: the host's store).
+    ca_bundle: Path | None = None
+    # The clients of the sandbox's environment-origin HTTP MCP servers.
+    http_mcp: SandboxHttpBrokers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.http_mcp = SandboxHttpBrokers(self.client, ca_bundle=self.ca_bundle)
+
+    async def close(self) -> None:
+        await self.http_mcp.close()
+        await self.client.close()
 
 
 class SandboxManager:
@@ -110,8 +123,12 @@ class SandboxManager:
         isolation: str,
         idle_pause_s: float,
         egress: EgressProxies | None = None,
+        mcp_ca_bundle: Path | None = None,
     ) -> None:
+        """``mcp_ca_bundle`` is what sandboxes trust (``BERTH_SANDBOX_CA_BUNDLE``),
+        so their HTTP MCP clients' TLS trusts the same; None is the host's store."""
         self._db = db
+        self._mcp_ca_bundle = mcp_ca_bundle
         self._backend = backend
         self._egress = egress or EgressProxies(EgressOptions())
         self._backend_name = backend_name
@@ -140,7 +157,12 @@ class SandboxManager:
                         now=None,
                     )
                     continue
-                live = _Live(handle=handle, client=DaemonClient(self._backend.socket_path(handle)), org_id=row.org_id)
+                live = _Live(
+                    handle=handle,
+                    client=DaemonClient(self._backend.socket_path(handle)),
+                    org_id=row.org_id,
+                    ca_bundle=self._mcp_ca_bundle,
+                )
                 live.paused = row.state == SandboxState.PAUSED
                 self._live[row.sandbox_id] = live
                 networks.append((row.sandbox_id, handle, json.loads(row.network_json)))
@@ -163,7 +185,7 @@ class SandboxManager:
             except asyncio.CancelledError:
                 pass
         for live in self._live.values():
-            await live.client.close()
+            await live.close()
         await self._egress.close()
 
     # --- rows ---------------------------------------------------------------------------
@@ -268,7 +290,7 @@ class SandboxManager:
                 log.warning("sandbox_egress_failed", sandbox_id=params.sandbox_id, error=str(exc))
                 await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.ERROR, error=f"egress proxy: {exc}", handle=handle)
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not start its egress proxy: {exc}") from exc
-            self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id)
+            self._live[params.sandbox_id] = _Live(handle=handle, client=client, org_id=org_id, ca_bundle=self._mcp_ca_bundle)
             await self._set_state(params.sandbox_id, _UNDESTROYED, SandboxState.RUNNING, handle=handle)
             log.info("sandbox_created", sandbox_id=params.sandbox_id, backend=self._backend_name)
             return await self._row(org_id, params.sandbox_id)
@@ -312,7 +334,7 @@ class SandboxManager:
         await self._egress.stop(sandbox_id)
         live = self._live.pop(sandbox_id, None)
         if live is not None:
-            await live.client.close()
+            await live.close()
             await self._backend.destroy(live.handle)
         else:
             # Not held here (an `error` sandbox, say one that did not survive
@@ -385,6 +407,12 @@ class SandboxManager:
         finally:
             live.in_flight -= 1
             live.last_active = time.monotonic()
+
+    @asynccontextmanager
+    async def mcp_operation(self, org_id: str, sandbox_id: str) -> AsyncIterator[tuple[DaemonClient, SandboxHttpBrokers]]:
+        """``operation`` plus the sandbox's HTTP MCP brokers."""
+        async with self.operation(org_id, sandbox_id) as client:
+            yield client, self._require_live(sandbox_id).http_mcp
 
     async def _reap_idle(self) -> None:
         interval = max(0.05, min(self._idle_pause_s / 4, 10.0))

@@ -68,6 +68,7 @@ async def start_sandbox_service(settings: Settings, *, address: str | None = Non
         isolation=isolation,
         idle_pause_s=settings.sandbox_idle_pause_s,
         egress=EgressProxies(EgressOptions.from_settings(settings)),
+        mcp_ca_bundle=Path(settings.sandbox_ca_bundle) if settings.sandbox_ca_bundle.strip() else None,
     )
     await manager.start()
     # After adopt, which removes what an earlier process's pool left behind.

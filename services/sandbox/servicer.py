@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -298,27 +299,45 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
         return pb.StartMcpBrokerResponse(broker=_mcp_broker(info), created=info.created)
 
     async def ListMcpBrokers(self, request: pb.ListMcpBrokersRequest, context: grpc.aio.ServicerContext) -> pb.ListMcpBrokersResponse:
-        async with self._m.operation(current_org(), request.sandbox_id) as client:
+        async with self._m.mcp_operation(current_org(), request.sandbox_id) as (client, http):
             brokers = await client.mcp_list()
+            for i, info in enumerate(brokers):
+                served = http.known(info.label) if info.transport == "http" else None
+                if served is not None:
+                    # sandboxd registers HTTP labels; their callers are here.
+                    described = served.describe()
+                    brokers[i] = dataclasses.replace(info, clients=described["clients"], in_flight=described["in_flight"])
         return pb.ListMcpBrokersResponse(brokers=[_mcp_broker(b) for b in brokers])
 
     async def SendMcpMessage(self, request: pb.SendMcpMessageRequest, context: grpc.aio.ServicerContext) -> pb.SendMcpMessageResponse:
         message = _mcp_message(request.message_json)
         remaining = context.time_remaining()
         timeout_s = _MCP_DEFAULT_TIMEOUT_S if remaining is None else remaining + 1.0
-        async with self._m.operation(current_org(), request.sandbox_id) as client:
-            if "method" in message and "id" in message:
+        is_request = "method" in message and "id" in message
+        async with self._m.mcp_operation(current_org(), request.sandbox_id) as (client, http):
+            broker = await http.broker(request.label)
+            if broker is not None:
+                if is_request:
+                    response = await http.request(broker, message)
+                    return pb.SendMcpMessageResponse(message_json=json.dumps(response, separators=(",", ":")))
+                await http.notify(broker, message)
+                return pb.SendMcpMessageResponse()
+            if is_request:
                 response = await client.mcp_request(request.label, message, timeout_s=timeout_s)
                 return pb.SendMcpMessageResponse(message_json=json.dumps(response, separators=(",", ":")))
             await client.mcp_notify(request.label, message)
         return pb.SendMcpMessageResponse()
 
     async def StopMcpBroker(self, request: pb.StopMcpBrokerRequest, context: grpc.aio.ServicerContext) -> pb.StopMcpBrokerResponse:
-        async with self._m.operation(current_org(), request.sandbox_id) as client:
+        async with self._m.mcp_operation(current_org(), request.sandbox_id) as (client, http):
+            broker = await http.broker(request.label)
+            if broker is not None:
+                await broker.stop()  # ends the upstream session first
             info = await client.mcp_stop(request.label)
         return pb.StopMcpBrokerResponse(broker=_mcp_broker(info))
 
     async def CloseMcpUpstream(self, request: pb.CloseMcpUpstreamRequest, context: grpc.aio.ServicerContext) -> pb.CloseMcpUpstreamResponse:
-        async with self._m.operation(current_org(), request.sandbox_id) as client:
-            closed = await client.mcp_close_upstream(request.label)
+        async with self._m.mcp_operation(current_org(), request.sandbox_id) as (client, http):
+            broker = await http.broker(request.label)
+            closed = await broker.close_upstream() if broker is not None else await client.mcp_close_upstream(request.label)
         return pb.CloseMcpUpstreamResponse(closed=closed)

@@ -11,9 +11,11 @@ such as pydantic_core) as /usr/bin/python3.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from mcp_test_support import (
     SERVERS_DIR,
     SITE_IN_SANDBOX,
     SITE_PACKAGES,
+    http_mcp_server,
     require_host_python_mcp,
 )
 from waiting import wait_until
@@ -41,6 +44,7 @@ from services.core.errors import reason_from_rpc_error
 from services.core.grpc_server import start_grpc_server
 from services.core.settings import Settings
 from services.sandbox.backends.local import LocalBackend
+from services.sandbox.egress import EgressOptions, EgressProxies
 from services.sandbox.manager import SandboxManager
 from services.sandbox.server import SANDBOX_CALLERS
 from services.sandbox.servicer import SandboxServicer
@@ -74,6 +78,14 @@ async def service(
     """The Sandbox service composed like ``start_sandbox_service``, with a
     backend that mounts the site-packages and the test server, whose enabled
     sandboxes may reach the test host."""
+    async with serve(tmp_path, test_host) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def serve(tmp_path: Path, test_host: TestHost) -> AsyncIterator[Service]:
+    """One run of the Sandbox service over the data dir in ``tmp_path``: a
+    later run adopts the sandboxes an earlier one left."""
     settings = Settings(data_dir=tmp_path / "berth", sandbox_idle_pause_s=0)
     db = await open_database(settings.database_url("sandbox"), "sandbox", MIGRATIONS)
     backend = LocalBackend(
@@ -82,7 +94,9 @@ async def service(
         extra_ro_mounts={SITE_PACKAGES: SITE_IN_SANDBOX, SERVERS_DIR: os.path.dirname(SERVER_IN_SANDBOX)},
         allow_cidrs=[test_host.cidr],
     )
-    manager = SandboxManager(db, backend, backend_name="local", isolation="bwrap", idle_pause_s=0)
+    # Restricted sandboxes' proxies may reach the test host (a private address).
+    egress = EgressProxies(EgressOptions(allow_private=True))
+    manager = SandboxManager(db, backend, backend_name="local", isolation="bwrap", idle_pause_s=0, egress=egress)
     await manager.start()
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -410,6 +424,94 @@ async def test_an_unreachable_http_server_answers_with_a_jsonrpc_error(service: 
     response = await send(stub, "sbx_nohttp", "gone", initialize(5))
     assert response is not None and response["id"] == 5
     assert response["error"]["code"] == -32000
+
+
+def http_transport(url: str) -> sandbox_pb2.McpTransport:
+    return sandbox_pb2.McpTransport(http=sandbox_pb2.McpHttpTransport(server_url=url))
+
+
+async def test_a_sandbox_with_network_disabled_cannot_reach_an_http_server_its_enabled_peer_reaches(
+    service: Service, test_host: TestHost
+) -> None:
+    stub = service.stub
+    # The server starts before the sandboxes: once this test has created
+    # sandboxes, nsenter into the test host's namespace fails (EINVAL).
+    async with http_mcp_server(test_host) as url:
+        await create_sandbox(stub, "sbx_http_on", network=True)
+        await create_sandbox(stub, "sbx_http_off")
+        await start(stub, "sbx_http_on", "remote", http_transport(url))
+        await start(stub, "sbx_http_off", "remote", http_transport(url))
+        reached = await handshake(stub, "sbx_http_on", "remote", msg_id=1)
+        assert reached is not None and reached["result"]["protocolVersion"] == PROTOCOL_VERSION
+        refused = await send(stub, "sbx_http_off", "remote", initialize(1))
+        assert refused is not None and refused["id"] == 1
+        assert refused["error"]["code"] == -32000
+        assert "result" not in refused
+
+
+async def test_an_http_servers_loopback_url_is_the_sandboxs_own_loopback_never_the_hosts(service: Service) -> None:
+    stub = service.stub
+    await create_sandbox(stub, "sbx_loop", network=True)
+    async with http_mcp_server() as url:  # on the host's 127.0.0.1
+        await start(stub, "sbx_loop", "host", http_transport(url))
+        refused = await send(stub, "sbx_loop", "host", initialize(1))
+        assert refused is not None and refused["error"]["code"] == -32000
+
+        # A server the sandbox runs on the same port is what the same URL reaches.
+        port = urllib.parse.urlsplit(url).port
+        own = await stub.StartProcess(
+            pb.StartProcessRequest(
+                sandbox_id="sbx_loop",
+                name="mcp",
+                argv=[HOST_PYTHON, SERVER_IN_SANDBOX, "http", str(port)],
+                env={"PYTHONPATH": SITE_IN_SANDBOX},
+            ),
+            metadata=ORG_A,
+        )
+        await start(stub, "sbx_loop", "own", http_transport(url))
+
+        async def initialized() -> Json | None:
+            response = await send(stub, "sbx_loop", "own", initialize(2))
+            return response if response is not None and "result" in response else None
+
+        await wait_until(initialized, 30, what="the sandbox's own HTTP MCP server to answer")
+        assert await send(stub, "sbx_loop", "own", INITIALIZED) is None
+        assert result_of(await send(stub, "sbx_loop", "own", call(3, "pid"))) == own.process.pid
+
+
+async def test_a_restricted_sandbox_reaches_an_http_server_through_its_egress_proxy_only_when_allowed(
+    service: Service, test_host: TestHost
+) -> None:
+    stub = service.stub
+    async with http_mcp_server(test_host) as url:
+        for sandbox_id, allowed in (("sbx_http_allowed", test_host.address), ("sbx_http_other", "example.com")):
+            policy = common_pb2.NetworkPolicy(access=common_pb2.NETWORK_ACCESS_RESTRICTED, allowed_domains=[allowed])
+            await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id=sandbox_id, network=policy), metadata=ORG_A)
+            await start(stub, sandbox_id, "remote", http_transport(url))
+        reached = await handshake(stub, "sbx_http_allowed", "remote", msg_id=1)
+        assert reached is not None and reached["result"]["protocolVersion"] == PROTOCOL_VERSION
+        assert result_of(await send(stub, "sbx_http_allowed", "remote", call(2, "echo", text="via the proxy"))) == "via the proxy"
+        refused = await send(stub, "sbx_http_other", "remote", initialize(1))
+        assert refused is not None and "error" in refused and "result" not in refused
+
+
+async def test_callers_initialized_before_a_service_restart_keep_calling_an_http_server(
+    tmp_path: Path, bwrap_available: None, host_python_runs_mcp: None, test_host: TestHost
+) -> None:
+    async with http_mcp_server(test_host) as url:
+        async with serve(tmp_path, test_host) as before:
+            await create_sandbox(before.stub, "sbx_restart", network=True)
+            await start(before.stub, "sbx_restart", "remote", http_transport(url))
+            await handshake(before.stub, "sbx_restart", "remote", msg_id=1)
+            assert result_of(await send(before.stub, "sbx_restart", "remote", call(2, "initialize_count"))) == 1
+        async with serve(tmp_path, test_host) as after:
+            # No initialize from the caller: the service replays the one it saw.
+            assert result_of(await send(after.stub, "sbx_restart", "remote", call(3, "echo", text="again"))) == "again"
+            assert result_of(await send(after.stub, "sbx_restart", "remote", call(4, "initialize_count"))) == 2
+            later = await send(after.stub, "sbx_restart", "remote", initialize("later"))
+            assert later is not None and later["id"] == "later" and "result" in later
+            assert result_of(await send(after.stub, "sbx_restart", "remote", call(5, "initialize_count"))) == 2
+            await after.stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_restart"), metadata=ORG_A)
 
 
 def test_extra_read_only_mounts_must_not_shadow_the_sandboxs_own_paths(tmp_path: Path) -> None:

@@ -49,7 +49,9 @@ Operations: ``exec``, ``process.start``, ``process.attach``, ``process.list``,
 ``process.wait``, ``process.kill``, ``file.write``, ``file.read``,
 ``file.list``, ``file.stat``, ``file.mkdir``, ``file.remove``, ``mcp.start``,
 ``mcp.request``, ``mcp.notify``, ``mcp.subscribe``, ``mcp.list``,
-``mcp.stop``, ``mcp.close_upstream``, ``env.reload``, ``egress.relay``,
+``mcp.stop``, ``mcp.close_upstream``, ``mcp.upstream``, ``env.reload``,
+``egress.relay``, ``net.connect`` (a connection's first request; the
+connection then carries a TCP stream opened from inside the sandbox),
 ``ping``, ``shutdown``. See the ``_op_*`` methods for their fields.
 
 ``env.reload`` re-reads the sandbox's environment (``--env-file``, then
@@ -61,6 +63,6 @@ malformed file fails the request and keeps the old environment.
 Modules: ``protocol`` (frames, errors, request fields, shared with the
 host-side client), ``workspace`` (paths and environment), ``processes``
 (``exec``, ``process.*``), ``files`` (``file.*``), ``mcp`` (``mcp.*``),
-``relay`` (``egress.relay``), ``server`` (connections, ``ping``,
+``relay`` (``egress.relay``, ``net.connect``), ``server`` (connections, ``ping``,
 ``shutdown``, ``env.reload``) and ``__main__`` (the command line).
 """

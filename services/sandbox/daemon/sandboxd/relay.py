@@ -1,4 +1,16 @@
-"""The egress relay of a ``restricted`` sandbox.
+"""Byte relays: the egress relay of a ``restricted`` sandbox, and
+``net.connect`` tunnels.
+
+``net.connect {host, port}`` connects to ``host:port`` from inside the
+sandbox, so under its network namespace and policy exactly as one of its
+commands would (a ``disabled`` sandbox reaches only its own loopback, an
+``enabled`` one what its egress filter lets through, a ``restricted`` one
+only its proxy at ``127.0.0.1:3128``). It must be a connection's first
+request: the answer is ``{"ok": true}`` (or an error, with reason
+``connect_failed`` when the target cannot be reached), after which the
+connection stops carrying frames and carries the TCP stream's bytes in both
+directions until either side ends. The Sandbox service's MCP HTTP client
+opens every one of its connections this way.
 
 ``egress.relay {port, socket}`` listens on ``127.0.0.1:port`` (0 picks a
 port) and relays every connection, byte for byte, to the unix socket
@@ -14,9 +26,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Dict, Optional
 
-from .protocol import Handler, Json, OpError, Sender, log, opt_int, req_str
+from .protocol import Handler, Json, OpError, Sender, encode_frame, log, opt_int, req_str
 
 _READ_SIZE = 64 * 1024
+_CONNECT_TIMEOUT_S = 30.0
 
 
 async def _copy_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -103,3 +116,34 @@ class Relays:
             raise OpError("failed_precondition", "cannot listen on 127.0.0.1:%d: %s" % (port, exc)) from None
         log("egress relay on 127.0.0.1:%d to %s" % (relay.port, target))
         return {"ok": True, "port": relay.port}
+
+
+def _tunnel_target(req: Json) -> "tuple[str, int]":
+    host = req_str(req, "host")
+    if not 0 < len(host) <= 255 or any(c.isspace() or not c.isprintable() for c in host):
+        raise OpError("invalid_argument", "host must be 1-255 printable characters without spaces", param="host")
+    port = opt_int(req, "port", None)
+    if port is None or not 0 < port <= 65535:
+        raise OpError("invalid_argument", "port must be between 1 and 65535", param="port")
+    return host, port
+
+
+async def tunnel(rid: int, req: Json, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Serves ``net.connect`` on a connection that carries nothing else:
+    answers it, then relays bytes between the connection and the target."""
+    try:
+        host, port = _tunnel_target(req)
+        try:
+            upstream_reader, upstream_writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
+            raise OpError("failed_precondition", "cannot connect to %s:%d from the sandbox: %s" % (host, port, exc or "timed out"), reason="connect_failed") from None
+    except OpError as exc:
+        writer.write(encode_frame({"id": rid, "final": True, "error": exc.frame()}))
+        await writer.drain()
+        return
+    try:
+        writer.write(encode_frame({"id": rid, "final": True, "ok": True}))
+        await writer.drain()
+        await asyncio.gather(_copy_stream(reader, upstream_writer), _copy_stream(upstream_reader, writer))
+    finally:
+        upstream_writer.close()

@@ -15,7 +15,7 @@ from .files import Files
 from .mcp import Mcp
 from .processes import Processes, Reaper
 from .protocol import PROTOCOL_VERSION, Handler, Json, OpError, ProtocolError, Sender, encode_frame, log, read_frame
-from .relay import Relays
+from .relay import Relays, tunnel
 from .workspace import VIRTUAL_ROOT, Workspace
 
 
@@ -105,6 +105,13 @@ class Connection:
             if isinstance(rid, bool) or not isinstance(rid, int):
                 await self.send({"id": None, "final": True, "error": {"code": "invalid_argument", "message": "request id must be an integer"}})
                 continue
+            if op == "net.connect":
+                if self.tasks:
+                    await self.send({"id": rid, "final": True, "error": {"code": "invalid_argument", "message": "net.connect must be a connection's first request"}})
+                    continue
+                # The connection becomes the tunnel: no frames after the answer.
+                await tunnel(rid, frame, self.reader, self.writer)
+                return
             if rid in self.tasks:
                 await self.send({"id": rid, "final": True, "error": {"code": "invalid_argument", "message": "request id %d is in use" % rid}})
                 continue

@@ -1,8 +1,16 @@
 """MCP brokers: the ``mcp.*`` ops.
 
 One broker per ``label`` per sandbox multiplexes every client of an
-environment-origin MCP server onto one upstream: a stdio server process or
-a streamable HTTP endpoint reached from the sandbox's network.
+environment-origin MCP server onto one upstream. A stdio server process runs
+here, in the sandbox. A streamable HTTP endpoint is only registered here:
+its client runs in the Sandbox service, which reaches the server through
+``net.connect`` tunnels this daemon opens from the sandbox's network (see
+``relay``), and ``mcp.upstream {label}`` hands it the registration
+(``{transport, server_url, headers, proxy, state, init_params}``; ``proxy``
+is the one the sandbox's proxy variables name for the URL, or null).
+``mcp.remember_handshake {label, params}`` records the first client's
+``initialize`` params there, which a restarted Sandbox service replays to
+open a session for callers that initialized before it restarted.
 
 ``mcp.start {label, transport}`` with ``transport`` either
 ``{"type": "stdio", "command", "args", "cwd", "env", "env_vars"}`` or
@@ -15,35 +23,33 @@ the variables named in ``env_vars`` taken from the sandbox's environment
 (the daemon's own plus ``--env-file``/``--env``), then ``env``; it keeps
 that launch-time environment for its whole life.
 
-The client side is one-shot: every ``mcp.request {label, message}`` is its
-own client. The broker rewrites the request's id to a broker-wide integer
-and back, so concurrent callers may reuse ids; the final frame carries the
-response as ``message``. ``mcp.notify {label, message}`` sends a
-notification, or the answer to a server request. ``mcp.subscribe {label}``
-streams ``{"type": "subscribed"}`` once registered, then
-``{"type": "message", "message"}`` for every server notification (to all
-subscribers) and server request (to the oldest subscriber only, which
-answers it with ``mcp.notify``; with none, the broker answers ``ping`` and
-fails other server requests with -32601); it ends when the broker dies.
-The first ``initialize`` goes upstream and its result is cached; later
-ones are answered from the cache with their own id, and a
+The client side of a stdio broker is one-shot: every ``mcp.request {label,
+message}`` is its own client. The broker rewrites the request's id to a
+broker-wide integer and back, so concurrent callers may reuse ids; the
+final frame carries the response as ``message``. ``mcp.notify {label,
+message}`` sends a notification, or the answer to a server request.
+``mcp.subscribe {label}`` streams ``{"type": "subscribed"}`` once
+registered, then ``{"type": "message", "message"}`` for every server
+notification (to all subscribers) and server request (to the oldest
+subscriber only, which answers it with ``mcp.notify``; with none, the broker
+answers ``ping`` and fails other server requests with -32601); it ends when
+the broker dies. The first ``initialize`` goes upstream and its result is
+cached; later ones are answered from the cache with their own id, and a
 ``notifications/initialized`` is forwarded only once per upstream
 handshake. A client ``notifications/cancelled`` is dropped (its id is
 ambiguous); cancelling the ``mcp.request`` itself sends the server a
-cancellation for the rewritten id.
+cancellation for the rewritten id. These three ops on an HTTP label fail
+with ``failed_precondition``: the Sandbox service's broker (built on the
+same ``broker`` module) does all of this for it.
 
 ``mcp.list`` returns ``{"brokers": [{label, transport, state: "running" |
 "dead", pid, started_at, exit_code, clients, in_flight, stderr_tail}]}``.
-``mcp.stop {label}`` kills a stdio server's process tree (or ends an HTTP
-broker's upstream session) and leaves the broker dead. Requests to a dead
-broker fail with ``failed_precondition`` and reason ``mcp_server_dead``;
-an unknown label is ``not_found``. ``mcp.close_upstream {label}`` ends an
-HTTP broker's upstream session with DELETE (``{"closed": bool}``; a no-op
-for stdio). That affects every peer of the label, but transparently: the
-next request re-runs the cached handshake upstream on a fresh session, as
-it also does when the server answers 404 for an expired session. Upstream
-HTTP failures answer the request with a JSON-RPC error (code -32000,
-``data.http_status``) rather than failing the operation.
+``mcp.stop {label}`` kills a stdio server's process tree (an HTTP label's
+upstream session is ended by the Sandbox service) and leaves the broker
+dead. Requests to a dead broker fail with ``failed_precondition`` and
+reason ``mcp_server_dead``; an unknown label is ``not_found``.
+``mcp.close_upstream {label}`` answers ``{"closed": false}``: only HTTP
+upstreams have a session to close, and those live in the Sandbox service.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from ..protocol import Handler, Json, OpError, Sender, opt_env, req_str, str_dic
 from ..workspace import Workspace
 from .broker import McpBroker, is_notification, is_request, is_response, mcp_label, mcp_message
 from .stdio import StdioBroker
-from .streamable_http import HttpBroker, proxies_for
+from .http import HttpEndpoint, proxy_for
 
 
 class Mcp:
@@ -76,6 +82,8 @@ class Mcp:
             "mcp.list": self._op_mcp_list,
             "mcp.stop": self._op_mcp_stop,
             "mcp.close_upstream": self._op_mcp_close_upstream,
+            "mcp.upstream": self._op_mcp_upstream,
+            "mcp.remember_handshake": self._op_mcp_remember_handshake,
         }
 
     def kill_all(self) -> None:
@@ -102,7 +110,7 @@ class Mcp:
             headers = str_dict(transport.get("headers"), "headers")
             if any("\r" in v or "\n" in v or "\r" in k or "\n" in k for k, v in headers.items()):
                 raise OpError("invalid_argument", "headers must not contain line breaks", param="headers")
-            return HttpBroker(label, url, headers, proxies_for(url, self.workspace.sandbox_env()))
+            return HttpEndpoint(label, url, headers, proxy_for(url, self.workspace.sandbox_env()))
         raise OpError("invalid_argument", "transport.type must be stdio or http", param="transport")
 
     def _new_stdio_broker(self, label: str, transport: Json) -> StdioBroker:
@@ -182,3 +190,19 @@ class Mcp:
         broker = self._broker(req)
         closed = False if broker.dead else await broker.close_upstream()
         return {"closed": closed}
+
+    async def _op_mcp_upstream(self, conn: Sender, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        if isinstance(broker, HttpEndpoint):
+            return broker.upstream()
+        return {"transport": broker.transport, "state": broker.state}
+
+    async def _op_mcp_remember_handshake(self, conn: Sender, rid: int, req: Json) -> Json:
+        broker = self._broker(req)
+        if not isinstance(broker, HttpEndpoint):
+            raise OpError("invalid_argument", "only HTTP labels keep a handshake here", param="label")
+        params = req.get("params")
+        if not isinstance(params, dict):
+            raise OpError("invalid_argument", "params must be an object", param="params")
+        broker.init_params = params
+        return {}
