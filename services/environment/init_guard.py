@@ -241,10 +241,11 @@ class InitGuard:
 
     async def _try_start(self, row: EnvironmentRow) -> _Operation | None:
         now = time.time()
-        async with self._db.transaction() as s:
-            won = await repo.start_init(
+        won = await self._db.run(
+            lambda s: repo.start_init(
                 s, row.id, version=row.init_version, owner=self.instance_id, lease_expires_at=now + self._lease_s, now=now
             )
+        )
         if not won:
             return None
         self._on_change()
