@@ -13,12 +13,14 @@ from typing import Any
 
 import grpc
 import pytest
+import sqlalchemy as sa
+from alembic import command
 from environment_fakes import ExecCall, FakeCompute
 from environment_helpers import Cluster, EnvService, create_env, ensure, get_env, reason_of, setup_config
 from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2
-from services.core.db import Database, open_database
+from services.core.db import Database, _alembic_config, create_engine, open_database
 from services.core.settings import normalize_database_url
 from services.environment import repository as repo
 from services.environment.init_guard import LeaseLost, SetupFence
@@ -197,3 +199,24 @@ async def test_an_owner_whose_lease_was_taken_over_cannot_write(
     assert await journal(db, env_id) == {"sandbox", "command:1"}
     row = await get_env(service.stub, env_id)
     assert row.status == INITIALIZING
+
+
+async def test_the_journal_migration_upgrades_and_downgrades(database_url: str) -> None:
+    engine = create_engine(normalize_database_url(database_url))
+    steps = [("upgrade", "environment_0003"), ("upgrade", "head"), ("downgrade", "environment_0003"), ("upgrade", "head")]
+
+    def migrate(c: sa.Connection, move: str, target: str) -> None:
+        config = _alembic_config("environment", MIGRATIONS, c)
+        if move == "upgrade":
+            command.upgrade(config, target)
+        else:
+            command.downgrade(config, target)
+
+    try:
+        for move, target in steps:
+            async with engine.begin() as conn:
+                await conn.run_sync(migrate, move, target)
+                tables = await conn.run_sync(lambda c: sa.inspect(c).get_table_names())
+            assert ("setup_steps" in tables) == (target == "head")
+    finally:
+        await engine.dispose()
