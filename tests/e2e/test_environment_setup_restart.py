@@ -13,21 +13,18 @@ once."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+import httpx
 import pytest
 from e2e_stack import destroy_sandboxes
 from e2e_support import BETA, sandbox_dirs, setup_commands, workspace_file
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_support import internal_channel
 from hosts_support import free_port
+from service_processes import spawn_service, stop_process, wait_serving
 from waiting import wait_until
 
 from gateway.app import start_gateway
@@ -38,7 +35,6 @@ from services.session.server import start_session_service
 
 pytestmark = [pytest.mark.timeout(180)]
 
-REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 1.5
 FIRST = "echo first >> /workspace/steps"
 GATED = "echo run >> /workspace/runs; while [ ! -e /workspace/release ]; do sleep 0.05; done"
@@ -49,58 +45,31 @@ LAST = "echo last >> /workspace/steps"
 class Harness:
     data_dir: Path
     environment_addr: str
-    base_url: str
-    key: str
+    sandbox_addr: str
+    base_url: str = ""
+    key: str = ""
     process: subprocess.Popen[bytes] | None = None
 
-    def start_environment(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
-        env.update(
-            BERTH_ENVIRONMENT_ADDR=self.environment_addr,
-            BERTH_SANDBOX_ADDR=self.sandbox_addr,
-            BERTH_DATA_DIR=str(self.data_dir),
-            BERTH_INIT_LEASE_S=str(LEASE_S),
-            BERTH_RPC_TIMEOUT_S="10",
-            BERTH_LOG_JSON="1",
-            BERTH_INTERNAL_TOKEN=os.environ["BERTH_INTERNAL_TOKEN"],
-        )
-        with open(self.data_dir / "environment.log", "ab") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.environment"],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "environment.log"
 
-    async def serving(self) -> None:
-        channel = internal_channel(self.environment_addr)
-        try:
-            health = health_pb2_grpc.HealthStub(channel)
-            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            log = (self.data_dir / "environment.log").read_text(errors="replace")[-3000:]
-            pytest.fail(f"the Environment service did not start ({exc.code().name}):\n{log}")
-        finally:
-            await channel.close()
-        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    async def start_environment(self) -> None:
+        self.process = spawn_service(
+            "services.environment",
+            self.log_path,
+            environment_addr=self.environment_addr,
+            sandbox_addr=self.sandbox_addr,
+            data_dir=str(self.data_dir),
+            init_lease_s=str(LEASE_S),
+            rpc_timeout_s="10",
+        )
+        await wait_serving(self.environment_addr, self.log_path, what="the Environment service")
 
     async def kill_environment(self) -> None:
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         await asyncio.to_thread(self.process.wait, 10)
-
-    async def stop_environment(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self.process.wait, 15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                await asyncio.to_thread(self.process.wait)
-
-    sandbox_addr: str = ""
 
 
 @pytest.fixture
@@ -111,11 +80,10 @@ async def harness(tmp_path: Path, bwrap_available: None) -> AsyncIterator[Harnes
     sandbox = await start_sandbox_service(settings, address="127.0.0.1:0")
     environment_addr = f"127.0.0.1:{free_port()}"
     settings = settings.model_copy(update={"sandbox_addr": sandbox.address, "environment_addr": environment_addr})
-    h = Harness(data_dir, environment_addr, "", "", sandbox_addr=sandbox.address)
-    h.start_environment()
+    h = Harness(data_dir, environment_addr, sandbox.address)
     session = gateway = None
     try:
-        await h.serving()
+        await h.start_environment()
         session = await start_session_service(settings, address="127.0.0.1:0")
         settings = settings.model_copy(update={"session_addr": session.address})
         gateway = await start_gateway(settings, port=0)
@@ -123,7 +91,8 @@ async def harness(tmp_path: Path, bwrap_available: None) -> AsyncIterator[Harnes
         h.base_url = f"http://127.0.0.1:{gateway.port}/v1"
         yield h
     finally:
-        await h.stop_environment()
+        if h.process is not None:
+            await stop_process(h.process)
         if gateway is not None:
             await gateway.stop()
         if session is not None:
@@ -140,8 +109,6 @@ def lines(path: Path) -> list[str]:
 
 
 async def test_a_setup_killed_mid_way_completes_after_a_restart_without_rerunning_earlier_steps(harness: Harness) -> None:
-    import httpx
-
     headers = {"Authorization": f"Bearer {harness.key}", **BETA}
     async with httpx.AsyncClient(base_url=harness.base_url, headers=headers, timeout=30) as http:
         created = await http.post(
@@ -173,8 +140,7 @@ async def test_a_setup_killed_mid_way_completes_after_a_restart_without_rerunnin
         await harness.kill_environment()
         answer = await asyncio.wait_for(first_use, 30)
         assert answer.status_code == 503, answer.text
-        harness.start_environment()
-        await harness.serving()
+        await harness.start_environment()
 
         # Nobody waits: the restarted process takes the setup over once the
         # dead owner's lease expires, and runs the interrupted command again.

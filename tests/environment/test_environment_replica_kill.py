@@ -12,10 +12,8 @@ one kills a real process, so nothing of the owner's shutdown path runs."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,9 +22,9 @@ from pathlib import Path
 import grpc
 import pytest
 from environment_helpers import SandboxService, create_env, ensure, md, run_command, setup_config
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
+from grpc_support import internal_channel
 from hosts_support import free_port
+from service_processes import spawn_service, stop_process, wait_serving
 from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
@@ -34,7 +32,6 @@ from berth.sandbox.v1 import sandbox_service_pb2
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 1.5
 READY = environment_pb2.ENVIRONMENT_STATUS_READY
 MARKER = "berth-setup-gate"
@@ -73,9 +70,6 @@ class Replica:
     def stub(self) -> environment_service_pb2_grpc.EnvironmentServiceStub:
         return environment_service_pb2_grpc.EnvironmentServiceStub(self.channel)
 
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
-
 
 class Replicas:
     """``python -m services.environment`` processes; every one left running
@@ -89,49 +83,28 @@ class Replicas:
 
     def spawn(self, name: str) -> Replica:
         address = f"127.0.0.1:{free_port()}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
-        env.update(
-            BERTH_ENVIRONMENT_ADDR=address,
-            BERTH_ENVIRONMENT_DATABASE_URL=self.database_url,
-            BERTH_SANDBOX_ADDR=self.sandbox_addr,
-            BERTH_INIT_LEASE_S=str(LEASE_S),
-            BERTH_DATA_DIR=str(self.tmp_path / name),
-            BERTH_RPC_TIMEOUT_S="10",
-            BERTH_LOG_JSON="1",
-            BERTH_INTERNAL_TOKEN=TEST_INTERNAL_TOKEN,
-        )
         log_path = self.tmp_path / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "services.environment"],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+        process = spawn_service(
+            "services.environment",
+            log_path,
+            environment_addr=address,
+            environment_database_url=self.database_url,
+            sandbox_addr=self.sandbox_addr,
+            init_lease_s=str(LEASE_S),
+            data_dir=str(self.tmp_path / name),
+            rpc_timeout_s="10",
+        )
         replica = Replica(name, process, address, log_path, internal_channel(address))
         self.started.append(replica)
         return replica
 
     async def serving(self, replica: Replica) -> None:
-        health = health_pb2_grpc.HealthStub(replica.channel)
-        try:
-            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            pytest.fail(f"replica {replica.name} did not start ({exc.code().name}):\n{replica.log_tail()}")
-        assert response.status == health_pb2.HealthCheckResponse.SERVING
+        await wait_serving(replica.address, replica.log_path, what=f"replica {replica.name}")
 
     async def stop_all(self) -> None:
         for replica in self.started:
             await replica.channel.close()
-            if replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.to_thread(replica.process.wait, 15)
-                except subprocess.TimeoutExpired:
-                    replica.process.kill()
-                    await asyncio.to_thread(replica.process.wait)
+            await stop_process(replica.process)
 
 
 @pytest.fixture
