@@ -121,9 +121,24 @@ class SetupFence:
         )
 
     async def _fenced(self, change: Callable[[AsyncSession], Awaitable[bool]]) -> None:
-        if not await self._db.run(change):
+        if not await _fenced_write(self._db, change):
             self.lost = True
             raise LeaseLost(self.environment_id)
+
+
+async def _fenced_write(db: Database, change: Callable[[AsyncSession], Awaitable[bool]]) -> bool:
+    """``change`` (a fenced write that says whether it applied) as one unit
+    of work; a database hiccup is retried twice, so it neither fails a setup
+    whose steps succeeded nor leaves the row to lease expiry."""
+    for attempt in range(3):
+        try:
+            return await db.run(change)
+        except Exception:
+            if attempt == 2:
+                raise
+            log.warning("init_write_retry", attempt=attempt + 1)
+            await asyncio.sleep(0.1 * (attempt + 1))
+    return False
 
 
 Setup = Callable[[EnvironmentRow, SetupFence], Awaitable[None]]
@@ -367,17 +382,9 @@ class InitGuard:
         return settled
 
     async def _write(self, change: Callable[[AsyncSession], Awaitable[bool]]) -> bool:
-        """A fenced write; a database hiccup is retried, since losing the
-        final write would otherwise leave the row to lease expiry."""
-        for attempt in range(3):
-            try:
-                return await self._db.run(change)
-            except Exception:
-                if attempt == 2:
-                    raise
-                log.warning("init_write_retry", attempt=attempt + 1)
-                await asyncio.sleep(0.1 * (attempt + 1))
-        return False
+        """A fenced write; losing the final write would otherwise leave the
+        row to lease expiry."""
+        return await _fenced_write(self._db, change)
 
     async def _renew(self, fence: SetupFence) -> bool:
         return await self._db.run(
