@@ -51,6 +51,8 @@ ENVIRONMENT_LABEL = "berth.environment_id"
 _INVENTORY_ORG = "berth.environment-reconciler"
 _PLACEMENT_ORG = "berth.environment-placement"
 _INVENTORY_PAGE_SIZE = 1000
+# Sandbox states whose workspace and processes are still there.
+_ALIVE = (sandbox_pb2.SANDBOX_STATE_RUNNING, sandbox_pb2.SANDBOX_STATE_PAUSED)
 
 _SIZES: Mapping[str, int] = {
     "": sandbox_pb2.CONTAINER_SIZE_UNSPECIFIED,
@@ -94,6 +96,12 @@ class Compute(Protocol):
     async def create_sandbox(self, sandbox: SandboxRef, spec: SandboxSpec) -> None: ...
 
     async def destroy_sandbox(self, sandbox: SandboxRef) -> None: ...
+
+    async def sandbox_alive(self, sandbox: SandboxRef) -> bool:
+        """Whether the sandbox exists and runs (or is paused): what a setup
+        taking over from another owner may keep using. An unreachable node
+        is ``SandboxUnavailable``."""
+        ...
 
     def exec(
         self,
@@ -254,6 +262,14 @@ class SandboxClient:
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         await self._destroy(sandbox_id, metadata=None)
+
+    async def sandbox_alive(self, sandbox_id: str) -> bool:
+        try:
+            with self._unreachable(sandbox_id):
+                response = await self._stub.GetSandbox(sandbox_service_pb2.GetSandboxRequest(sandbox_id=sandbox_id))
+        except NotFound:
+            return False
+        return response.sandbox.state in _ALIVE
 
     async def destroy_org_sandbox(self, org_id: str, sandbox_id: str) -> None:
         await self._destroy(sandbox_id, metadata=org_metadata(org_id))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
@@ -47,6 +48,7 @@ from services.environment.models import (
     BindingRow,
     EnvironmentRow,
     McpServerRow,
+    McpServerUseRow,
     RegisteredFileRow,
 )
 from services.environment.setup_steps import parse_capabilities
@@ -203,10 +205,12 @@ class EnvironmentDomain:
                 output_dir=OWNER_OUTPUT_DIR,
                 create_time=now,
             )
-        async with self._db.transaction() as s:
+        async def insert(s: AsyncSession) -> None:
             s.add(row)
             if binding is not None:
                 s.add(binding)
+
+        await self._db.run(insert)
         self._on_change()
         structlog.contextvars.bind_contextvars(environment_id=row.id)
         log.info("environment_created", owner_session_id=owner_session_id or None)
@@ -276,12 +280,13 @@ class EnvironmentDomain:
 
     async def delete_environment(self, org_id: str, environment_id: str) -> None:
         _require_env_id(environment_id)
-        async with self._db.transaction() as s:
+        async def mark(s: AsyncSession) -> tuple[bool, EnvironmentRow | None]:
             marked = await repo.mark_deleting(s, environment_id, org_id, require_unbound=True, require_never_shared=False)
             if marked:
-                row = await repo.get_environment_by_id(s, environment_id)
-            else:
-                row = await repo.get_environment(s, environment_id, org_id)
+                return True, await repo.get_environment_by_id(s, environment_id)
+            return False, await repo.get_environment(s, environment_id, org_id)
+
+        marked, row = await self._db.run(mark)
         if row is None:
             raise _not_found(environment_id)
         if not marked:
@@ -302,11 +307,9 @@ class EnvironmentDomain:
                 with _sandbox_errors(row.id, session_id):
                     await self._compute.destroy_sandbox(_sandbox(row))
             except BaseException:
-                async with self._db.transaction() as s:
-                    await repo.clear_deleting(s, row.id)
+                await self._db.run(lambda s: repo.clear_deleting(s, row.id))
                 raise
-        async with self._db.transaction() as s:
-            await repo.delete_environment_rows(s, row.id)
+        await self._db.run(lambda s: repo.delete_environment_rows(s, row.id))
         self._on_change()
         self._output_dirs = {k for k in self._output_dirs if k[0] != row.id}
         self._mcp_uses = {k for k in self._mcp_uses if k[0] != row.id}
@@ -316,37 +319,42 @@ class EnvironmentDomain:
     async def attach_session(self, org_id: str, environment_id: str, session_id: str) -> tuple[EnvironmentRow, BindingRow]:
         validate_session_id(session_id)
         _require_env_id(environment_id)
-        try:
-            async with self._db.transaction() as s:
-                if await repo.get_environment(s, environment_id, org_id) is None:
-                    raise _not_found(environment_id)
-                binding = await repo.get_binding(s, environment_id, session_id)
-                if binding is None:
-                    now = time.time()
-                    if not await repo.attach_reference(s, environment_id, org_id, now=now):
-                        current = await repo.get_environment(s, environment_id, org_id)
-                        if current is not None and current.status == EnvironmentStatus.INITIALIZING:
-                            raise InitializationRunning(
-                                f"environment {environment_id} is initializing; attach after setup ends",
-                                environment_id=environment_id,
-                            )
-                        raise _not_found(environment_id)
-                    binding = BindingRow(
+
+        async def attach(s: AsyncSession) -> BindingRow:
+            if await repo.get_environment(s, environment_id, org_id) is None:
+                raise _not_found(environment_id)
+            binding = await repo.get_binding(s, environment_id, session_id)
+            if binding is not None:
+                return binding
+            now = time.time()
+            if not await repo.attach_reference(s, environment_id, org_id, now=now):
+                current = await repo.get_environment(s, environment_id, org_id)
+                if current is not None and current.status == EnvironmentStatus.INITIALIZING:
+                    raise InitializationRunning(
+                        f"environment {environment_id} is initializing; attach after setup ends",
                         environment_id=environment_id,
-                        session_id=session_id,
-                        org_id=org_id,
-                        role=ROLE_REFERENCE,
-                        output_dir=session_output_dir(session_id),
-                        create_time=now,
                     )
-                    s.add(binding)
-                    log.info("session_attached", environment_id=environment_id, session_id=session_id)
+                raise _not_found(environment_id)
+            binding = BindingRow(
+                environment_id=environment_id,
+                session_id=session_id,
+                org_id=org_id,
+                role=ROLE_REFERENCE,
+                output_dir=session_output_dir(session_id),
+                create_time=now,
+            )
+            s.add(binding)
+            log.info("session_attached", environment_id=environment_id, session_id=session_id)
+            return binding
+
+        try:
+            binding = await self._db.run(attach)
         except IntegrityError:
             # The same session attached concurrently: attaching is idempotent.
-            async with self._db.transaction() as s:
-                binding = await repo.get_binding(s, environment_id, session_id)
-            if binding is None:
+            found = await self._db.run(lambda s: repo.get_binding(s, environment_id, session_id), read_only=True)
+            if found is None:
                 raise
+            binding = found
         return await self.get_environment(org_id, environment_id), binding
 
     async def get_binding(self, org_id: str, environment_id: str, session_id: str) -> BindingRow:
@@ -372,25 +380,10 @@ class EnvironmentDomain:
         _require_env_id(environment_id)
         deadline = time.monotonic() + self._settings.setup_timeout_s
         while True:
-            http_labels: list[str] | None = None
-            async with self._db.transaction() as s:
-                row = await repo.get_environment(s, environment_id, org_id)
-                if row is None:
-                    raise _not_found(environment_id)
-                binding = await repo.get_binding(s, environment_id, session_id)
-                if binding is None:
-                    return False
-                private_owner = binding.role == ROLE_OWNER and row.lifetime == LIFETIME_PRIVATE and not row.ever_shared
-                if not private_owner:
-                    await repo.remove_binding(s, environment_id, session_id, now=time.time())
-                    http_labels = await repo.mcp_labels_used_by(s, environment_id, session_id, transport_type="http")
-                    await repo.remove_mcp_uses(s, environment_id, session_id)
-                    doomed = None
-                else:
-                    marked = await repo.mark_deleting(
-                        s, environment_id, org_id, require_unbound=False, require_never_shared=True
-                    )
-                    doomed = await repo.get_environment_by_id(s, environment_id) if marked else None
+            step = await self._db.run(lambda s: _detach_step(s, org_id, environment_id, session_id))
+            if step is None:
+                return False
+            row, http_labels, doomed = step
             if http_labels is not None:
                 self._output_dirs.discard((environment_id, session_id))
                 self._mcp_uses = {k for k in self._mcp_uses if k[0] != environment_id or k[2] != session_id}
@@ -631,7 +624,7 @@ class EnvironmentDomain:
             owner_session_id=session_id if created else "",
             create_time=now,
         )
-        async with self._db.transaction() as s:
+        async def register(s: AsyncSession) -> tuple[list[McpServerRow], list[McpServerUseRow]]:
             if created:
                 await repo.claim_mcp_server(s, entry)
             else:
@@ -640,6 +633,9 @@ class EnvironmentDomain:
                 await repo.record_mcp_use(s, environment_id, label, session_id, now=now)
             rows = [r for r in await repo.list_mcp_servers(s, environment_id) if r.label == label]
             uses = [u for u in await repo.list_mcp_uses(s, environment_id) if u.label == label]
+            return rows, uses
+
+        rows, uses = await self._db.run(register)
         if session_id:
             self._mcp_uses.add((environment_id, label, session_id))
         log.info(
@@ -664,8 +660,7 @@ class EnvironmentDomain:
             )
         key = (environment_id, label, session_id)
         if session_id and key not in self._mcp_uses:
-            async with self._db.transaction() as s:
-                await repo.record_mcp_use(s, environment_id, label, session_id, now=time.time())
+            await self._db.run(lambda s: repo.record_mcp_use(s, environment_id, label, session_id, now=time.time()))
             self._mcp_uses.add(key)
         return response
 
@@ -744,19 +739,16 @@ class EnvironmentDomain:
         row = await self._ready(org_id, environment_id)
         with _sandbox_errors(environment_id):
             await self._compute.write_file(_sandbox(row), path, content)
-        async with self._db.transaction() as s:
-            return await repo.upsert_registered_file(
-                s,
-                RegisteredFileRow(
-                    environment_id=environment_id,
-                    path=path,
-                    id=new_id("file"),
-                    source=source,
-                    file_id=file_id or "",
-                    size_bytes=len(content),
-                    create_time=time.time(),
-                ),
-            )
+        registered = RegisteredFileRow(
+            environment_id=environment_id,
+            path=path,
+            id=new_id("file"),
+            source=source,
+            file_id=file_id or "",
+            size_bytes=len(content),
+            create_time=time.time(),
+        )
+        return await self._db.run(lambda s: repo.upsert_registered_file(s, registered))
 
     async def list_environment_files(
         self, org_id: str, environment_id: str, *, path: str, order: str, page_size: int, page_token: str
@@ -773,7 +765,7 @@ class EnvironmentDomain:
             cursor = _path_key(after)
             entries = [e for e in entries if (_path_key(e.path) < cursor if descending else _path_key(e.path) > cursor)]
         page = entries[:limit]
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             registered = await repo.registered_files_by_path(s, environment_id)
         files = []
         for e in page:
@@ -790,6 +782,29 @@ class EnvironmentDomain:
             )
         next_token = _encode_token(directory, order, page[-1].path) if len(entries) > limit else ""
         return files, next_token
+
+
+async def _detach_step(
+    s: AsyncSession, org_id: str, environment_id: str, session_id: str
+) -> tuple[EnvironmentRow, list[str] | None, EnvironmentRow | None] | None:
+    """One attempt of ``detach_session`` as a unit of work: None when the
+    session is not bound; else the environment, the HTTP MCP labels the
+    session used (when only its binding went), and the environment marked
+    for deletion (when the session was its private owner and it could be)."""
+    row = await repo.get_environment(s, environment_id, org_id)
+    if row is None:
+        raise _not_found(environment_id)
+    binding = await repo.get_binding(s, environment_id, session_id)
+    if binding is None:
+        return None
+    private_owner = binding.role == ROLE_OWNER and row.lifetime == LIFETIME_PRIVATE and not row.ever_shared
+    if not private_owner:
+        await repo.remove_binding(s, environment_id, session_id, now=time.time())
+        http_labels = await repo.mcp_labels_used_by(s, environment_id, session_id, transport_type="http")
+        await repo.remove_mcp_uses(s, environment_id, session_id)
+        return row, http_labels, None
+    marked = await repo.mark_deleting(s, environment_id, org_id, require_unbound=False, require_never_shared=True)
+    return row, None, (await repo.get_environment_by_id(s, environment_id) if marked else None)
 
 
 def _page_size(page_size: int, *, param: str) -> int:

@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from services.core.db import Database
 from services.core.errors import InvalidArgument, NotFound
 from services.core.ids import has_prefix, new_id
@@ -79,17 +81,19 @@ class FileStore:
             create_time=now,
             expire_time=now + expires_after_s if expires_after_s else None,
         )
-        async with self._db.transaction() as s:
+        async def store(s: AsyncSession) -> None:
             await repo.acquire_blob(s, sha256, len(data))
             # Written while the blob row is locked, so a concurrent last delete
             # cannot unlink it between this write and the commit.
             await asyncio.to_thread(_ensure_blob, self._blob_path(sha256), data)
             s.add(row)
+
+        await self._db.run(store)
         return row
 
     async def get(self, org_id: str, file_id: str, *, param: str | None = None) -> StoredFileRow:
         if has_prefix(file_id, "file"):
-            async with self._db.transaction() as s:
+            async with self._db.transaction(read_only=True) as s:
                 row = await repo.get_stored_file(s, file_id, org_id, now=time.time())
             if row is not None:
                 return row
@@ -109,17 +113,19 @@ class FileStore:
     async def delete(self, org_id: str, file_id: str) -> None:
         if not has_prefix(file_id, "file"):
             raise NotFound(f"file {file_id} not found")
-        async with self._db.transaction() as s:
+        async def remove(s: AsyncSession) -> None:
             row = await repo.delete_stored_file(s, file_id, org_id)
             if row is None:
                 raise NotFound(f"file {file_id} not found")
             if await repo.release_blob(s, row.sha256):
                 await asyncio.to_thread(self._blob_path(row.sha256).unlink, missing_ok=True)
 
+        await self._db.run(remove)
+
     async def list(self, org_id: str, *, page_size: int, after: str, purpose: str) -> tuple[Sequence[StoredFileRow], bool]:
         if page_size < 0 or page_size > _MAX_LIST:
             raise InvalidArgument(f"limit must be between 1 and {_MAX_LIST}", param="limit")
         limit = page_size or 20
-        async with self._db.transaction() as s:
+        async with self._db.transaction(read_only=True) as s:
             rows = await repo.list_stored_files(s, org_id, after=after, purpose=purpose, limit=limit + 1, now=time.time())
         return rows[:limit], len(rows) > limit

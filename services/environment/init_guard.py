@@ -4,16 +4,22 @@
 records a lease owner (this process), a lease expiry and a new fencing
 version. Exactly one caller wins and starts setup as a detached task, so
 cancelling the RPC that triggered it stops only that caller's wait. The owner
-renews its lease while setup runs; every later write of the owner is fenced
-by ``init_version`` and ``lease_owner``.
+renews its lease while setup runs; every later write of the owner (each step
+it records in the setup journal, the final status) is fenced by
+``init_version`` and ``lease_owner``.
 
 Everyone else waits for the same operation: callers in the owning process
 wake on an in-process event, callers in other processes share one poller per
-environment that reads the row (20 ms growing to 200 ms). A poller that finds
-the lease expired marks the environment failed with ``setup_owner_lost``.
-Setup is never run twice and never retried; the single exception is a Sandbox
-service that cannot be reached before any non-idempotent step ran, which puts
-the environment back to ``pending`` and reports ``SandboxUnavailable``.
+environment that reads the row (20 ms growing to 200 ms). When the owner
+stops (killed, or shut down, which ends its lease at once), a poller that
+finds the lease expired, or this guard's sweep of expired leases, takes the
+setup over with a compare-and-set that bumps the fencing version: the old
+owner can write nothing more, and the new one continues from the first step
+its journal does not record as done (``setup_steps.py``). Waiters then wait
+for the new owner. Only a step that fails, or a setup that outlives
+``setup_timeout_s`` under one owner, fails the environment. A Sandbox
+service that cannot be reached puts the environment back to ``pending``
+with its journal and reports ``SandboxUnavailable``.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.context import org_id_var
 from services.core.db import Database
@@ -35,9 +42,7 @@ from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
 from services.core.metrics import INIT_DURATION
 from services.environment import repository as repo
-from services.environment.models import (
-    EnvironmentRow,
-)
+from services.environment.models import EnvironmentRow, RegisteredFileRow
 from services.environment.states import SETTLED_STATUSES, EnvironmentStatus
 
 __all__ = [
@@ -47,14 +52,14 @@ __all__ = [
     "SetupFailed",
     "SetupUnavailable",
     "LeaseLost",
-    "OWNER_LOST_CODE",
 ]
 
 log = get_logger(__name__)
 
 _T = TypeVar("_T")
 
-OWNER_LOST_CODE = "setup_owner_lost"
+# Expired leases the sweep takes over per pass.
+_SWEEP_BATCH = 100
 
 
 class SetupFailed(Exception):
@@ -67,16 +72,17 @@ class SetupFailed(Exception):
 
 
 class SetupUnavailable(Exception):
-    """The Sandbox service could not be reached before any non-idempotent
-    setup step ran; the environment goes back to pending."""
+    """The Sandbox service could not be reached; the environment goes back
+    to pending with its journal, and the next caller resumes setup."""
 
 
 class LeaseLost(Exception):
-    """Another process has already settled this init operation."""
+    """Another process has taken this init operation over, or settled it."""
 
 
 class SetupFence:
-    """Fenced writes available to a running setup."""
+    """Fenced writes available to a running setup: each raises ``LeaseLost``
+    when this owner no longer holds the setup (another took it over)."""
 
     def __init__(self, db: Database, environment_id: str, version: int, owner: str) -> None:
         self._db = db
@@ -87,13 +93,52 @@ class SetupFence:
 
     async def mark_sandbox_requested(self, node: str) -> None:
         """Records the node the sandbox is created on, before it is."""
-        async with self._db.transaction() as s:
-            ok = await repo.mark_sandbox_requested(
-                s, self.environment_id, version=self.version, owner=self.owner, node=node
+        await self._fenced(
+            lambda s: repo.mark_sandbox_requested(s, self.environment_id, version=self.version, owner=self.owner, node=node)
+        )
+
+    async def record_step(self, step: str, registered: Sequence[RegisteredFileRow]) -> None:
+        """Records ``step`` as done in the setup journal, with the files it
+        registered, in one transaction."""
+
+        async def record(s: AsyncSession) -> bool:
+            now = time.time()
+            if not await repo.record_step(s, self.environment_id, step, version=self.version, owner=self.owner, now=now):
+                return False
+            for row in registered:
+                await repo.upsert_registered_file(s, row)
+            return True
+
+        await self._fenced(record)
+        log.info("environment_setup_step_done", step=step)
+
+    async def replace_sandbox(self, sandbox_id: str) -> None:
+        """Gives the environment a new sandbox and an empty journal."""
+        await self._fenced(
+            lambda s: repo.replace_sandbox(
+                s, self.environment_id, version=self.version, owner=self.owner, sandbox_id=sandbox_id, now=time.time()
             )
-        if not ok:
+        )
+
+    async def _fenced(self, change: Callable[[AsyncSession], Awaitable[bool]]) -> None:
+        if not await _fenced_write(self._db, change):
             self.lost = True
             raise LeaseLost(self.environment_id)
+
+
+async def _fenced_write(db: Database, change: Callable[[AsyncSession], Awaitable[bool]]) -> bool:
+    """``change`` (a fenced write that says whether it applied) as one unit
+    of work; a database hiccup is retried twice, so it neither fails a setup
+    whose steps succeeded nor leaves the row to lease expiry."""
+    for attempt in range(3):
+        try:
+            return await db.run(change)
+        except Exception:
+            if attempt == 2:
+                raise
+            log.warning("init_write_retry", attempt=attempt + 1)
+            await asyncio.sleep(0.1 * (attempt + 1))
+    return False
 
 
 Setup = Callable[[EnvironmentRow, SetupFence], Awaitable[None]]
@@ -119,6 +164,7 @@ class InitGuard:
         setup_timeout_s: float,
         poll_min_s: float = 0.02,
         poll_max_s: float = 0.2,
+        sweep_every_s: float | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
@@ -130,6 +176,7 @@ class InitGuard:
         self._setup_timeout_s = setup_timeout_s
         self._poll_min_s = poll_min_s
         self._poll_max_s = poll_max_s
+        self._sweep_every_s = sweep_every_s or lease_s / 2
         self._ops: dict[str, _Operation] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -172,8 +219,20 @@ class InitGuard:
         except TimeoutError:
             raise InitializationRunning(f"environment {environment_id} is still initializing") from None
 
+    def start(self) -> None:
+        """Starts the sweep that takes over setups whose owner stopped while
+        nobody waits for them (a restarted process, a replica that died)."""
+        self._spawn(
+            poll_until(
+                self._sweep,
+                every_s=self._sweep_every_s,
+                failure_event="init_sweep_failed",
+            )
+        )
+
     async def close(self) -> None:
-        """Cancels owners (which record their environments as failed) and pollers."""
+        """Cancels owners (which end their leases, so a peer or the next
+        process takes their setups over at once), pollers and the sweep."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -197,13 +256,19 @@ class InitGuard:
 
     async def _try_start(self, row: EnvironmentRow) -> _Operation | None:
         now = time.time()
-        async with self._db.transaction() as s:
-            won = await repo.start_init(
+        won = await self._db.run(
+            lambda s: repo.start_init(
                 s, row.id, version=row.init_version, owner=self.instance_id, lease_expires_at=now + self._lease_s, now=now
             )
+        )
         if not won:
             return None
         self._on_change()
+        return self._become_owner(row)
+
+    def _become_owner(self, row: EnvironmentRow) -> _Operation:
+        """Runs setup for the version this process just won (``row`` is as
+        read before the compare-and-set)."""
         op = _Operation(row.id, row.init_version + 1)
         self._ops[row.id] = op
         self._spawn(self._own(op, row))
@@ -263,15 +328,18 @@ class InitGuard:
                 if fence.lost and current is not None and not current.cancelling():
                     pass  # the renewer stopped setup: someone else settled it
                 else:
-                    # This process is stopping: its owner dies, so the
-                    # environment fails now rather than at lease expiry.
+                    # This process is stopping: it ends its lease now, so a
+                    # peer (or the next process) takes setup over at once
+                    # instead of at lease expiry.
+                    op.error = _unavailable(row.id)
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(
-                            self._settle(
-                                op, EnvironmentStatus.FAILED, OWNER_LOST_CODE, "setup was interrupted because its service stopped"
+                            self._write(
+                                lambda s: repo.release_lease(s, row.id, version=op.version, owner=self.instance_id)
                             ),
                             timeout=5,
                         )
+                    log.info("environment_setup_released")
                     raise
             except Exception:
                 log.exception("environment_setup_crashed")
@@ -313,26 +381,18 @@ class InitGuard:
             self._on_change()
         return settled
 
-    async def _write(self, change: Callable[..., Awaitable[bool]]) -> bool:
-        """A fenced write; a database hiccup is retried, since losing the
-        final write would otherwise leave the row to lease expiry."""
-        for attempt in range(3):
-            try:
-                async with self._db.transaction() as s:
-                    return await change(s)
-            except Exception:
-                if attempt == 2:
-                    raise
-                log.warning("init_write_retry", attempt=attempt + 1)
-                await asyncio.sleep(0.1 * (attempt + 1))
-        return False
+    async def _write(self, change: Callable[[AsyncSession], Awaitable[bool]]) -> bool:
+        """A fenced write; losing the final write would otherwise leave the
+        row to lease expiry."""
+        return await _fenced_write(self._db, change)
 
     async def _renew(self, fence: SetupFence) -> bool:
-        async with self._db.transaction() as s:
-            return await repo.renew_lease(
+        return await self._db.run(
+            lambda s: repo.renew_lease(
                 s, fence.environment_id, version=fence.version, owner=fence.owner,
                 lease_expires_at=time.time() + self._lease_s,
             )
+        )
 
     @staticmethod
     def _lease_lost(fence: SetupFence, setup: asyncio.Future[Any]) -> None:
@@ -354,26 +414,44 @@ class InitGuard:
             self._finish(op)
 
     async def _settled_elsewhere(self, op: _Operation) -> bool:
-        """Whether the operation ended; an owner whose lease expired is
-        recorded as lost, which ends it."""
-        async with self._db.transaction() as s:
+        """Whether the operation ended: settled, taken over by anyone, or
+        its owner's lease expired, which this process then takes over."""
+        async with self._db.transaction(read_only=True) as s:
             row = await repo.get_environment_by_id(s, op.environment_id)
-            if row is None or row.status != EnvironmentStatus.INITIALIZING or row.init_version != op.version:
-                return True
-            if row.lease_expires_at >= time.time():
-                return False
-            failed = await repo.fail_expired_init(
-                s,
-                op.environment_id,
-                version=op.version,
-                now=time.time(),
-                error_code=OWNER_LOST_CODE,
-                error_message="the process running setup stopped; setup is not retried",
-            )
-        if failed:
-            self._on_change()
-            log.warning("environment_setup_owner_lost", environment_id=op.environment_id)
+        if row is None or row.status != EnvironmentStatus.INITIALIZING or row.init_version != op.version:
+            return True
+        if row.lease_expires_at >= time.time():
+            return False
+        await self._take_over(row)
         return True
+
+    async def _sweep(self) -> bool:
+        """One pass of the sweep: takes over every setup whose lease expired
+        that this process does not wait for already. Never done."""
+        now = time.time()
+        expired = await self._db.run(lambda s: repo.expired_inits(s, now=now, limit=_SWEEP_BATCH), read_only=True)
+        for found in expired:
+            if found.environment_id in self._ops:
+                continue  # a poller of this process handles it
+            async with self._db.transaction(read_only=True) as s:
+                row = await repo.get_environment_by_id(s, found.environment_id)
+            if row is not None and row.init_version == found.init_version:
+                await self._take_over(row)
+        return False
+
+    async def _take_over(self, row: EnvironmentRow) -> None:
+        """Becomes the owner of a setup whose owner's lease expired, unless
+        another process got there first."""
+        now = time.time()
+        won = await self._db.run(
+            lambda s: repo.take_over_init(
+                s, row.id, version=row.init_version, owner=self.instance_id, lease_expires_at=now + self._lease_s, now=now
+            )
+        )
+        if not won:
+            return
+        log.warning("environment_setup_taken_over", environment_id=row.id, previous_owner=row.lease_owner)
+        self._become_owner(row)
 
 
 def _unavailable(environment_id: str) -> SandboxUnavailable:

@@ -19,6 +19,7 @@ __all__ = [
     "StoredBlobRow",
     "McpServerRow",
     "McpServerUseRow",
+    "SetupStepRow",
     "MCP_ORIGIN_ENVIRONMENT",
     "LIFETIME_PRIVATE",
     "LIFETIME_SHARED",
@@ -41,7 +42,11 @@ class Base(DeclarativeBase):
 
 class EnvironmentRow(Base):
     __tablename__ = "environments"
-    __table_args__ = (Index("ix_environments_org_id_id", "org_id", "id"),)
+    __table_args__ = (
+        Index("ix_environments_org_id_id", "org_id", "id"),
+        # The takeover sweep: initializing rows whose lease expired.
+        Index("ix_environments_status_lease", "status", "lease_expires_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     org_id: Mapped[str] = mapped_column(String(128))
@@ -147,3 +152,17 @@ class McpServerUseRow(Base):
     label: Mapped[str] = mapped_column(String(128), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     create_time: Mapped[float] = mapped_column(Float)
+
+
+class SetupStepRow(Base):
+    """One setup step recorded as done (the setup journal). A new owner of
+    the setup skips these and runs the first step not recorded here."""
+
+    __tablename__ = "setup_steps"
+
+    environment_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # "sandbox", "file:<n>", "packages:<kind>", "command:<n>", "skills", "plugins".
+    step: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # The init_version of the owner that recorded it.
+    init_version: Mapped[int] = mapped_column(BigInteger)
+    done_time: Mapped[float] = mapped_column(Float)

@@ -25,6 +25,7 @@ from services.environment.models import (
     McpServerRow,
     McpServerUseRow,
     RegisteredFileRow,
+    SetupStepRow,
     StoredBlobRow,
     StoredFileRow,
 )
@@ -42,8 +43,14 @@ __all__ = [
     "renew_lease",
     "finish_init",
     "revert_init",
-    "fail_expired_init",
+    "take_over_init",
+    "release_lease",
+    "ExpiredInit",
+    "expired_inits",
     "mark_sandbox_requested",
+    "replace_sandbox",
+    "done_steps",
+    "record_step",
     "attach_reference",
     "get_binding",
     "list_bindings",
@@ -253,10 +260,11 @@ async def revert_init(session: AsyncSession, environment_id: str, *, version: in
     return _rowcount(result) == 1
 
 
-async def fail_expired_init(
-    session: AsyncSession, environment_id: str, *, version: int, now: float, error_code: str, error_message: str
+async def take_over_init(
+    session: AsyncSession, environment_id: str, *, version: int, owner: str, lease_expires_at: float, now: float
 ) -> bool:
-    """CAS ``initializing -> failed`` when the owner's lease has expired."""
+    """CAS that makes ``owner`` the owner of a setup whose lease has expired
+    (its owner stopped). The new fencing version shuts the old owner out."""
     result = await session.execute(
         update(EnvironmentRow)
         .where(
@@ -264,18 +272,77 @@ async def fail_expired_init(
             EnvironmentRow.status == EnvironmentStatus.INITIALIZING,
             EnvironmentRow.init_version == version,
             EnvironmentRow.lease_expires_at < now,
+            EnvironmentRow.deleting == false(),
         )
-        .values(
-            status=EnvironmentStatus.FAILED,
-            init_version=version + 1,
-            error_code=error_code,
-            error_message=error_message,
-            lease_owner="",
-            lease_expires_at=0.0,
-            update_time=now,
-        )
+        .values(init_version=version + 1, lease_owner=owner, lease_expires_at=lease_expires_at, update_time=now)
     )
     return _rowcount(result) == 1
+
+
+async def release_lease(session: AsyncSession, environment_id: str, *, version: int, owner: str) -> bool:
+    """Ends the owner's lease now, fenced, so a peer takes the setup over at
+    once; the environment stays initializing."""
+    result = await session.execute(
+        update(EnvironmentRow).where(*_fenced(environment_id, version, owner)).values(lease_expires_at=0.0)
+    )
+    return _rowcount(result) == 1
+
+
+class ExpiredInit(NamedTuple):
+    environment_id: str
+    org_id: str
+    init_version: int
+
+
+async def expired_inits(session: AsyncSession, *, now: float, limit: int) -> list[ExpiredInit]:
+    """Setups of every organization whose owner's lease has expired."""
+    stmt = (
+        select(EnvironmentRow.id, EnvironmentRow.org_id, EnvironmentRow.init_version)
+        .where(
+            EnvironmentRow.status == EnvironmentStatus.INITIALIZING,
+            EnvironmentRow.lease_expires_at < now,
+            EnvironmentRow.deleting == false(),
+        )
+        .order_by(EnvironmentRow.lease_expires_at)
+        .limit(limit)
+    )
+    return [ExpiredInit(str(i), str(o), int(v)) for i, o, v in (await session.execute(stmt)).all()]
+
+
+async def replace_sandbox(
+    session: AsyncSession, environment_id: str, *, version: int, owner: str, sandbox_id: str, now: float
+) -> bool:
+    """Fenced: gives the environment a new sandbox identity (the recorded
+    one is gone) and empties its setup journal, so setup starts over."""
+    result = await session.execute(
+        update(EnvironmentRow)
+        .where(*_fenced(environment_id, version, owner))
+        .values(sandbox_id=sandbox_id, sandbox_requested=False, update_time=now)
+    )
+    if _rowcount(result) != 1:
+        return False
+    await session.execute(delete(SetupStepRow).where(SetupStepRow.environment_id == environment_id))
+    return True
+
+
+async def done_steps(session: AsyncSession, environment_id: str) -> set[str]:
+    """The setup journal: the steps recorded as done."""
+    stmt = select(SetupStepRow.step).where(SetupStepRow.environment_id == environment_id)
+    return {str(step) for step in (await session.execute(stmt)).scalars()}
+
+
+async def record_step(session: AsyncSession, environment_id: str, step: str, *, version: int, owner: str, now: float) -> bool:
+    """Records ``step`` as done, fenced by version and lease owner: the
+    fenced update locks the row first, so a takeover either precedes the
+    record (which then writes nothing) or waits for it."""
+    result = await session.execute(
+        update(EnvironmentRow).where(*_fenced(environment_id, version, owner)).values(update_time=now)
+    )
+    if _rowcount(result) != 1:
+        return False
+    stmt = _insert(session, SetupStepRow).values(environment_id=environment_id, step=step, init_version=version, done_time=now)
+    await session.execute(stmt.on_conflict_do_nothing(index_elements=["environment_id", "step"]))
+    return True
 
 
 async def attach_reference(session: AsyncSession, environment_id: str, org_id: str, *, now: float) -> bool:
@@ -324,6 +391,7 @@ async def delete_environment_rows(session: AsyncSession, environment_id: str) ->
     await session.execute(delete(McpServerUseRow).where(McpServerUseRow.environment_id == environment_id))
     await session.execute(delete(McpServerRow).where(McpServerRow.environment_id == environment_id))
     await session.execute(delete(RegisteredFileRow).where(RegisteredFileRow.environment_id == environment_id))
+    await session.execute(delete(SetupStepRow).where(SetupStepRow.environment_id == environment_id))
     await session.execute(delete(BindingRow).where(BindingRow.environment_id == environment_id))
     await session.execute(delete(EnvironmentRow).where(EnvironmentRow.id == environment_id))
 

@@ -113,6 +113,9 @@ class SandboxNodes:
     async def destroy_sandbox(self, sandbox: SandboxRef) -> None:
         await self._client(sandbox).destroy_sandbox(sandbox.sandbox_id)
 
+    async def sandbox_alive(self, sandbox: SandboxRef) -> bool:
+        return await self._client(sandbox).sandbox_alive(sandbox.sandbox_id)
+
     def exec(
         self,
         sandbox: SandboxRef,

@@ -48,7 +48,7 @@ a sandbox that is gone already is not an error, so the worst case is two
 calls for one orphan (each replica counts the reaps it made).
 
 The reverse case, a ready environment whose sandbox is gone, is not touched:
-an environment's status is its setup state, setup never runs twice, and an
+an environment's status is its setup state, a ready environment never runs setup again, and an
 unusable sandbox never changes the environment (operations report it).
 """
 

@@ -119,6 +119,7 @@ async def start_environment_service(
             setup_timeout_s=settings.setup_timeout_s,
             on_change=gauge.touch,
         )
+        guard.start()
         closers.append(guard.close)
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store)

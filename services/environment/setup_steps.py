@@ -1,33 +1,47 @@
-"""The setup steps an init-once operation runs in a new sandbox.
+"""The setup steps an init-once operation runs in a new sandbox, recorded
+as a journal.
 
-Order: place the sandbox on a Sandbox service node and record that node on
-the environment's row, create the sandbox there, write the configured files,
-install packages, run setup commands, install skills and plugins. Error messages never contain a
-setup command body: setup commands are confidential.
+Order: the sandbox (place it on a Sandbox service node, record that node on
+the environment's row, create it there), each configured file, each package
+set, each setup command, then skills and plugins. Each step is recorded as
+done in ``setup_steps`` once it ended, fenced by the owner's lease, so an
+owner that took the setup over (after the first one stopped) skips what is
+recorded and continues from the first step that is not. The step that was
+running when the first owner stopped runs again: each step runs at least
+once, and a step that ran to its end and was recorded never runs again.
 
-Placing, creating the sandbox and writing files are idempotent, so an
-unreachable Sandbox service during those steps defers setup (``SetupUnavailable``); once
-a package install or setup command may have run, it fails setup for good.
+A takeover keeps the recorded sandbox while it is alive. A recorded sandbox
+that is gone or broken is destroyed, and setup starts over in a new one.
+
+Only a step that fails fails setup (``SetupFailed``). An unreachable Sandbox
+service at any step defers setup (``SetupUnavailable``): the environment
+goes back to pending with its journal, and the next caller resumes it.
+Error messages never contain a setup command body: setup commands are
+confidential.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import posixpath
 import re
 import time
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
 from services.core.db import Database
 from services.core.errors import BerthError, NotFound, SandboxUnavailable
 from services.core.ids import new_id
+from services.core.logging import get_logger
 from services.core.settings import Settings
 from services.environment import repository as repo
 from services.environment.compute import ENVIRONMENT_LABEL, Compute, SandboxRef, SandboxSpec
@@ -36,7 +50,12 @@ from services.environment.init_guard import SetupFailed, SetupFence, SetupUnavai
 from services.environment.models import EnvironmentRow, RegisteredFileRow
 from services.environment.workspace_paths import WORKSPACE
 
-__all__ = ["EnvironmentSetup", "Capability", "parse_capabilities", "sandbox_env", "SKILLS_DIR", "PLUGINS_DIR"]
+__all__ = ["EnvironmentSetup", "Capability", "parse_capabilities", "sandbox_env", "SKILLS_DIR", "PLUGINS_DIR", "SANDBOX_STEP"]
+
+log = get_logger(__name__)
+
+# The journal name of the first step.
+SANDBOX_STEP = "sandbox"
 
 SKILLS_DIR = "/workspace/.skills"
 PLUGINS_DIR = "/workspace/.plugins"
@@ -132,6 +151,9 @@ def sandbox_env(config: environment_pb2.EnvironmentConfig, settings: Settings) -
     return env
 
 
+Step = tuple[str, Callable[[SandboxRef], Awaitable[Sequence[RegisteredFileRow]]]]
+
+
 class EnvironmentSetup:
     """The ``Setup`` callable the init guard runs."""
 
@@ -142,16 +164,42 @@ class EnvironmentSetup:
         self._settings = settings
 
     async def __call__(self, environment: EnvironmentRow, fence: SetupFence) -> None:
-        async with self._db.transaction() as s:
-            config = environment_pb2.EnvironmentConfig.FromString(await repo.get_environment_config(s, environment.id))
-        # A retry (the Sandbox service was unreachable last time) keeps the
-        # node it recorded while that node answers.
+        config, done = await self._db.run(lambda s: _journal(s, environment.id), read_only=True)
+        if done:
+            log.info("environment_setup_resumed", steps_done=len(done))
         try:
-            node = await self._compute.place_sandbox(environment.sandbox_node if environment.sandbox_requested else None)
+            sandbox, done = await self._sandbox(environment, fence, config, done)
+            for name, run in self._steps(environment, config):
+                if name in done:
+                    continue
+                registered = await run(sandbox)
+                await fence.record_step(name, registered)
         except SandboxUnavailable:
             raise SetupUnavailable(environment.id) from None
+
+    async def _sandbox(
+        self, environment: EnvironmentRow, fence: SetupFence, config: environment_pb2.EnvironmentConfig, done: set[str]
+    ) -> tuple[SandboxRef, set[str]]:
+        """The step that makes the sandbox, or the recorded sandbox when it
+        is alive; a recorded one that is not is destroyed and replaced, and
+        the journal starts over."""
+        sandbox_id = environment.sandbox_id
+        if SANDBOX_STEP in done:
+            recorded = SandboxRef(sandbox_id, environment.sandbox_node)
+            if await self._compute.sandbox_alive(recorded):
+                return recorded, done
+            log.warning("environment_setup_sandbox_stale", sandbox_id=sandbox_id)
+            await self._compute.destroy_sandbox(recorded)
+            sandbox_id = new_id("sbx")
+            await fence.replace_sandbox(sandbox_id)
+            done = set()
+        # A retry (the Sandbox service was unreachable, or the owner stopped)
+        # keeps the node it recorded while that node answers; creating the
+        # same sandbox ID again returns the sandbox made last time.
+        requested = environment.sandbox_requested and sandbox_id == environment.sandbox_id
+        node = await self._compute.place_sandbox(environment.sandbox_node if requested else None)
         await fence.mark_sandbox_requested(node)
-        sandbox = SandboxRef(environment.sandbox_id, node)
+        sandbox = SandboxRef(sandbox_id, node)
         spec = SandboxSpec(
             labels={ENVIRONMENT_LABEL: environment.id, "berth.org": environment.org_id},
             network=config.network,
@@ -161,57 +209,63 @@ class EnvironmentSetup:
         try:
             await self._compute.create_sandbox(sandbox, spec)
         except SandboxUnavailable:
-            raise SetupUnavailable(environment.id) from None
+            raise
         except BerthError as exc:
             raise SetupFailed("sandbox_create_failed", f"the sandbox could not be created: {exc.message}") from exc
+        await fence.record_step(SANDBOX_STEP, ())
+        return sandbox, done
 
-        await self._write_files(environment, sandbox, config)
-        try:
-            await self._install_packages(sandbox, config.packages)
-            await self._run_setup_commands(sandbox, config.setup_commands)
-            await self._install_archives(sandbox, config.skills_json, kind="skill", root=SKILLS_DIR)
-            await self._install_archives(sandbox, config.plugins_json, kind="plugin", root=PLUGINS_DIR)
-        except SandboxUnavailable as exc:
-            raise SetupFailed("sandbox_unavailable", "the sandbox became unavailable during setup") from exc
-
-    async def _write_files(
-        self, environment: EnvironmentRow, sandbox: SandboxRef, config: environment_pb2.EnvironmentConfig
-    ) -> None:
-        registered: list[RegisteredFileRow] = []
-        now = time.time()
+    def _steps(self, environment: EnvironmentRow, config: environment_pb2.EnvironmentConfig) -> list[Step]:
+        """Every step after the sandbox, in order, each with its journal name."""
+        steps: list[Step] = []
         for i, f in enumerate(config.files):
-            if f.WhichOneof("source") == "file_id":
-                try:
-                    data = await self._files.read(environment.org_id, f.file_id)
-                except NotFound:
-                    message = f"file {i + 1} ({f.path}) refers to a stored file that no longer exists"
-                    raise SetupFailed("file_write_failed", message) from None
-                source = "file_id"
-            else:
-                data = f.data
-                source = "inline"
+            steps.append((f"file:{i}", functools.partial(self._write_file, environment, i, f)))
+        packages = config.packages
+        for kind, names, argv, env in (
+            ("system", packages.system, ["apt-get", "install", "-y"], {"DEBIAN_FRONTEND": "noninteractive"}),
+            ("python", packages.python, ["python3", "-m", "pip", "install"], {}),
+            ("npm", packages.npm, ["npm", "install", "-g"], {}),
+        ):
+            if names:
+                steps.append((f"packages:{kind}", functools.partial(self._install_packages, kind, [*argv, *names], env)))
+        for i, command in enumerate(config.setup_commands, start=1):
+            steps.append((f"command:{i}", functools.partial(self._run_setup_command, i, command)))
+        for kind, raw, root in (("skill", config.skills_json, SKILLS_DIR), ("plugin", config.plugins_json, PLUGINS_DIR)):
+            if raw:
+                steps.append((f"{kind}s", functools.partial(self._install_archives, raw, kind, root)))
+        return steps
+
+    async def _write_file(
+        self, environment: EnvironmentRow, i: int, f: environment_pb2.InitialFile, sandbox: SandboxRef
+    ) -> list[RegisteredFileRow]:
+        if f.WhichOneof("source") == "file_id":
             try:
-                await self._compute.write_file(sandbox, f.path, data)
-            except SandboxUnavailable:
-                raise SetupUnavailable(environment.id) from None
-            except BerthError as exc:
-                message = f"file {i + 1} ({f.path}) could not be written: {exc.message}"
-                raise SetupFailed("file_write_failed", message) from exc
-            registered.append(
-                RegisteredFileRow(
-                    environment_id=environment.id,
-                    path=f.path,
-                    id=f.id or new_id("file"),
-                    source=source,
-                    file_id=f.file_id if source == "file_id" else "",
-                    size_bytes=len(data),
-                    create_time=now,
-                )
+                data = await self._files.read(environment.org_id, f.file_id)
+            except NotFound:
+                message = f"file {i + 1} ({f.path}) refers to a stored file that no longer exists"
+                raise SetupFailed("file_write_failed", message) from None
+            source = "file_id"
+        else:
+            data = f.data
+            source = "inline"
+        try:
+            await self._compute.write_file(sandbox, f.path, data)
+        except SandboxUnavailable:
+            raise
+        except BerthError as exc:
+            message = f"file {i + 1} ({f.path}) could not be written: {exc.message}"
+            raise SetupFailed("file_write_failed", message) from exc
+        return [
+            RegisteredFileRow(
+                environment_id=environment.id,
+                path=f.path,
+                id=f.id or new_id("file"),
+                source=source,
+                file_id=f.file_id if source == "file_id" else "",
+                size_bytes=len(data),
+                create_time=time.time(),
             )
-        if registered:
-            async with self._db.transaction() as s:
-                for row in registered:
-                    await repo.upsert_registered_file(s, row)
+        ]
 
     async def _exec(self, sandbox: SandboxRef, *, argv: Sequence[str] = (), shell: str = "", cwd: str = WORKSPACE,
                     env: Mapping[str, str] | None = None) -> tuple[int, bool]:
@@ -221,40 +275,37 @@ class EnvironmentSetup:
                 exit_code, timed_out = event.exit_code, event.timed_out
         return exit_code, timed_out
 
-    async def _install_packages(self, sandbox: SandboxRef, packages: environment_pb2.Packages) -> None:
-        steps: list[tuple[str, list[str], dict[str, str]]] = []
-        if packages.system:
-            steps.append(("system", ["apt-get", "install", "-y", *packages.system], {"DEBIAN_FRONTEND": "noninteractive"}))
-        if packages.python:
-            steps.append(("python", ["python3", "-m", "pip", "install", *packages.python], {}))
-        if packages.npm:
-            steps.append(("npm", ["npm", "install", "-g", *packages.npm], {}))
-        for kind, argv, env in steps:
-            try:
-                code, timed_out = await self._exec(sandbox, argv=argv, env=env)
-            except SandboxUnavailable:
-                raise
-            except BerthError as exc:
-                message = f"{kind} package installation could not start: {exc.message}"
-                raise SetupFailed("package_install_failed", message) from exc
-            if code != 0 or timed_out:
-                raise SetupFailed("package_install_failed", f"{kind} package installation exited with status {code}")
+    async def _install_packages(
+        self, kind: str, argv: Sequence[str], env: Mapping[str, str], sandbox: SandboxRef
+    ) -> Sequence[RegisteredFileRow]:
+        try:
+            code, timed_out = await self._exec(sandbox, argv=argv, env=env)
+        except SandboxUnavailable:
+            raise
+        except BerthError as exc:
+            message = f"{kind} package installation could not start: {exc.message}"
+            raise SetupFailed("package_install_failed", message) from exc
+        if code != 0 or timed_out:
+            raise SetupFailed("package_install_failed", f"{kind} package installation exited with status {code}")
+        return ()
 
-    async def _run_setup_commands(self, sandbox: SandboxRef, commands: Sequence[environment_pb2.SetupCommand]) -> None:
-        for i, command in enumerate(commands, start=1):
-            try:
-                code, timed_out = await self._exec(sandbox, shell=command.command, cwd=command.cwd or WORKSPACE)
-            except SandboxUnavailable:
-                raise
-            except BerthError as exc:
-                # The downstream message could echo the command; report its reason only.
-                raise SetupFailed("setup_command_failed", f"setup command {i} could not start ({exc.reason})") from exc
-            if timed_out:
-                raise SetupFailed("setup_command_failed", f"setup command {i} timed out")
-            if code != 0:
-                raise SetupFailed("setup_command_failed", f"setup command {i} exited with status {code}")
+    async def _run_setup_command(
+        self, i: int, command: environment_pb2.SetupCommand, sandbox: SandboxRef
+    ) -> Sequence[RegisteredFileRow]:
+        try:
+            code, timed_out = await self._exec(sandbox, shell=command.command, cwd=command.cwd or WORKSPACE)
+        except SandboxUnavailable:
+            raise
+        except BerthError as exc:
+            # The downstream message could echo the command; report its reason only.
+            raise SetupFailed("setup_command_failed", f"setup command {i} could not start ({exc.reason})") from exc
+        if timed_out:
+            raise SetupFailed("setup_command_failed", f"setup command {i} timed out")
+        if code != 0:
+            raise SetupFailed("setup_command_failed", f"setup command {i} exited with status {code}")
+        return ()
 
-    async def _install_archives(self, sandbox: SandboxRef, raw: str, *, kind: str, root: str) -> None:
+    async def _install_archives(self, raw: str, kind: str, root: str, sandbox: SandboxRef) -> Sequence[RegisteredFileRow]:
         limit = self._settings.max_body_bytes * 4
         try:
             capabilities = parse_capabilities(raw, kind=kind, max_bytes=limit)
@@ -271,5 +322,9 @@ class EnvironmentSetup:
             except (BerthError, ValueError, zipfile.BadZipFile) as exc:
                 message = f"{kind} {cap.index + 1} ({cap.name}) could not be installed"
                 raise SetupFailed(f"{kind}_install_failed", message) from exc
+        return ()
 
 
+async def _journal(session: AsyncSession, environment_id: str) -> tuple[environment_pb2.EnvironmentConfig, set[str]]:
+    config = environment_pb2.EnvironmentConfig.FromString(await repo.get_environment_config(session, environment_id))
+    return config, await repo.done_steps(session, environment_id)

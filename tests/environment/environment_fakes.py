@@ -27,6 +27,10 @@ ExecHandler = Callable[[ExecCall], Awaitable[int]]
 @dataclass
 class FakeCompute:
     created: list[SandboxSpec] = field(default_factory=list)
+    # The sandbox ID of each CreateSandbox call, in call order.
+    created_ids: list[str] = field(default_factory=list)
+    # Sandboxes that exist but no longer run (the Sandbox service lost them).
+    dead: set[str] = field(default_factory=set)
     destroyed: list[str] = field(default_factory=list)
     execs: list[ExecCall] = field(default_factory=list)
     files: dict[str, dict[str, bytes]] = field(default_factory=dict)
@@ -60,6 +64,7 @@ class FakeCompute:
     async def create_sandbox(self, sandbox: SandboxRef, spec: SandboxSpec) -> None:
         self._check()
         self.created.append(spec)
+        self.created_ids.append(sandbox.sandbox_id)
         self.files.setdefault(sandbox.sandbox_id, {})
         self.create_started.set()
         if self.create_gate is not None:
@@ -71,6 +76,11 @@ class FakeCompute:
         self.mcp_calls.append(("destroy", sandbox_id, ""))
         self.destroyed.append(sandbox_id)
         self.files.pop(sandbox_id, None)
+
+    async def sandbox_alive(self, sandbox: SandboxRef) -> bool:
+        self._check()
+        sandbox_id = sandbox.sandbox_id
+        return sandbox_id in self.files and sandbox_id not in self.dead
 
     async def exec(
         self,

@@ -1,21 +1,19 @@
 """Two Environment service replicas as separate processes on one PostgreSQL
 database, with the real Sandbox service: SIGKILL the replica that owns a
-running setup, and the other replica fails the environment with
-``setup_owner_lost`` once the lease expires, promptly, without ever running
-setup a second time.
+running setup, and the other replica takes the setup over once the lease
+expires, in the same sandbox, runs the interrupted setup command again and
+finishes it; the commands before it are not run again.
 
 The in-process variants (a graceful stop, an expired lease written by hand,
 fifty first operations split across two instances on PostgreSQL) are in
-test_environment_init_guard.py; this one kills a real process, so nothing
-of the owner's shutdown path runs."""
+test_environment_init_guard.py and test_environment_setup_journal.py; this
+one kills a real process, so nothing of the owner's shutdown path runs."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,10 +21,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from environment_helpers import SandboxService, create_env, ensure, md, reason_of, run_command, setup_config
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_support import TEST_INTERNAL_TOKEN, internal_channel
+from environment_helpers import SandboxService, create_env, ensure, md, run_command, setup_config
+from grpc_support import internal_channel
 from hosts_support import free_port
+from service_processes import spawn_service, stop_process, wait_serving
 from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
@@ -34,10 +32,11 @@ from berth.sandbox.v1 import sandbox_service_pb2
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[2]
 LEASE_S = 1.5
-FAILED = environment_pb2.ENVIRONMENT_STATUS_FAILED
+READY = environment_pb2.ENVIRONMENT_STATUS_READY
 MARKER = "berth-setup-gate"
+FIRST = "echo first >> /workspace/steps"
+LAST = "echo last >> /workspace/steps"
 # Counts its runs, then blocks until the test releases it.
 GATED_SETUP = (
     f"echo run >> /workspace/setup-runs; "
@@ -71,9 +70,6 @@ class Replica:
     def stub(self) -> environment_service_pb2_grpc.EnvironmentServiceStub:
         return environment_service_pb2_grpc.EnvironmentServiceStub(self.channel)
 
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
-
 
 class Replicas:
     """``python -m services.environment`` processes; every one left running
@@ -87,49 +83,28 @@ class Replicas:
 
     def spawn(self, name: str) -> Replica:
         address = f"127.0.0.1:{free_port()}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
-        env.update(
-            BERTH_ENVIRONMENT_ADDR=address,
-            BERTH_ENVIRONMENT_DATABASE_URL=self.database_url,
-            BERTH_SANDBOX_ADDR=self.sandbox_addr,
-            BERTH_INIT_LEASE_S=str(LEASE_S),
-            BERTH_DATA_DIR=str(self.tmp_path / name),
-            BERTH_RPC_TIMEOUT_S="10",
-            BERTH_LOG_JSON="1",
-            BERTH_INTERNAL_TOKEN=TEST_INTERNAL_TOKEN,
-        )
         log_path = self.tmp_path / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "services.environment"],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+        process = spawn_service(
+            "services.environment",
+            log_path,
+            environment_addr=address,
+            environment_database_url=self.database_url,
+            sandbox_addr=self.sandbox_addr,
+            init_lease_s=str(LEASE_S),
+            data_dir=str(self.tmp_path / name),
+            rpc_timeout_s="10",
+        )
         replica = Replica(name, process, address, log_path, internal_channel(address))
         self.started.append(replica)
         return replica
 
     async def serving(self, replica: Replica) -> None:
-        health = health_pb2_grpc.HealthStub(replica.channel)
-        try:
-            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            pytest.fail(f"replica {replica.name} did not start ({exc.code().name}):\n{replica.log_tail()}")
-        assert response.status == health_pb2.HealthCheckResponse.SERVING
+        await wait_serving(replica.address, replica.log_path, what=f"replica {replica.name}")
 
     async def stop_all(self) -> None:
         for replica in self.started:
             await replica.channel.close()
-            if replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.to_thread(replica.process.wait, 15)
-                except subprocess.TimeoutExpired:
-                    replica.process.kill()
-                    await asyncio.to_thread(replica.process.wait)
+            await stop_process(replica.process)
 
 
 @pytest.fixture
@@ -155,13 +130,17 @@ async def _lease_row(database_url: str, environment_id: str) -> tuple[str, str, 
     return str(row["status"]), str(row["lease_owner"]), float(row["lease_expires_at"])
 
 
-async def _setup_runs(sandbox: SandboxService, sandbox_id: str) -> list[str]:
+async def _lines(sandbox: SandboxService, sandbox_id: str, path: str) -> list[str]:
     try:
-        return (await sandbox.read(sandbox_id, "/workspace/setup-runs")).decode().splitlines()
+        return (await sandbox.read(sandbox_id, path)).decode().splitlines()
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.NOT_FOUND:
             return []
         raise
+
+
+async def _setup_runs(sandbox: SandboxService, sandbox_id: str) -> list[str]:
+    return await _lines(sandbox, sandbox_id, "/workspace/setup-runs")
 
 
 async def _marked_processes(sandbox: SandboxService, sandbox_id: str) -> list[str]:
@@ -173,28 +152,28 @@ async def _marked_processes(sandbox: SandboxService, sandbox_id: str) -> list[st
     return out.decode().split()
 
 
-async def test_killing_the_replica_that_runs_setup_fails_the_environment_once_its_lease_expires(
+async def test_killing_the_replica_that_runs_setup_hands_it_to_the_other_once_its_lease_expires(
     replicas: Replicas, sandbox_service: SandboxService
 ) -> None:
     one, two = replicas.spawn("replica-1"), replicas.spawn("replica-2")
     await asyncio.gather(replicas.serving(one), replicas.serving(two))
 
-    env = (await create_env(two.stub, config=setup_config(GATED_SETUP))).environment
+    env = (await create_env(two.stub, config=setup_config(FIRST, GATED_SETUP, LAST))).environment
 
-    # Replica 1 wins the init: its setup command runs, blocked on the gate.
+    # Replica 1 wins the init: its second setup command runs, blocked on the gate.
     owner_call = asyncio.ensure_future(ensure(one.stub, env.id))
 
-    async def setup_started() -> bool:
-        if owner_call.done():
+    async def runs_reached(count: int) -> bool:
+        if owner_call.done() and count == 1:
             return True
         try:
-            return len(await _setup_runs(sandbox_service, env.sandbox_id)) == 1
+            return len(await _setup_runs(sandbox_service, env.sandbox_id)) == count
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 return False  # the sandbox is still being created
             raise
 
-    await wait_until(setup_started, timeout=30, what="setup started through replica 1")
+    await wait_until(lambda: runs_reached(1), timeout=30, what="setup started through replica 1")
     assert not owner_call.done(), owner_call
     status, lease_owner, _ = await _lease_row(replicas.database_url, env.id)
     assert status == "initializing"
@@ -205,49 +184,44 @@ async def test_killing_the_replica_that_runs_setup_fails_the_environment_once_it
     joined_at = time.time()
 
     one.process.send_signal(signal.SIGKILL)
-    killed_at = time.time()
     await asyncio.to_thread(one.process.wait, 10)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await asyncio.wait_for(owner_call, 10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    # The owner's last renewal still holds: nobody fails a live lease.
-    status, _, expires_at = await _lease_row(replicas.database_url, env.id)
-    assert status == "initializing"
+    # The owner's last renewal still holds: nobody takes a live lease over.
+    status, lease_owner, expires_at = await _lease_row(replicas.database_url, env.id)
+    assert status == "initializing" and lease_owner.split(":")[1] == str(one.process.pid)
     assert not waiter.done()
 
-    result = await asyncio.wait_for(waiter, LEASE_S + 10)
-    failed_at = time.time()
-    assert result.status == FAILED
-    assert result.error.code == "setup_owner_lost"
-    assert joined_at < expires_at <= failed_at, "the environment failed before the lease expired"
-    assert failed_at - expires_at < 1.0, f"failed {failed_at - expires_at:.2f}s after the lease expired"
-    assert failed_at - killed_at < LEASE_S + 1.0
+    # Replica 2 takes over after the lease expired and runs the interrupted command again.
+    await wait_until(lambda: runs_reached(2), timeout=LEASE_S + 20, what="replica 2 ran the interrupted command again")
+    taken_at = time.time()
+    assert joined_at < expires_at <= taken_at, "setup was taken over before the lease expired"
+    status, lease_owner, _ = await _lease_row(replicas.database_url, env.id)
+    assert status == "initializing"
+    assert lease_owner.split(":")[1] == str(two.process.pid), lease_owner
+    assert not waiter.done()
 
-    # Every later operation through replica 2 answers FAILED at once and runs nothing.
-    started = time.monotonic()
-    again = await ensure(two.stub, env.id)
-    assert (again.status, again.error.code) == (FAILED, "setup_owner_lost")
-    assert time.monotonic() - started < 1.0
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await run_command(two.stub, env.id, "true")
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert reason_of(info.value) == "ENVIRONMENT_FAILED"
-
-    # Releasing the gate lets the orphaned command end (unless the kill
-    # ended it already); no second run starts, then or later.
     await sandbox_service.stub.WriteFile(
         sandbox_service_pb2.WriteFileRequest(sandbox_id=env.sandbox_id, path="/workspace/release", data=b""), metadata=md()
     )
+    result = await asyncio.wait_for(waiter, 20)
+    assert result.status == READY and result.error.code == ""
+    assert result.sandbox_id == env.sandbox_id
+    assert await _lines(sandbox_service, env.sandbox_id, "/workspace/steps") == ["first", "last"]
+    assert await _setup_runs(sandbox_service, env.sandbox_id) == ["run", "run"]
+    assert (await _lease_row(replicas.database_url, env.id))[0] == "ready"
 
-    async def orphan_ended() -> bool:
+    async def gated_ended() -> bool:
         return await _marked_processes(sandbox_service, env.sandbox_id) == []
 
-    await wait_until(orphan_ended, timeout=15, what="the orphaned setup command ended")
-    assert (await ensure(two.stub, env.id)).status == FAILED
-    assert await _setup_runs(sandbox_service, env.sandbox_id) == ["run"]
-    assert (await _lease_row(replicas.database_url, env.id))[0] == "failed"
+    await wait_until(gated_ended, timeout=15, what="no gated setup command is left running")
+    code, _ = await run_command(two.stub, env.id, "true")
+    assert code == 0
+    assert (await ensure(two.stub, env.id)).status == READY
+    assert await _setup_runs(sandbox_service, env.sandbox_id) == ["run", "run"]
 
-    # The failed environment is deleted with its sandbox.
+    # The environment is deleted with its sandbox.
     await two.stub.DeleteEnvironment(pb.DeleteEnvironmentRequest(environment_id=env.id), metadata=md())
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await sandbox_service.stub.GetSandbox(sandbox_service_pb2.GetSandboxRequest(sandbox_id=env.sandbox_id), metadata=md())
