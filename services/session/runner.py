@@ -8,10 +8,19 @@ time per session, inside this service process.
   Input that reaches an idle session whose environment is known (none, or
   ready: ``EnvironmentCache``) starts its turn in the submitting transaction
   itself (``start_in``); otherwise a worker claims it.
-- The worker owning a turn renews a lease on it. A cancel from another
-  replica sets ``turns.cancel_requested``, which the owner polls; a turn whose
-  lease expired (its replica died) is failed by any replica's sweeper, which
-  also restarts sessions whose queue was left without a worker.
+- The worker owning a turn renews a lease on it (``turn_lease_s``, a few
+  seconds, renewed every third of it). A cancel from another replica sets
+  ``turns.cancel_requested``, which the owner polls. A running turn whose
+  lease expired (its process died, or stopped) is taken over by any
+  replica's sweeper, with a compare-and-set on its worker: the new worker
+  closes the items the old one left open (a command that was running is
+  reported to the model as interrupted, with the output it had sent), and
+  runs the agent loop again from the persisted transcript, so a model call
+  that was interrupted is made again. Events and items already written stay
+  as they are and nothing is written twice. A worker that finds its lease
+  taken stops without ending the turn. The sweeper also restarts sessions
+  whose queue was left without a worker. A turn waiting for function
+  results whose worker died still fails when its lease expires.
 - Finishing a turn is one transaction: the terminal status is written with a
   compare-and-set from ``in_progress``/``waiting``, so a completed or failed
   outcome is never replaced by a cancel (and vice versa). Artifacts of a
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import time
@@ -52,10 +62,11 @@ from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry
 from services.session.mcp_connections import McpConnections
-from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
+from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
+from services.session.turn_writer import answer_unfinished_call
 
 __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
 
@@ -89,6 +100,8 @@ class ClaimedTurn:
     transcript: list[tuple[str, list[Entry]]] = field(default_factory=list)
     # The session's usage when the turn started.
     usage_json: str = ""
+    # The output index the turn's next output item takes (non-zero when resumed).
+    next_output_index: int = 0
 
 
 @dataclass
@@ -120,9 +133,10 @@ class TurnRunner:
         blobs: BlobStore,
         *,
         mcp: McpConnections | None = None,
-        lease_s: float = 30.0,
+        lease_s: float = 6.0,
         poll_s: float = 0.5,
-        sweep_s: float = 5.0,
+        sweep_s: float | None = None,
+        dependency_retry_s: float = 0.0,
     ) -> None:
         self.store = store
         self.env_client = env_client
@@ -133,7 +147,11 @@ class TurnRunner:
         self.worker_id = f"w_{secrets.token_hex(8)}"
         self.lease_s = lease_s
         self.poll_s = poll_s
-        self.sweep_s = sweep_s
+        # Takeover comes within a lease and half of one after a worker died.
+        self.sweep_s = sweep_s if sweep_s is not None else min(5.0, lease_s / 2)
+        self.dependency_retry_s = dependency_retry_s
+        # Turns whose lease another worker took: they stop without an ending.
+        self._lost: set[str] = set()
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._turns: dict[str, asyncio.Task[None]] = {}
@@ -352,8 +370,10 @@ class TurnRunner:
             environment=claimed.environment,
             agent_config_json=claimed.agent_config_json,
             transcript=claimed.transcript,
+            next_output_index=claimed.next_output_index,
             mcp=self.mcp,
             on_ending=start_collecting,
+            dependency_retry_s=self.dependency_retry_s,
         )
         task = asyncio.create_task(run_turn(io, self.providers.for_model), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
@@ -362,20 +382,21 @@ class TurnRunner:
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
-                # The service is stopping: end the turn rather than leave it to the lease.
+                # The service is stopping: give the turn up at once, so that
+                # another replica (or this service, restarted) resumes it.
                 task.cancel()
                 await asyncio.wait({task})
                 await io.settle()
-                await asyncio.shield(
-                    self._finalize(
-                        claimed, io, Outcome(TurnStatus.FAILED, "internal_error", "the session service stopped"), collecting
-                    )
-                )
+                await asyncio.shield(self.store.transact(lambda u: self._give_up(u, claimed.turn_id)))
                 raise
         finally:
             watcher.cancel()
             self._turns.pop(claimed.turn_id, None)
         await io.settle()
+        if claimed.turn_id in self._lost:
+            self._lost.discard(claimed.turn_id)
+            log.warning("turn_taken_over", session_id=claimed.session_id, turn_id=claimed.turn_id)
+            return False
         if task.cancelled():
             outcome = Outcome(TurnStatus.CANCELLED)
         elif isinstance(task.exception(), TurnFailure):
@@ -396,7 +417,7 @@ class TurnRunner:
         lease = Lease(
             lambda: self.store.transact(lambda u: self._renew(u, turn_id)),
             every_s=self.lease_s / 3,
-            on_lost=task.cancel,
+            on_lost=lambda: self._lose(turn_id, task),
             failure_event="turn_watch_failed",
             log_fields={"turn_id": turn_id},
         )
@@ -409,6 +430,16 @@ class TurnRunner:
             )
         if not task.done():
             task.cancel()
+
+    def _lose(self, turn_id: str, task: asyncio.Task[None]) -> None:
+        self._lost.add(turn_id)
+        task.cancel()
+
+    async def _give_up(self, u: Unit, turn_id: str) -> None:
+        """Expires this worker's lease on a turn it stops running."""
+        await u.session.execute(
+            update(TurnRow).where(TurnRow.id == turn_id, TurnRow.worker_id == self.worker_id).values(lease_expires_at=0.0)
+        )
 
     async def _should_stop(self, turn_id: str, task: asyncio.Task[None]) -> bool:
         return task.done() or await self.store.query(lambda s: self._turn_ended(s, turn_id))
@@ -650,14 +681,128 @@ class TurnRunner:
 
         expired, stranded, kinds = await self.store.query(scan)
         for turn in expired:
-            if self.is_running(turn.id):
+            if self.is_running(turn.id) or self._closing:
                 continue
             kind, environment_id = kinds.get(turn.session_id, ("none", ""))
             env_id = environment_id if kind == "hosted" else None
             org_id_var.set(turn.org_id)
+            if turn.status == TurnStatus.IN_PROGRESS:
+                resumed = await self.store.transact(functools.partial(self._take_over, turn=turn, environment_id=env_id))
+                if resumed is not None:
+                    resumed.environment = await self._environment(env_id)
+                    log.warning(
+                        "turn_resumed", session_id=turn.session_id, turn_id=turn.id, previous_worker_id=turn.worker_id
+                    )
+                    self.run_started(resumed)
+                continue
             claimed = ClaimedTurn(turn.org_id, turn.session_id, turn.id, env_id, await self._environment(env_id))
             log.warning("turn_lease_expired", session_id=turn.session_id, turn_id=turn.id, worker_id=turn.worker_id)
             await self._finalize(claimed, None, Outcome(TurnStatus.FAILED, "internal_error", "the worker running this turn stopped"))
             self.kick(turn.session_id, turn.org_id)
         for session_id, org_id in stranded:
             self.kick(session_id, org_id)
+
+    async def _take_over(self, u: Unit, turn: TurnRow, environment_id: str | None) -> ClaimedTurn | None:
+        """Takes an in-progress turn whose lease expired over from its worker
+        (a compare-and-set on the worker and the expiry), closes the items
+        that worker left open, and reads what the harness needs to run the
+        turn on; None when another replica was first."""
+        now = time.time()
+        taken = await u.session.execute(
+            update(TurnRow)
+            .where(
+                TurnRow.id == turn.id,
+                TurnRow.status == TurnStatus.IN_PROGRESS,
+                TurnRow.worker_id == turn.worker_id,
+                TurnRow.lease_expires_at == turn.lease_expires_at,
+            )
+            .values(worker_id=self.worker_id, lease_expires_at=now + self.lease_s)
+        )
+        if int(cast(CursorResult[Any], taken).rowcount) != 1:
+            return None
+        session = (await u.session.execute(select(SessionRow).where(SessionRow.id == turn.session_id))).scalar_one()
+        events = (
+            await u.session.execute(
+                select(EventRow.event_json)
+                .where(
+                    EventRow.session_id == turn.session_id,
+                    EventRow.turn_id == turn.id,
+                    EventRow.type.in_(("agent.session.turn.item.added", "agent.output.command_execution_output.delta")),
+                )
+                .order_by(EventRow.seq)
+            )
+        ).scalars()
+        next_output_index = 0
+        output_index: dict[str, int] = {}
+        captured: dict[str, list[str]] = {}
+        for event_json in events:
+            event = json.loads(event_json)
+            if event["type"] == "agent.session.turn.item.added":
+                index = event.get("output_index")
+                if isinstance(index, int):
+                    output_index[event["item"]["id"]] = index
+                    next_output_index = max(next_output_index, index + 1)
+            else:
+                captured.setdefault(str(event.get("item_id")), []).append(str(event.get("delta") or ""))
+        history = await u.session.execute(
+            select(ItemRow.id, ItemRow.turn_id, ItemRow.item_json, ItemRow.model_json)
+            .where(ItemRow.session_id == turn.session_id)
+            .order_by(ItemRow.pk)
+        )
+        transcript: list[tuple[str, list[Entry]]] = []
+        closed: list[dict[str, Any]] = []
+        for item_id, turn_id, item_json, model_json in history:
+            entries: list[Entry] = json.loads(model_json)
+            if turn_id == turn.id:
+                item = json.loads(item_json)
+                if item.get("status") == "in_progress":
+                    entries = _interrupted(item, entries, "".join(captured.get(item_id, [])))
+                    await u.session.execute(
+                        update(ItemRow)
+                        .where(ItemRow.id == item_id)
+                        .values(item_json=json.dumps(item), model_json=json.dumps(entries))
+                    )
+                    if item_id in output_index:
+                        closed.append(
+                            {
+                                "type": "agent.session.turn.item.done",
+                                "session_id": turn.session_id,
+                                "turn_id": turn.id,
+                                "item": item,
+                                "output_index": output_index[item_id],
+                            }
+                        )
+            transcript.append((item_id, entries))
+        if closed:
+            counter = await u.session.execute(
+                update(SessionRow)
+                .where(SessionRow.id == turn.session_id)
+                .values(event_seq=SessionRow.event_seq + len(closed))
+                .returning(SessionRow.event_seq)
+            )
+            u.append(turn.session_id, int(counter.scalar_one()), *closed)
+        return ClaimedTurn(
+            turn.org_id,
+            turn.session_id,
+            turn.id,
+            environment_id,
+            None,
+            session.agent_config_json,
+            transcript,
+            session.usage_json,
+            next_output_index=next_output_index,
+        )
+
+
+_INTERRUPTED = "error: the call was interrupted (the process running this turn stopped) and did not finish"
+
+
+def _interrupted(item: dict[str, Any], entries: list[Entry], captured: str) -> list[Entry]:
+    """Closes an item a dead worker left open, in place; returns its model
+    entries. A tool call is answered as interrupted, with the output it had
+    sent."""
+    item["status"] = "incomplete"
+    if item.get("type") == "command_execution":
+        item["output"] = captured or None
+    output = _INTERRUPTED + (f"; its output so far:\n{captured}" if captured else "")
+    return answer_unfinished_call(entries, output) or entries

@@ -41,6 +41,7 @@ class DbTurnIO:
         next_output_index: int = 0,
         mcp: McpConnections | None = None,
         on_ending: Callable[[], None] | None = None,
+        dependency_retry_s: float = 0.0,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -55,7 +56,13 @@ class DbTurnIO:
         )
         self._snapshot = environment
         self.env = (
-            TurnEnvironment(self.writer, env_client, environment_id=environment_id, environment=environment)
+            TurnEnvironment(
+                self.writer,
+                env_client,
+                environment_id=environment_id,
+                environment=environment,
+                retry_s=dependency_retry_s,
+            )
             if env_client is not None and environment_id
             else None
         )

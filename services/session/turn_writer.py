@@ -32,7 +32,7 @@ from services.session.harness.models.base import Entry, Usage
 from services.session.models import FunctionCallRow, ItemRow, SessionRow
 from services.session.store import Store, Unit
 
-__all__ = ["TurnWriter", "OUTPUT_ITEM_TYPES", "dumps"]
+__all__ = ["TurnWriter", "OUTPUT_ITEM_TYPES", "dumps", "answer_unfinished_call"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,16 @@ OUTPUT_ITEM_TYPES = frozenset({"message", "function_call", "command_execution", 
 
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+def answer_unfinished_call(entries: list[Entry], output: str) -> list[Entry] | None:
+    """The entries of an open tool item whose call (its only entry) never
+    got its result, with ``output`` as the result; None for other entries.
+    A model API refuses a transcript with a call left unanswered."""
+    calls = entries[0].get("tool_calls") if len(entries) == 1 else None
+    if not calls:
+        return None
+    return [entries[0], {"role": "tool", "call_id": calls[0]["id"], "output": output}]
 
 
 # Hot-path writes are Core statements: the ORM's unit of work costs more
@@ -283,6 +293,10 @@ class TurnWriter:
         for handle, item in list(self.open_items.values()):
             status = item.get("status")
             item["status"] = "failed" if status == "failed" and item["type"] != "message" else "incomplete"
+            answered = answer_unfinished_call(self._transcript.get(handle.id, []), "error: the call did not finish")
+            if answered is not None:
+                self._transcript[handle.id] = answered
+                await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == handle.id).values(model_json=dumps(answered)))
             full = await self.store_item(u, handle, item)
             if full is not None and handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
                 events.append(self.done(handle, full))

@@ -111,14 +111,16 @@ async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_swe
     assert [e["type"] for e in events].count("agent.session.turn.failed") == 1
 
 
-async def test_stopping_the_service_ends_running_turns_and_a_restart_serves_the_session(
+async def test_a_restarted_service_resumes_the_turn_a_stopped_one_was_running(
     tmp_path: Path, fake_env: Any, client_for: Any
 ) -> None:
     settings = Settings(data_dir=tmp_path / "data")
     env_addr = f"127.0.0.1:{fake_env[1].port}"
     first = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     client = client_for(first.address)
-    created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ sleep 60"})
+    created = await client.create_session(
+        {"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ sleep 60\n$ echo after"}
+    )
     session_id = created.session.id
     await client.wait_for(session_id, lambda e: e["type"] == "agent.session.turn.item.added" and e["item"]["type"] == "command_execution")
     await first.stop(0)
@@ -126,10 +128,17 @@ async def test_stopping_the_service_ends_running_turns_and_a_restart_serves_the_
     second = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     try:
         client = client_for(second.address)
-        events = [e for _, e in await client.events(session_id)]
-        failed = next(e for e in events if e["type"] == "agent.session.turn.failed")
-        assert failed["turn"]["error"]["code"] == "internal_error"
-        assert events[-1]["type"] == "agent.session.idle"
+        end = await client.wait_turn_end(session_id, created.turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+        backlog = await client.events(session_id)
+        events = [e for _, e in backlog]
+        assert [seq for seq, _ in backlog] == list(range(1, len(backlog) + 1))
+        assert len({e["event_id"] for e in events}) == len(events)
+        done = [e["item"] for e in events if e["type"] == "agent.session.turn.item.done" and e["item"]["type"] == "command_execution"]
+        # The interrupted command is closed once, and the model went on to the next step.
+        assert [(i["command"], i["status"]) for i in done] == [("sleep 60", "incomplete"), ("echo after", "completed")]
+        assert len({i["id"] for i in done}) == 2
+        assert [e["type"] for e in events].count("agent.session.turn.in_progress") == 1
         again = await client.say(session_id, "$ echo back")
         assert (await client.wait_turn_end(session_id, again))["type"] == "agent.session.turn.completed"
     finally:

@@ -173,7 +173,9 @@ async def _environment_tool(io: TurnIO, call: ToolCall) -> None:
         return
 
     await io.ensure_environment()
-    handle = await io.add_item(item, entries=[], output=True, done=False)
+    # The call is the open item's entry, so a worker that resumes the turn
+    # after this one died can answer it as interrupted.
+    handle = await io.add_item(item, entries=_call_entries(call, "")[:1], output=True, done=False)
     io.track_item(handle, item)
     started = time.monotonic()
     if call.name == "exec_command":
