@@ -49,6 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
 from services.core.errors import BerthError
+from services.core.grpc_client import call_until_available
 from services.core.ids import new_id
 from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
@@ -57,10 +58,11 @@ from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
-from services.session.harness.io import TurnFailure
+from services.session.harness.io import ItemHandle, TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
-from services.session.harness.models.base import Entry
+from services.session.harness.models.base import Entry, ToolCall
+from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
@@ -102,6 +104,9 @@ class ClaimedTurn:
     usage_json: str = ""
     # The output index the turn's next output item takes (non-zero when resumed).
     next_output_index: int = 0
+    # Commands a worker that died left running, to reattach before the loop
+    # goes on: (item handle, item, its call, the output already sent).
+    reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -375,7 +380,7 @@ class TurnRunner:
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
         )
-        task = asyncio.create_task(run_turn(io, self.providers.for_model), name=f"turn-{claimed.turn_id}")
+        task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
         watcher = asyncio.create_task(self._watch(claimed.turn_id, task))
         try:
@@ -383,7 +388,10 @@ class TurnRunner:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
                 # The service is stopping: give the turn up at once, so that
-                # another replica (or this service, restarted) resumes it.
+                # another replica (or this service, restarted) resumes it,
+                # and leave its running command to be reattached.
+                if io.env is not None:
+                    io.env.detached = True
                 task.cancel()
                 await asyncio.wait({task})
                 await io.settle()
@@ -409,6 +417,13 @@ class TurnRunner:
         else:
             outcome = Outcome(TurnStatus.COMPLETED)
         return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
+
+    async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn) -> None:
+        """The agent loop, after finishing the commands a resumed turn's
+        previous worker left running."""
+        for handle, item, call, shown in claimed.reattach:
+            await resume_command(io, handle, item, call, shown)
+        await run_turn(io, self.providers.for_model)
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
         """Renews the turn's lease, and polls for cancels sent to other
@@ -461,17 +476,24 @@ class TurnRunner:
     async def _collect(self, claimed: ClaimedTurn, io: DbTurnIO | None) -> list[OutputFile]:
         if not claimed.environment_id or self.env_client is None:
             return []
-        if io is None or not io.environment_ready:
-            env = await self.env_client.get_environment(claimed.environment_id)
-            if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
-                return []
-        return await collect_outputs(
-            self.env_client,
-            self.blobs,
-            lambda: self.store.query(lambda s: published_state(s, claimed.session_id)),
-            session_id=claimed.session_id,
-            environment_id=claimed.environment_id,
-        )
+        client, environment_id = self.env_client, claimed.environment_id
+
+        async def collect() -> list[OutputFile]:
+            if io is None or not io.environment_ready:
+                env = await client.get_environment(environment_id)
+                if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
+                    return []
+            return await collect_outputs(
+                client,
+                self.blobs,
+                lambda: self.store.query(lambda s: published_state(s, claimed.session_id)),
+                session_id=claimed.session_id,
+                environment_id=environment_id,
+            )
+
+        # Reading outputs repeats safely; an Environment service that is
+        # restarting is waited for like any call of the turn.
+        return await call_until_available(collect, within_s=self.dependency_retry_s)
 
     async def _finalize(
         self,
@@ -751,10 +773,19 @@ class TurnRunner:
         )
         transcript: list[tuple[str, list[Entry]]] = []
         closed: list[dict[str, Any]] = []
+        reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = []
         for item_id, turn_id, item_json, model_json in history:
             entries: list[Entry] = json.loads(model_json)
             if turn_id == turn.id:
                 item = json.loads(item_json)
+                calls = entries[0].get("tool_calls") if len(entries) == 1 else None
+                if item.get("status") == "in_progress" and calls and calls[0].get("name") == "exec_command":
+                    # Still open: the resumed turn reattaches to the command first.
+                    call = ToolCall(str(calls[0]["id"]), "exec_command", str(calls[0].get("arguments") or ""))
+                    shown = "".join(captured.get(item_id, []))
+                    reattach.append((ItemHandle(item_id, output_index.get(item_id)), item, call, shown))
+                    transcript.append((item_id, entries))
+                    continue
                 if item.get("status") == "in_progress":
                     entries = _interrupted(item, entries, "".join(captured.get(item_id, [])))
                     await u.session.execute(
@@ -791,10 +822,8 @@ class TurnRunner:
             transcript,
             session.usage_json,
             next_output_index=next_output_index,
+            reattach=reattach,
         )
-
-
-_INTERRUPTED = "error: the call was interrupted (the process running this turn stopped) and did not finish"
 
 
 def _interrupted(item: dict[str, Any], entries: list[Entry], captured: str) -> list[Entry]:
@@ -804,5 +833,5 @@ def _interrupted(item: dict[str, Any], entries: list[Entry], captured: str) -> l
     item["status"] = "incomplete"
     if item.get("type") == "command_execution":
         item["output"] = captured or None
-    output = _INTERRUPTED + (f"; its output so far:\n{captured}" if captured else "")
+    output = INTERRUPTED + (f"; its output so far:\n{captured}" if captured else "")
     return answer_unfinished_call(entries, output) or entries

@@ -13,6 +13,7 @@ sent, so no output is lost or repeated."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -21,7 +22,7 @@ from sqlalchemy import update
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2
-from services.core.errors import BerthError, EnvironmentFailed, Unavailable
+from services.core.errors import BerthError, EnvironmentFailed, NotFound, Unavailable
 from services.core.grpc_client import call_until_available, peer_unavailable
 from services.session import wire
 from services.session.environment_client import EnvironmentClient
@@ -40,6 +41,11 @@ def sandbox_failure(environment_id: str | None, session_id: str, exc: BaseExcept
     """A failed environment call as a turn failure naming the session and environment."""
     detail = exc.message if isinstance(exc, BerthError) else str(exc)
     return TurnFailure("sandbox_error", f"environment {environment_id} of session {session_id} failed: {detail}")
+
+
+def _command_name(key: str) -> str:
+    """The background process name of a keyed command."""
+    return f"exec-{key}"
 
 
 def _exit(status: common_pb2.ExitStatus) -> CommandExit:
@@ -86,6 +92,9 @@ class TurnEnvironment:
         self.environment = environment
         self.ready = False
         self._retry_s = retry_s
+        # Set when this process stops running the turn and another will
+        # resume it: keyed commands are then left running, not killed.
+        self.detached = False
 
     # ----- waiting out an unavailable dependency ------------------------------------
     async def _disconnected(self, exc: Unavailable) -> None:
@@ -136,7 +145,14 @@ class TurnEnvironment:
                 call.cancel()
 
     # ----- the port ---------------------------------------------------------------
-    async def exec(self, shell: str, *, cwd: str, timeout_ms: int) -> AsyncGenerator[CommandEvent, None]:
+    async def exec(
+        self, shell: str, *, cwd: str, timeout_ms: int, key: str = ""
+    ) -> AsyncGenerator[CommandEvent, None]:
+        if key:
+            async with contextlib.aclosing(self._exec_process(shell, cwd=cwd, timeout_ms=timeout_ms, key=key)) as keyed:
+                async for command_event in keyed:
+                    yield command_event
+            return
         received = False
 
         def open_call() -> Any:
@@ -153,6 +169,70 @@ class TurnEnvironment:
                 event = _command_event(message)
                 if event is not None:
                     yield event
+
+    async def _exec_process(self, shell: str, *, cwd: str, timeout_ms: int, key: str) -> AsyncGenerator[CommandEvent, None]:
+        """A keyed command runs as a background process named by its key, so
+        it outlives this process and a resumed turn reattaches to it through
+        the daemon's lossless output log. Starting is made idempotent by the
+        name: a start whose answer was lost is found, not repeated."""
+        name = _command_name(key)
+        retried = False
+
+        async def start() -> environment_pb2.Process:
+            nonlocal retried
+            if retried:
+                found = await self._named(name)
+                if found is not None:
+                    return found
+            retried = True
+            return await self._client.start_process(
+                self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=False
+            )
+
+        process = await self._call(start)
+        async with contextlib.aclosing(self._command_events(process.process_id, timeout_ms=timeout_ms)) as events:
+            async for event in events:
+                yield event
+
+    async def reattach(self, key: str) -> AsyncGenerator[CommandEvent, None]:
+        process = await self._call(lambda: self._named(_command_name(key)))
+        if process is None:
+            raise NotFound(f"no command {key} in environment {self.environment_id}")
+        async with contextlib.aclosing(self._command_events(process.process_id, timeout_ms=0)) as events:
+            async for event in events:
+                yield event
+
+    async def _named(self, name: str) -> environment_pb2.Process | None:
+        for process in await self._client.list_processes(self.environment_id):
+            if process.name == name:
+                return process
+        return None
+
+    async def _command_events(self, process_id: str, *, timeout_ms: int) -> AsyncGenerator[CommandEvent, None]:
+        """A command process's output from its start and its exit. It is
+        killed after ``timeout_ms`` (0: no bound), and when the reader stops
+        before its exit (unless the turn is ``detached``)."""
+        timer = asyncio.create_task(self._kill_after(process_id, timeout_ms / 1000)) if timeout_ms > 0 else None
+        exited = False
+        try:
+            async with contextlib.aclosing(self.process_output(process_id, from_seq=0)) as events:
+                async for event in events:
+                    if isinstance(event, CommandExit):
+                        exited = True
+                        timed_out = event.timed_out or (timer is not None and timer.done() and not timer.cancelled())
+                        yield CommandExit(event.exit_code, timed_out, event.duration_ms)
+                        return
+                    yield event
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if not exited and not self.detached:
+                with contextlib.suppress(BerthError):
+                    await asyncio.shield(self._client.kill_process(self.environment_id, process_id))
+
+    async def _kill_after(self, process_id: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self._call(lambda: self._client.kill_process(self.environment_id, process_id))
 
     async def read_file(self, path: str, *, limit: int) -> tuple[bytes, bool]:
         return await self._call(lambda: self._client.read_file(self.environment_id, path, limit=limit))

@@ -111,23 +111,25 @@ async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_swe
     assert [e["type"] for e in events].count("agent.session.turn.failed") == 1
 
 
-async def test_a_restarted_service_resumes_the_turn_a_stopped_one_was_running(
+async def test_a_restarted_service_resumes_the_turn_and_reattaches_to_the_command_still_running(
     tmp_path: Path, fake_env: Any, client_for: Any
 ) -> None:
+    fake: FakeEnvironmentService = fake_env[0]
     settings = Settings(data_dir=tmp_path / "data")
     env_addr = f"127.0.0.1:{fake_env[1].port}"
     first = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     client = client_for(first.address)
-    created = await client.create_session(
-        {"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ sleep 60\n$ echo after"}
-    )
+    script = "$ echo before; while [ ! -e go ]; do sleep 0.05; done; echo after\n$ echo next"
+    created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": script})
     session_id = created.session.id
-    await client.wait_for(session_id, lambda e: e["type"] == "agent.session.turn.item.added" and e["item"]["type"] == "command_execution")
+    await client.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
     await first.stop(0)
 
     second = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     try:
         client = client_for(second.address)
+        # The command ran on through the restart; let it finish now.
+        (fake.envs[created.session.environment_id].root / "go").touch()
         end = await client.wait_turn_end(session_id, created.turn_id)
         assert end["type"] == "agent.session.turn.completed"
         backlog = await client.events(session_id)
@@ -135,11 +137,44 @@ async def test_a_restarted_service_resumes_the_turn_a_stopped_one_was_running(
         assert [seq for seq, _ in backlog] == list(range(1, len(backlog) + 1))
         assert len({e["event_id"] for e in events}) == len(events)
         done = [e["item"] for e in events if e["type"] == "agent.session.turn.item.done" and e["item"]["type"] == "command_execution"]
-        # The interrupted command is closed once, and the model went on to the next step.
-        assert [(i["command"], i["status"]) for i in done] == [("sleep 60", "incomplete"), ("echo after", "completed")]
-        assert len({i["id"] for i in done}) == 2
+        # The reattached command finished once with its whole output, and the model went on.
+        assert [(i["status"], i["exit_code"], i["output"]) for i in done] == [
+            ("completed", 0, "before\nafter\n"),
+            ("completed", 0, "next\n"),
+        ]
+        deltas = [e["delta"] for e in events if e["type"] == "agent.output.command_execution_output.delta" and e["item_id"] == done[0]["id"]]
+        assert "".join(deltas) == "before\nafter\n"
         assert [e["type"] for e in events].count("agent.session.turn.in_progress") == 1
         again = await client.say(session_id, "$ echo back")
         assert (await client.wait_turn_end(session_id, again))["type"] == "agent.session.turn.completed"
+    finally:
+        await second.stop(0)
+
+
+async def test_a_resumed_turn_reports_a_command_that_is_gone_to_the_model_as_interrupted(
+    tmp_path: Path, fake_env: Any, client_for: Any
+) -> None:
+    fake: FakeEnvironmentService = fake_env[0]
+    settings = Settings(data_dir=tmp_path / "data")
+    env_addr = f"127.0.0.1:{fake_env[1].port}"
+    first = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    client = client_for(first.address)
+    created = await client.create_session(
+        {"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ echo partial; sleep 60\n$ echo next"}
+    )
+    session_id = created.session.id
+    await client.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
+    await first.stop(0)
+    # The sandbox lost the command meanwhile (e.g. it was replaced).
+    fake.envs[created.session.environment_id].processes.clear()
+
+    second = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    try:
+        client = client_for(second.address)
+        end = await client.wait_turn_end(session_id, created.turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+        events = [e for _, e in await client.events(session_id)]
+        done = [e["item"] for e in events if e["type"] == "agent.session.turn.item.done" and e["item"]["type"] == "command_execution"]
+        assert [(i["status"], i["output"]) for i in done] == [("incomplete", "partial\n"), ("completed", "next\n")]
     finally:
         await second.stop(0)

@@ -16,15 +16,24 @@ import json
 import posixpath
 import time
 from dataclasses import dataclass
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from services.core.errors import BerthError
 from services.session.agents import AgentConfig, function_tools
-from services.session.harness.environment import CommandExit, CommandOutput, environment_unusable
-from services.session.harness.io import TurnFailure, TurnIO
+from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable
+from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.models.base import ToolCall, ToolSpec
 
-__all__ = ["tool_specs", "execute_tool_call", "PendingCall", "WORKSPACE", "MAX_MODEL_OUTPUT"]
+__all__ = [
+    "tool_specs",
+    "execute_tool_call",
+    "resume_command",
+    "PendingCall",
+    "WORKSPACE",
+    "MAX_MODEL_OUTPUT",
+    "INTERRUPTED",
+]
 
 WORKSPACE = "/workspace"
 MAX_ITEM_OUTPUT = 256 * 1024
@@ -191,11 +200,22 @@ async def _environment_tool(io: TurnIO, call: ToolCall) -> None:
 async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
     assert io.env is not None
     timeout_ms = args.get("timeout_ms")
+    # Keyed by its item, so a worker that resumes the turn reattaches to it.
     events = io.env.exec(
         str(args["command"]),
         cwd=str(args.get("cwd") or ""),
         timeout_ms=int(timeout_ms) if isinstance(timeout_ms, int) and timeout_ms > 0 else DEFAULT_EXEC_TIMEOUT_MS,
+        key=handle.id,
     )
+    return await _command_result(io, handle, item, events)
+
+
+async def _command_result(
+    io: TurnIO, handle: Any, item: dict[str, Any], events: AsyncGenerator[CommandEvent, None], *, shown: int = 0
+) -> tuple[dict[str, Any], str]:
+    """Follows a command's events to its exit: output deltas (beyond the
+    first ``shown`` characters, already sent), then the finished item and
+    what the model is told."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     output: list[str] = []
     size = 0
@@ -217,17 +237,20 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
                 text = decoder.decode(event.data)
                 if not text:
                     continue
+                start = size
                 if size < MAX_ITEM_OUTPUT:
                     output.append(text)
                 size += len(text)
                 item["output"] = "".join(output)
                 io.track_item(handle, item)
+                if size <= shown:
+                    continue
                 await io.emit(
                     {
                         "type": "agent.output.command_execution_output.delta",
                         "item_id": handle.id,
                         "output_index": handle.output_index,
-                        "delta": text,
+                        "delta": text[max(0, shown - start) :],
                     }
                 )
             elif isinstance(event, CommandExit):
@@ -256,6 +279,26 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
     )
     note = " (timed out)" if timed_out else ""
     return item, f"exit_code: {exit_code}{note}\n{_clip_for_model(text)}"
+
+
+INTERRUPTED = "error: the call was interrupted (the process running this turn stopped) and did not finish"
+
+
+async def resume_command(io: TurnIO, handle: ItemHandle, item: dict[str, Any], call: ToolCall, shown: str) -> None:
+    """Finishes an ``exec_command`` item that a worker which died left open:
+    reattaches to the command, which ran on in the sandbox, and follows it to
+    its exit, sending the output deltas beyond ``shown`` (what the dead
+    worker had sent). A command that cannot be found is reported to the
+    model as interrupted, with that output."""
+    io.track_item(handle, item)
+    model_output = ""
+    if io.env is not None:
+        # Not finding the command is a tool error (no exit code), not a turn failure.
+        item, model_output = await _command_result(io, handle, item, io.env.reattach(handle.id), shown=len(shown))
+    if not model_output or (item.get("status") == "failed" and item.get("exit_code") is None):
+        item.update(status="incomplete", output=shown or None)
+        model_output = INTERRUPTED + (f"; its output so far:\n{shown}" if shown else "")
+    await io.finish_item(handle, item, entries=_call_entries(call, model_output))
 
 
 async def _read(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
