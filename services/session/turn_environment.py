@@ -22,7 +22,7 @@ from sqlalchemy import update
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2
-from services.core.errors import BerthError, EnvironmentFailed, NotFound, Unavailable
+from services.core.errors import BerthError, EnvironmentFailed, Unavailable
 from services.core.grpc_client import call_until_available, peer_unavailable
 from services.session import wire
 from services.session.environment_client import EnvironmentClient
@@ -194,13 +194,11 @@ class TurnEnvironment:
             async for event in events:
                 yield event
 
-    async def reattach(self, key: str) -> AsyncGenerator[CommandEvent, None]:
+    async def reattach(self, key: str) -> AsyncGenerator[CommandEvent, None] | None:
         process = await self._call(lambda: self._named(_command_name(key)))
         if process is None:
-            raise NotFound(f"no command {key} in environment {self.environment_id}")
-        async with contextlib.aclosing(self._command_events(process.process_id, timeout_ms=0)) as events:
-            async for event in events:
-                yield event
+            return None
+        return self._command_events(process.process_id, timeout_ms=0)
 
     async def _named(self, name: str) -> environment_pb2.Process | None:
         for process in await self._client.list_processes(self.environment_id):

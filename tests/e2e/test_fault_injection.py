@@ -44,4 +44,9 @@ async def test_killing_each_service_in_turn_fails_no_turn_and_loses_no_event_or_
             assert len(done) == len(set(done))
         for session_id, environment_id in report.environments.items():
             lines = workspace_file(stack.data_dir, environment_id, "/workspace/log").read_text()
-            assert (session_id, lines) == (session_id, "".join(f"{n}\n" for n in range(1, TURNS + 1)))
+            if lines != "".join(f"{n}\n" for n in range(1, TURNS + 1)):
+                async with stack.http() as http:
+                    items = (await http.get(f"/agents/sessions/{session_id}/items", params={"limit": 100})).json()["data"]
+                log = await replay(stack, session_id, upto=next(f.last_seq for f in report.followers if f.session_id == session_id))
+                kinds = [(e["type"], e.get("item", {}).get("status"), e.get("delta")) for _, e in log]
+                raise AssertionError((session_id, lines, [(i["type"], i.get("command"), i.get("status"), i.get("output")) for i in items], kinds))

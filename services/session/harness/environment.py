@@ -56,10 +56,10 @@ class EnvironmentPort(Protocol):
         and ``reattach(key)`` finds it again."""
         ...
 
-    def reattach(self, key: str) -> AsyncGenerator[CommandEvent, None]:
+    async def reattach(self, key: str) -> AsyncGenerator[CommandEvent, None] | None:
         """The whole output of the command ``exec`` started with ``key``
-        (from its first chunk), then its CommandExit; raises NotFound when
-        there is no such command. Closing the iterator early kills it."""
+        (from its first chunk), then its CommandExit; None when no such
+        command was ever started. Closing the iterator early kills it."""
         ...
 
     async def read_file(self, path: str, *, limit: int) -> tuple[bytes, bool]:

@@ -285,16 +285,21 @@ INTERRUPTED = "error: the call was interrupted (the process running this turn st
 
 
 async def resume_command(io: TurnIO, handle: ItemHandle, item: dict[str, Any], call: ToolCall, shown: str) -> None:
-    """Finishes an ``exec_command`` item that a worker which died left open:
-    reattaches to the command, which ran on in the sandbox, and follows it to
-    its exit, sending the output deltas beyond ``shown`` (what the dead
-    worker had sent). A command that cannot be found is reported to the
-    model as interrupted, with that output."""
+    """Finishes an ``exec_command`` item that a worker which died left open.
+    A command that ran on in the sandbox is reattached to and followed to its
+    exit, with the output deltas beyond ``shown`` (what the dead worker had
+    sent); one that was never started (the worker died before, or while, it
+    waited for an unavailable service) is started now. A command whose
+    output cannot be followed is reported to the model as interrupted."""
     io.track_item(handle, item)
+    args = _arguments(call) or {}
     model_output = ""
     if io.env is not None:
-        # Not finding the command is a tool error (no exit code), not a turn failure.
-        item, model_output = await _command_result(io, handle, item, io.env.reattach(handle.id), shown=len(shown))
+        events = await io.env.reattach(handle.id)
+        if events is None and args.get("command"):
+            item, model_output = await _exec(io, handle, item, args)
+        elif events is not None:
+            item, model_output = await _command_result(io, handle, item, events, shown=len(shown))
     if not model_output or (item.get("status") == "failed" and item.get("exit_code") is None):
         item.update(status="incomplete", output=shown or None)
         model_output = INTERRUPTED + (f"; its output so far:\n{shown}" if shown else "")
