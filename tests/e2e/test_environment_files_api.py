@@ -217,7 +217,7 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
             return None
 
     listed_paths = await wait_until(listed, timeout=20, what="the sandbox service to answer again")
-    assert listed_paths == ["/workspace/during.txt", "/workspace/keep.txt"]
+    assert sorted(listed_paths) == ["/workspace/during.txt", "/workspace/keep.txt"]
     assert sandbox_dirs(stack.data_dir)[env.id] == sandbox
     await client.beta.agents.environments.files.create(env.id, type="inline", data=b64("after"), path="/workspace/after.txt")
     assert workspace_file(stack.data_dir, env.id, "/workspace/keep.txt").read_text() == "before"
