@@ -68,7 +68,7 @@ from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionR
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
-from services.session.turn_writer import answer_unfinished_call
+from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
 
 __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
 
@@ -379,10 +379,11 @@ class TurnRunner:
             mcp=self.mcp,
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
+            worker_id=self.worker_id,
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
-        watcher = asyncio.create_task(self._watch(claimed.turn_id, task))
+        watcher = asyncio.create_task(self._watch(claimed.turn_id, task, io))
         try:
             try:
                 await asyncio.wait({task})
@@ -401,7 +402,7 @@ class TurnRunner:
             watcher.cancel()
             self._turns.pop(claimed.turn_id, None)
         await io.settle()
-        if claimed.turn_id in self._lost:
+        if claimed.turn_id in self._lost or (not task.cancelled() and isinstance(task.exception(), TurnTakenOver)):
             self._lost.discard(claimed.turn_id)
             log.warning("turn_taken_over", session_id=claimed.session_id, turn_id=claimed.turn_id)
             return False
@@ -425,14 +426,14 @@ class TurnRunner:
             await resume_command(io, handle, item, call, shown)
         await run_turn(io, self.providers.for_model)
 
-    async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
+    async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and polls for cancels sent to other
         replicas (and for the turn having been ended elsewhere, e.g. by a
         sweeper): either cancels the turn."""
         lease = Lease(
             lambda: self.store.transact(lambda u: self._renew(u, turn_id)),
             every_s=self.lease_s / 3,
-            on_lost=lambda: self._lose(turn_id, task),
+            on_lost=lambda: self._lose(turn_id, task, io),
             failure_event="turn_watch_failed",
             log_fields={"turn_id": turn_id},
         )
@@ -446,8 +447,12 @@ class TurnRunner:
         if not task.done():
             task.cancel()
 
-    def _lose(self, turn_id: str, task: asyncio.Task[None]) -> None:
+    def _lose(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
+        """Another worker took the turn over: stop, and leave its running
+        command to that worker."""
         self._lost.add(turn_id)
+        if io.env is not None:
+            io.env.detached = True
         task.cancel()
 
     async def _give_up(self, u: Unit, turn_id: str) -> None:
@@ -545,6 +550,9 @@ class TurnRunner:
         the events telling followers. Returns whether the session may have
         another queued turn."""
         now = time.time()
+        if ending.io is not None and not await self._still_ours(u, ending.claimed.turn_id):
+            # Taken over meanwhile: the new worker ends it.
+            return False
         turn = await self._write_outcome(u, ending, now)
         if turn is None:
             # Ended elsewhere (a sweeper); whoever did that restarts the queue too.
@@ -565,6 +573,10 @@ class TurnRunner:
             await u.emit(ending.claimed.session_id, *events)
         u.wake_key(f"calls:{ending.claimed.turn_id}")
         return more
+
+    async def _still_ours(self, u: Unit, turn_id: str) -> bool:
+        worker = await u.session.scalar(select(TurnRow.worker_id).where(TurnRow.id == turn_id))
+        return worker is None or worker == self.worker_id
 
     async def _write_outcome(self, u: Unit, ending: _Ending, now: float) -> TurnRow | None:
         """Moves the turn from ``in_progress``/``waiting`` to its outcome;

@@ -42,6 +42,7 @@ class DbTurnIO:
         mcp: McpConnections | None = None,
         on_ending: Callable[[], None] | None = None,
         dependency_retry_s: float = 0.0,
+        worker_id: str = "",
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -53,6 +54,7 @@ class DbTurnIO:
             agent_config_json=agent_config_json,
             transcript=transcript,
             next_output_index=next_output_index,
+            worker_id=worker_id,
         )
         self._snapshot = environment
         self.env = (
