@@ -37,6 +37,8 @@ _MODULES = {
 _TERMINAL = ("agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled")
 # A client's pause between attempts at a service that did not answer.
 _CLIENT_BACKOFF_S = 0.2
+# How often the probing client reads.
+_PROBE_INTERVAL_S = 0.1
 
 
 def _free_port() -> int:
@@ -172,19 +174,21 @@ async def running_processes(data_dir: Path, database_url: str, **settings: str) 
 
 @dataclass
 class KillRecord:
-    """One service's kill: when, and how the clients fared until it recovered."""
+    """One service's kill: when, and how the clients' requests fared from
+    then until the next kill (or the end of the load)."""
 
     service: str
     killed_at: float
     ready_at: float = 0.0
-    # The first client request that succeeded after the kill.
-    recovered_at: float = 0.0
+    # The last client request that failed in that window.
+    last_error_at: float = 0.0
     requests: int = 0
     errors: int = 0
 
     @property
     def recovery_s(self) -> float:
-        return max(0.0, self.recovered_at - self.killed_at) if self.recovered_at else float("nan")
+        """From the kill to the last client-visible error it caused."""
+        return max(0.0, self.last_error_at - self.killed_at) if self.last_error_at else 0.0
 
     @property
     def error_rate(self) -> float:
@@ -247,7 +251,7 @@ class LoadReport:
 
 class FaultLoad:
     """``sessions`` sessions, each with its own environment and a live SSE
-    consumer, each running ``turns`` turns of ``$ echo N >> /workspace/log``
+    consumer, plus a client probing one session and its files, each running ``turns`` turns of ``$ echo N >> /workspace/log``
     one after another, while ``kill_order`` services are killed with SIGKILL
     one at a time (each once the load made progress since the last) and
     restarted at once."""
@@ -276,13 +280,12 @@ class FaultLoad:
     def _record(self, ok: bool) -> None:
         self.requests += 1
         self.errors += 0 if ok else 1
-        for kill in self.kills:
-            if kill.recovered_at:
-                continue
+        if self.kills:
+            kill = self.kills[-1]
             kill.requests += 1
-            kill.errors += 0 if ok else 1
-            if ok:
-                kill.recovered_at = time.monotonic()
+            if not ok:
+                kill.errors += 1
+                kill.last_error_at = time.monotonic()
 
     async def _request(self, http: httpx.AsyncClient, method: str, url: str, **kwargs: Any) -> httpx.Response:
         """A client request tried until the gateway answers with a status
@@ -355,6 +358,21 @@ class FaultLoad:
                 follower.reconnects += 1
                 await asyncio.sleep(_CLIENT_BACKOFF_S)
 
+    async def _probe(self, session_id: str, environment_id: str, stop: asyncio.Event) -> None:
+        """A client reading a session and its environment's files (through
+        every service) on an interval, so every kill's error window shows."""
+        async with self.stack.http() as http:
+            urls = [f"/agents/sessions/{session_id}", f"/agents/environments/{environment_id}/files"]
+            while not stop.is_set():
+                for url in urls:
+                    try:
+                        response = await http.get(url, timeout=5)
+                    except httpx.HTTPError:
+                        self._record(False)
+                    else:
+                        self._record(response.status_code < 500)
+                await asyncio.sleep(_PROBE_INTERVAL_S)
+
     async def _drive(self, session_id: str, follower: _Follower, out: list[tuple[str, str]]) -> None:
         async with self.stack.http() as http:
             known: list[str] = []
@@ -406,6 +424,8 @@ class FaultLoad:
         turns: dict[str, list[tuple[str, str]]] = {f.session_id: [] for f in followers}
         stop, done = asyncio.Event(), asyncio.Event()
         following = [asyncio.create_task(self._follow(f, stop)) for f in followers]
+        first = followers[0].session_id
+        following.append(asyncio.create_task(self._probe(first, environments[first], stop)))
         killer = asyncio.create_task(self._kill_each(done))
         try:
             await asyncio.gather(*(self._drive(f.session_id, f, turns[f.session_id]) for f in followers))

@@ -27,7 +27,7 @@ async def test_killing_each_service_in_turn_fails_no_turn_and_loses_no_event_or_
         )
         report = await load.run()
         for kill in report.kills:
-            print(f"{kill.service}: {kill.errors}/{kill.requests} client errors, recovered in {kill.recovery_s:.1f}s")
+            print(f"{kill.service}: {kill.errors}/{kill.requests} client errors, the last {kill.recovery_s:.1f}s after the kill")
 
         assert report.stuck == []
         assert report.failed == []
