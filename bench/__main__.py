@@ -3,6 +3,7 @@ baseline measured in the same run.
 
     python -m bench              # all
     python -m bench gateway exec # a selection
+    python -m bench faults       # optional: each service killed under load (PostgreSQL)
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from bench.runner import Result, print_table
 from services.core.logging import configure_logging
 
 BENCHMARKS = ["gateway", "exec", "environment", "turn", "docker"]
+# Run only when named.
+OPTIONAL = ["faults"]
 
 
 async def _main(names: list[str]) -> None:
@@ -33,7 +36,7 @@ async def _main(names: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="*", default=BENCHMARKS)
+    parser.add_argument("names", nargs="*", default=BENCHMARKS, choices=BENCHMARKS + OPTIONAL, metavar="name")
     args = parser.parse_args()
     configure_logging("ERROR")
     asyncio.run(_main(args.names or BENCHMARKS))

@@ -110,6 +110,22 @@ class Settings(BaseSettings):
         ),
     )
 
+    dependency_retry_s: float = Field(
+        default=60.0,
+        ge=0,
+        description=(
+            "How long a turn keeps retrying, with backoff, an Environment or Sandbox service that is UNAVAILABLE "
+            "(down or restarting) before the turn fails; the turn's events say it is waiting meanwhile."
+        ),
+    )
+    turn_lease_s: float = Field(
+        default=6.0,
+        gt=0,
+        description=(
+            "Lease of a running turn, renewed every third of it; when its Session service process dies, "
+            "another (or the restarted one) resumes the turn once the lease expired."
+        ),
+    )
     init_lease_s: float = Field(default=60.0, gt=0, description="Lease of an init-once operation; renewed while it runs.")
     environment_reconcile_interval_s: float = Field(
         default=300.0,

@@ -8,10 +8,19 @@ time per session, inside this service process.
   Input that reaches an idle session whose environment is known (none, or
   ready: ``EnvironmentCache``) starts its turn in the submitting transaction
   itself (``start_in``); otherwise a worker claims it.
-- The worker owning a turn renews a lease on it. A cancel from another
-  replica sets ``turns.cancel_requested``, which the owner polls; a turn whose
-  lease expired (its replica died) is failed by any replica's sweeper, which
-  also restarts sessions whose queue was left without a worker.
+- The worker owning a turn renews a lease on it (``turn_lease_s``, a few
+  seconds, renewed every third of it). A cancel from another replica sets
+  ``turns.cancel_requested``, which the owner polls. A running turn whose
+  lease expired (its process died, or stopped) is taken over by any
+  replica's sweeper, with a compare-and-set on its worker: the new worker
+  closes the items the old one left open (a command that was running is
+  reported to the model as interrupted, with the output it had sent), and
+  runs the agent loop again from the persisted transcript, so a model call
+  that was interrupted is made again. Events and items already written stay
+  as they are and nothing is written twice. A worker that finds its lease
+  taken stops without ending the turn. The sweeper also restarts sessions
+  whose queue was left without a worker. A turn waiting for function
+  results whose worker died still fails when its lease expires.
 - Finishing a turn is one transaction: the terminal status is written with a
   compare-and-set from ``in_progress``/``waiting``, so a completed or failed
   outcome is never replaced by a cancel (and vice versa). Artifacts of a
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import time
@@ -39,6 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
 from services.core.errors import BerthError
+from services.core.grpc_client import call_until_available
 from services.core.ids import new_id
 from services.core.lease import Lease, poll_until
 from services.core.logging import get_logger
@@ -47,15 +58,17 @@ from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
-from services.session.harness.io import TurnFailure
+from services.session.harness.io import ItemHandle, TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
-from services.session.harness.models.base import Entry
+from services.session.harness.models.base import Entry, ToolCall
+from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
-from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
+from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 from services.session.turn_io import DbTurnIO
+from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
 
 __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
 
@@ -89,6 +102,11 @@ class ClaimedTurn:
     transcript: list[tuple[str, list[Entry]]] = field(default_factory=list)
     # The session's usage when the turn started.
     usage_json: str = ""
+    # The output index the turn's next output item takes (non-zero when resumed).
+    next_output_index: int = 0
+    # Commands a worker that died left running, to reattach before the loop
+    # goes on: (item handle, item, its call, the output already sent).
+    reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -120,9 +138,10 @@ class TurnRunner:
         blobs: BlobStore,
         *,
         mcp: McpConnections | None = None,
-        lease_s: float = 30.0,
+        lease_s: float = 6.0,
         poll_s: float = 0.5,
-        sweep_s: float = 5.0,
+        sweep_s: float | None = None,
+        dependency_retry_s: float = 0.0,
     ) -> None:
         self.store = store
         self.env_client = env_client
@@ -133,7 +152,11 @@ class TurnRunner:
         self.worker_id = f"w_{secrets.token_hex(8)}"
         self.lease_s = lease_s
         self.poll_s = poll_s
-        self.sweep_s = sweep_s
+        # Takeover comes within a lease and half of one after a worker died.
+        self.sweep_s = sweep_s if sweep_s is not None else min(5.0, lease_s / 2)
+        self.dependency_retry_s = dependency_retry_s
+        # Turns whose lease another worker took: they stop without an ending.
+        self._lost: set[str] = set()
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._turns: dict[str, asyncio.Task[None]] = {}
@@ -352,30 +375,37 @@ class TurnRunner:
             environment=claimed.environment,
             agent_config_json=claimed.agent_config_json,
             transcript=claimed.transcript,
+            next_output_index=claimed.next_output_index,
             mcp=self.mcp,
             on_ending=start_collecting,
+            dependency_retry_s=self.dependency_retry_s,
+            worker_id=self.worker_id,
         )
-        task = asyncio.create_task(run_turn(io, self.providers.for_model), name=f"turn-{claimed.turn_id}")
+        task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
-        watcher = asyncio.create_task(self._watch(claimed.turn_id, task))
+        watcher = asyncio.create_task(self._watch(claimed.turn_id, task, io))
         try:
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
-                # The service is stopping: end the turn rather than leave it to the lease.
+                # The service is stopping: give the turn up at once, so that
+                # another replica (or this service, restarted) resumes it,
+                # and leave its running command to be reattached.
+                if io.env is not None:
+                    io.env.detached = True
                 task.cancel()
                 await asyncio.wait({task})
                 await io.settle()
-                await asyncio.shield(
-                    self._finalize(
-                        claimed, io, Outcome(TurnStatus.FAILED, "internal_error", "the session service stopped"), collecting
-                    )
-                )
+                await asyncio.shield(self.store.transact(lambda u: self._give_up(u, claimed.turn_id)))
                 raise
         finally:
             watcher.cancel()
             self._turns.pop(claimed.turn_id, None)
         await io.settle()
+        if claimed.turn_id in self._lost or (not task.cancelled() and isinstance(task.exception(), TurnTakenOver)):
+            self._lost.discard(claimed.turn_id)
+            log.warning("turn_taken_over", session_id=claimed.session_id, turn_id=claimed.turn_id)
+            return False
         if task.cancelled():
             outcome = Outcome(TurnStatus.CANCELLED)
         elif isinstance(task.exception(), TurnFailure):
@@ -389,14 +419,21 @@ class TurnRunner:
             outcome = Outcome(TurnStatus.COMPLETED)
         return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
 
-    async def _watch(self, turn_id: str, task: asyncio.Task[None]) -> None:
+    async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn) -> None:
+        """The agent loop, after finishing the commands a resumed turn's
+        previous worker left running."""
+        for handle, item, call, shown in claimed.reattach:
+            await resume_command(io, handle, item, call, shown)
+        await run_turn(io, self.providers.for_model)
+
+    async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and polls for cancels sent to other
         replicas (and for the turn having been ended elsewhere, e.g. by a
         sweeper): either cancels the turn."""
         lease = Lease(
             lambda: self.store.transact(lambda u: self._renew(u, turn_id)),
             every_s=self.lease_s / 3,
-            on_lost=task.cancel,
+            on_lost=lambda: self._lose(turn_id, task, io),
             failure_event="turn_watch_failed",
             log_fields={"turn_id": turn_id},
         )
@@ -409,6 +446,20 @@ class TurnRunner:
             )
         if not task.done():
             task.cancel()
+
+    def _lose(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
+        """Another worker took the turn over: stop, and leave its running
+        command to that worker."""
+        self._lost.add(turn_id)
+        if io.env is not None:
+            io.env.detached = True
+        task.cancel()
+
+    async def _give_up(self, u: Unit, turn_id: str) -> None:
+        """Expires this worker's lease on a turn it stops running."""
+        await u.session.execute(
+            update(TurnRow).where(TurnRow.id == turn_id, TurnRow.worker_id == self.worker_id).values(lease_expires_at=0.0)
+        )
 
     async def _should_stop(self, turn_id: str, task: asyncio.Task[None]) -> bool:
         return task.done() or await self.store.query(lambda s: self._turn_ended(s, turn_id))
@@ -430,17 +481,24 @@ class TurnRunner:
     async def _collect(self, claimed: ClaimedTurn, io: DbTurnIO | None) -> list[OutputFile]:
         if not claimed.environment_id or self.env_client is None:
             return []
-        if io is None or not io.environment_ready:
-            env = await self.env_client.get_environment(claimed.environment_id)
-            if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
-                return []
-        return await collect_outputs(
-            self.env_client,
-            self.blobs,
-            lambda: self.store.query(lambda s: published_state(s, claimed.session_id)),
-            session_id=claimed.session_id,
-            environment_id=claimed.environment_id,
-        )
+        client, environment_id = self.env_client, claimed.environment_id
+
+        async def collect() -> list[OutputFile]:
+            if io is None or not io.environment_ready:
+                env = await client.get_environment(environment_id)
+                if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
+                    return []
+            return await collect_outputs(
+                client,
+                self.blobs,
+                lambda: self.store.query(lambda s: published_state(s, claimed.session_id)),
+                session_id=claimed.session_id,
+                environment_id=environment_id,
+            )
+
+        # Reading outputs repeats safely; an Environment service that is
+        # restarting is waited for like any call of the turn.
+        return await call_until_available(collect, within_s=self.dependency_retry_s)
 
     async def _finalize(
         self,
@@ -492,6 +550,9 @@ class TurnRunner:
         the events telling followers. Returns whether the session may have
         another queued turn."""
         now = time.time()
+        if ending.io is not None and not await self._still_ours(u, ending.claimed.turn_id):
+            # Taken over meanwhile: the new worker ends it.
+            return False
         turn = await self._write_outcome(u, ending, now)
         if turn is None:
             # Ended elsewhere (a sweeper); whoever did that restarts the queue too.
@@ -512,6 +573,10 @@ class TurnRunner:
             await u.emit(ending.claimed.session_id, *events)
         u.wake_key(f"calls:{ending.claimed.turn_id}")
         return more
+
+    async def _still_ours(self, u: Unit, turn_id: str) -> bool:
+        worker = await u.session.scalar(select(TurnRow.worker_id).where(TurnRow.id == turn_id))
+        return worker is None or worker == self.worker_id
 
     async def _write_outcome(self, u: Unit, ending: _Ending, now: float) -> TurnRow | None:
         """Moves the turn from ``in_progress``/``waiting`` to its outcome;
@@ -650,14 +715,135 @@ class TurnRunner:
 
         expired, stranded, kinds = await self.store.query(scan)
         for turn in expired:
-            if self.is_running(turn.id):
+            if self.is_running(turn.id) or self._closing:
                 continue
             kind, environment_id = kinds.get(turn.session_id, ("none", ""))
             env_id = environment_id if kind == "hosted" else None
             org_id_var.set(turn.org_id)
+            if turn.status == TurnStatus.IN_PROGRESS:
+                resumed = await self.store.transact(functools.partial(self._take_over, turn=turn, environment_id=env_id))
+                if resumed is not None:
+                    resumed.environment = await self._environment(env_id)
+                    log.warning(
+                        "turn_resumed", session_id=turn.session_id, turn_id=turn.id, previous_worker_id=turn.worker_id
+                    )
+                    self.run_started(resumed)
+                continue
             claimed = ClaimedTurn(turn.org_id, turn.session_id, turn.id, env_id, await self._environment(env_id))
             log.warning("turn_lease_expired", session_id=turn.session_id, turn_id=turn.id, worker_id=turn.worker_id)
             await self._finalize(claimed, None, Outcome(TurnStatus.FAILED, "internal_error", "the worker running this turn stopped"))
             self.kick(turn.session_id, turn.org_id)
         for session_id, org_id in stranded:
             self.kick(session_id, org_id)
+
+    async def _take_over(self, u: Unit, turn: TurnRow, environment_id: str | None) -> ClaimedTurn | None:
+        """Takes an in-progress turn whose lease expired over from its worker
+        (a compare-and-set on the worker and the expiry), closes the items
+        that worker left open, and reads what the harness needs to run the
+        turn on; None when another replica was first."""
+        now = time.time()
+        taken = await u.session.execute(
+            update(TurnRow)
+            .where(
+                TurnRow.id == turn.id,
+                TurnRow.status == TurnStatus.IN_PROGRESS,
+                TurnRow.worker_id == turn.worker_id,
+                TurnRow.lease_expires_at == turn.lease_expires_at,
+            )
+            .values(worker_id=self.worker_id, lease_expires_at=now + self.lease_s)
+        )
+        if int(cast(CursorResult[Any], taken).rowcount) != 1:
+            return None
+        session = (await u.session.execute(select(SessionRow).where(SessionRow.id == turn.session_id))).scalar_one()
+        events = (
+            await u.session.execute(
+                select(EventRow.event_json)
+                .where(
+                    EventRow.session_id == turn.session_id,
+                    EventRow.turn_id == turn.id,
+                    EventRow.type.in_(("agent.session.turn.item.added", "agent.output.command_execution_output.delta")),
+                )
+                .order_by(EventRow.seq)
+            )
+        ).scalars()
+        next_output_index = 0
+        output_index: dict[str, int] = {}
+        captured: dict[str, list[str]] = {}
+        for event_json in events:
+            event = json.loads(event_json)
+            if event["type"] == "agent.session.turn.item.added":
+                index = event.get("output_index")
+                if isinstance(index, int):
+                    output_index[event["item"]["id"]] = index
+                    next_output_index = max(next_output_index, index + 1)
+            else:
+                captured.setdefault(str(event.get("item_id")), []).append(str(event.get("delta") or ""))
+        history = await u.session.execute(
+            select(ItemRow.id, ItemRow.turn_id, ItemRow.item_json, ItemRow.model_json)
+            .where(ItemRow.session_id == turn.session_id)
+            .order_by(ItemRow.pk)
+        )
+        transcript: list[tuple[str, list[Entry]]] = []
+        closed: list[dict[str, Any]] = []
+        reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = []
+        for item_id, turn_id, item_json, model_json in history:
+            entries: list[Entry] = json.loads(model_json)
+            if turn_id == turn.id:
+                item = json.loads(item_json)
+                calls = entries[0].get("tool_calls") if len(entries) == 1 else None
+                if item.get("status") == "in_progress" and calls and calls[0].get("name") == "exec_command":
+                    # Still open: the resumed turn reattaches to the command first.
+                    call = ToolCall(str(calls[0]["id"]), "exec_command", str(calls[0].get("arguments") or ""))
+                    shown = "".join(captured.get(item_id, []))
+                    reattach.append((ItemHandle(item_id, output_index.get(item_id)), item, call, shown))
+                    transcript.append((item_id, entries))
+                    continue
+                if item.get("status") == "in_progress":
+                    entries = _interrupted(item, entries, "".join(captured.get(item_id, [])))
+                    await u.session.execute(
+                        update(ItemRow)
+                        .where(ItemRow.id == item_id)
+                        .values(item_json=json.dumps(item), model_json=json.dumps(entries))
+                    )
+                    if item_id in output_index:
+                        closed.append(
+                            {
+                                "type": "agent.session.turn.item.done",
+                                "session_id": turn.session_id,
+                                "turn_id": turn.id,
+                                "item": item,
+                                "output_index": output_index[item_id],
+                            }
+                        )
+            transcript.append((item_id, entries))
+        if closed:
+            counter = await u.session.execute(
+                update(SessionRow)
+                .where(SessionRow.id == turn.session_id)
+                .values(event_seq=SessionRow.event_seq + len(closed))
+                .returning(SessionRow.event_seq)
+            )
+            u.append(turn.session_id, int(counter.scalar_one()), *closed)
+        return ClaimedTurn(
+            turn.org_id,
+            turn.session_id,
+            turn.id,
+            environment_id,
+            None,
+            session.agent_config_json,
+            transcript,
+            session.usage_json,
+            next_output_index=next_output_index,
+            reattach=reattach,
+        )
+
+
+def _interrupted(item: dict[str, Any], entries: list[Entry], captured: str) -> list[Entry]:
+    """Closes an item a dead worker left open, in place; returns its model
+    entries. A tool call is answered as interrupted, with the output it had
+    sent."""
+    item["status"] = "incomplete"
+    if item.get("type") == "command_execution":
+        item["output"] = captured or None
+    output = INTERRUPTED + (f"; its output so far:\n{captured}" if captured else "")
+    return answer_unfinished_call(entries, output) or entries

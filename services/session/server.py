@@ -49,7 +49,15 @@ async def start_session_service(
     providers = ProviderRegistry(settings)
     blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
     mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
-    runner = TurnRunner(store, env_client, providers, blobs, mcp=mcp)
+    runner = TurnRunner(
+        store,
+        env_client,
+        providers,
+        blobs,
+        mcp=mcp,
+        lease_s=settings.turn_lease_s,
+        dependency_retry_s=settings.dependency_retry_s,
+    )
     domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
 
     def register(server: grpc.aio.Server) -> list[str]:

@@ -41,6 +41,8 @@ class DbTurnIO:
         next_output_index: int = 0,
         mcp: McpConnections | None = None,
         on_ending: Callable[[], None] | None = None,
+        dependency_retry_s: float = 0.0,
+        worker_id: str = "",
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -52,10 +54,17 @@ class DbTurnIO:
             agent_config_json=agent_config_json,
             transcript=transcript,
             next_output_index=next_output_index,
+            worker_id=worker_id,
         )
         self._snapshot = environment
         self.env = (
-            TurnEnvironment(self.writer, env_client, environment_id=environment_id, environment=environment)
+            TurnEnvironment(
+                self.writer,
+                env_client,
+                environment_id=environment_id,
+                environment=environment,
+                retry_s=dependency_retry_s,
+            )
             if env_client is not None and environment_id
             else None
         )

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, bindparam, insert, update
+from sqlalchemy import Table, bindparam, exists, insert, select, update
 
 from services.core.db import set_clause, set_params
 from services.core.errors import NotFound
@@ -29,10 +29,15 @@ from services.session import views, wire
 from services.session.agents import AgentConfig
 from services.session.harness.io import ItemHandle
 from services.session.harness.models.base import Entry, Usage
-from services.session.models import FunctionCallRow, ItemRow, SessionRow
+from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.store import Store, Unit
 
-__all__ = ["TurnWriter", "OUTPUT_ITEM_TYPES", "dumps"]
+__all__ = ["TurnWriter", "TurnTakenOver", "OUTPUT_ITEM_TYPES", "dumps", "answer_unfinished_call"]
+
+
+class TurnTakenOver(Exception):
+    """The turn's row names another worker: this one lost its lease and
+    another took the turn over, so this one writes nothing more."""
 
 T = TypeVar("T")
 
@@ -42,6 +47,16 @@ OUTPUT_ITEM_TYPES = frozenset({"message", "function_call", "command_execution", 
 
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+def answer_unfinished_call(entries: list[Entry], output: str) -> list[Entry] | None:
+    """The entries of an open tool item whose call (its only entry) never
+    got its result, with ``output`` as the result; None for other entries.
+    A model API refuses a transcript with a call left unanswered."""
+    calls = entries[0].get("tool_calls") if len(entries) == 1 else None
+    if not calls:
+        return None
+    return [entries[0], {"role": "tool", "call_id": calls[0]["id"], "output": output}]
 
 
 # Hot-path writes are Core statements: the ORM's unit of work costs more
@@ -55,6 +70,14 @@ _APPEND = (
     .where(_SESSIONS.c.id == bindparam("session_id"))
     .values(event_seq=_SESSIONS.c.event_seq + bindparam("v_count"))
     .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
+)
+_TURNS = cast(Table, TurnRow.__table__)
+# The same, fenced: only while the turn's row names this worker, so a worker
+# whose turn was taken over cannot append after its successor.
+_APPEND_FENCED = _APPEND.where(
+    exists(
+        select(_TURNS.c.id).where(_TURNS.c.id == bindparam("v_turn_id"), _TURNS.c.worker_id == bindparam("v_worker_id"))
+    )
 )
 
 
@@ -92,8 +115,11 @@ class TurnWriter:
         agent_config_json: str,
         transcript: list[tuple[str, list[Entry]]],
         next_output_index: int = 0,
+        worker_id: str = "",
     ) -> None:
         self.store = store
+        # When set, every append is fenced on the turn naming this worker.
+        self.worker_id = worker_id
         self.session_id = session_id
         self.turn_id = turn_id
         self.usage: dict[str, Any] | None = None
@@ -135,8 +161,13 @@ class TurnWriter:
         back from the counter row on the way."""
         if not events:
             return
-        result = await u.session.execute(_APPEND, {"session_id": self.session_id, "v_count": len(events)})
+        params: dict[str, Any] = {"session_id": self.session_id, "v_count": len(events)}
+        if self.worker_id:
+            params |= {"v_turn_id": self.turn_id, "v_worker_id": self.worker_id}
+        result = await u.session.execute(_APPEND_FENCED if self.worker_id else _APPEND, params)
         row = result.one_or_none()
+        if row is None and self.worker_id:
+            raise TurnTakenOver(f"turn {self.turn_id} is no longer run by worker {self.worker_id}")
         if row is None:
             raise NotFound(f"session {self.session_id} not found")
         self._remember_config(row.agent_config_json)
@@ -283,6 +314,10 @@ class TurnWriter:
         for handle, item in list(self.open_items.values()):
             status = item.get("status")
             item["status"] = "failed" if status == "failed" and item["type"] != "message" else "incomplete"
+            answered = answer_unfinished_call(self._transcript.get(handle.id, []), "error: the call did not finish")
+            if answered is not None:
+                self._transcript[handle.id] = answered
+                await u.session.execute(update(_ITEMS).where(_ITEMS.c.id == handle.id).values(model_json=dumps(answered)))
             full = await self.store_item(u, handle, item)
             if full is not None and handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
                 events.append(self.done(handle, full))

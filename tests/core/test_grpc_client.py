@@ -181,3 +181,69 @@ async def test_every_domain_error_crosses_a_hop_as_its_own_class(flaky: Any, cls
     with pytest.raises(cls) as raised:
         await stub.WriteFile(sandbox_service_pb2.WriteFileRequest(sandbox_id="sbx-1", path="/x"), metadata=org_metadata("org-1"))
     assert type(raised.value) is cls and raised.value.param == "path"
+
+
+# --- waiting out an unavailable dependency -----------------------------------------------
+
+
+def _unavailable(code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> errors.Unavailable:
+    error = errors.SandboxUnavailable("down")
+    error.received_code = code
+    return error
+
+
+async def test_a_dependency_that_comes_back_is_waited_for_and_the_wait_is_announced_once_each_way() -> None:
+    from services.core.grpc_client import call_until_available
+
+    attempts: list[int] = []
+    seen: list[str] = []
+
+    async def call() -> str:
+        attempts.append(1)
+        if len(attempts) < 4:
+            raise _unavailable()
+        return "answer"
+
+    async def disconnected(exc: errors.Unavailable) -> None:
+        seen.append(f"disconnected:{exc.reason}")
+
+    async def connected() -> None:
+        seen.append("connected")
+
+    result = await call_until_available(
+        call, within_s=10, on_disconnected=disconnected, on_connected=connected, first_backoff_s=0.01
+    )
+    assert (result, len(attempts), seen) == ("answer", 4, ["disconnected:SANDBOX_UNAVAILABLE", "connected"])
+
+
+async def test_a_dependency_unavailable_past_the_bound_raises_its_last_failure() -> None:
+    from services.core.grpc_client import call_until_available
+
+    attempts: list[int] = []
+
+    async def call() -> None:
+        attempts.append(1)
+        raise _unavailable()
+
+    with pytest.raises(errors.SandboxUnavailable):
+        await call_until_available(call, within_s=0.1, first_backoff_s=0.01, max_backoff_s=0.02)
+    assert len(attempts) > 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [_unavailable(grpc.StatusCode.DEADLINE_EXCEEDED), errors.SandboxUnavailable("raised here"), errors.NotFound("gone")],
+    ids=["deadline", "not-received", "not-found"],
+)
+async def test_only_a_call_that_ended_unavailable_is_made_again(error: errors.BerthError) -> None:
+    from services.core.grpc_client import call_until_available
+
+    attempts: list[int] = []
+
+    async def call() -> None:
+        attempts.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        await call_until_available(call, within_s=10, first_backoff_s=0.01)
+    assert len(attempts) == 1

@@ -4,11 +4,13 @@ unreachable Sandbox service."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import openai
 
-from e2e_stack import Stack
+from e2e_stack import Stack, start_stack
 from e2e_support import (
     api_error,
     assert_error,
@@ -16,11 +18,25 @@ from e2e_support import (
     b64,
     create_environment,
     environment_of,
+    next_turn_end,
     run_script,
     sandbox_dirs,
+    send_script,
     workspace_file,
 )
+from turns_support import strict_client
 from waiting import wait_until
+
+
+async def next_environment_event(stack: Stack, session_id: str, event_type: str, *, timeout: float = 30.0) -> Any:
+    """The session's first event of ``event_type``, parsed by the SDK's strict models."""
+    async with asyncio.timeout(timeout), strict_client(stack) as client:
+        stream = await client.beta.agents.sessions.events.stream(session_id, extra_headers={"Last-Event-ID": "0"})
+        async with stream:
+            async for event in stream:
+                if event.type == event_type:
+                    return event
+    raise AssertionError(f"the event stream ended before {event_type}")
 
 
 async def test_stored_file_becomes_an_initial_environment_file(stack: Stack) -> None:
@@ -171,20 +187,26 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
             assert env.id in error["message"]
             assert_error(await http.get(f"/agents/environments/{env.id}/files"), 503, "sandbox_unavailable")
 
-        # A turn that needs the sandbox fails with both IDs for diagnosis.
-        turn = await run_script(client, session.id, "$ echo during > /workspace/during.txt")
-        assert turn.status == "failed"
-        assert turn.error is not None and turn.error.code == "sandbox_error"
-        assert session.id in turn.error.message and env.id in turn.error.message
+        # A turn that needs the sandbox waits for it, and its events say so.
+        known = await send_script(client, session.id, "$ echo during > /workspace/during.txt")
+        disconnected = await next_environment_event(stack, session.id, "agent.session.environment.disconnected")
+        assert disconnected.environment.status == "disconnected"
+        assert disconnected.environment.error is not None and disconnected.environment.error.code == "sandbox_unavailable"
 
         # Nothing was replaced or marked failed; the session still names the same environment.
         info = await client.beta.agents.environments.retrieve(env.id)
         assert (info.id, info.status, info.lifetime) == (env.id, "ready", "shared")  # type: ignore[attr-defined]
         seen = await client.beta.agents.sessions.retrieve(session.id)
         assert seen.environment.id == env.id  # type: ignore[union-attr]
-        assert seen.status == "idle"
     finally:
         await stack.start_sandbox()
+
+    # The waiting turn goes on once the service is back.
+    turn = await next_turn_end(client, session.id, known)
+    assert turn.status == "completed"
+    connected = await next_environment_event(stack, session.id, "agent.session.environment.connected")
+    assert connected.environment.status == "connected" and connected.turn_id == turn.id
+    assert workspace_file(stack.data_dir, env.id, "/workspace/during.txt").read_text() == "during\n"
 
     # The same sandbox, with its files, answers again once the service is back.
     async def listed() -> list[str] | None:
@@ -194,7 +216,8 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
             assert exc.code == "sandbox_unavailable"
             return None
 
-    assert await wait_until(listed, timeout=20, what="the sandbox service to answer again") == ["/workspace/keep.txt"]
+    listed_paths = await wait_until(listed, timeout=20, what="the sandbox service to answer again")
+    assert sorted(listed_paths) == ["/workspace/during.txt", "/workspace/keep.txt"]
     assert sandbox_dirs(stack.data_dir)[env.id] == sandbox
     await client.beta.agents.environments.files.create(env.id, type="inline", data=b64("after"), path="/workspace/after.txt")
     assert workspace_file(stack.data_dir, env.id, "/workspace/keep.txt").read_text() == "before"
@@ -202,6 +225,28 @@ async def test_unreachable_sandbox_service_surfaces_as_503_and_keeps_the_environ
     turn = await run_script(client, session.id, "$ cat /workspace/keep.txt > /workspace/during.txt")
     assert turn.status == "completed"
     assert workspace_file(stack.data_dir, env.id, "/workspace/during.txt").read_text() == "before"
+
+
+async def test_a_turn_fails_with_both_ids_once_the_sandbox_service_stays_unreachable_past_the_retry_bound(
+    tmp_path: Path, bwrap_available: None
+) -> None:
+    stack, stop = await start_stack(tmp_path / "berth", dependency_retry_s=0.5)
+    try:
+        client = stack.aclient()
+        env = await create_environment(client)
+        session = await attach_session(client, env.id)
+        await client.beta.agents.environments.files.create(env.id, type="inline", data=b64("x"), path="/workspace/x.txt")
+        await stack.stop_sandbox()
+        try:
+            turn = await run_script(client, session.id, "$ echo during > /workspace/during.txt")
+        finally:
+            await stack.start_sandbox()
+        assert turn.status == "failed"
+        assert turn.error is not None and turn.error.code == "sandbox_error"
+        assert session.id in turn.error.message and env.id in turn.error.message
+        assert (await client.beta.agents.sessions.retrieve(session.id)).status == "idle"
+    finally:
+        await stop()
 
 
 async def test_unreachable_sandbox_service_before_setup_leaves_the_environment_pending(stack: Stack) -> None:

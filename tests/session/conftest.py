@@ -33,6 +33,7 @@ async def fake_env(tmp_path: Path) -> AsyncIterator[tuple[FakeEnvironmentService
     running = await start_grpc_server("127.0.0.1:0", register, token=TEST_INTERNAL_TOKEN, callers=ENVIRONMENT_CALLERS)
     yield service, running
     await running.stop(0)
+    await service.close()
 
 
 @pytest.fixture

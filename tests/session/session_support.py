@@ -43,17 +43,40 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 # --------------------------------------------------------------------------- fake environment service
 @dataclass
+class FakeProcess:
+    """A background process of the fake: its output kept whole, so attaching
+    from any sequence number loses nothing."""
+
+    process_id: str
+    name: str
+    proc: asyncio.subprocess.Process
+    started: float
+    chunks: list[bytes] = field(default_factory=list)
+    exit: common_pb2.ExitStatus | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def message(self) -> environment_pb2.Process:
+        process = environment_pb2.Process(
+            process_id=self.process_id, name=self.name, pid=self.proc.pid, running=self.exit is None, next_seq=len(self.chunks)
+        )
+        if self.exit is not None:
+            process.exit.CopyFrom(self.exit)
+        return process
+
+
+@dataclass
 class FakeEnv:
     env: environment_pb2.Environment
     root: Path
     bindings: dict[str, str] = field(default_factory=dict)  # session_id -> role
     setup_task: asyncio.Task[None] | None = None
+    processes: dict[str, FakeProcess] = field(default_factory=dict)
 
 
 class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServicer):  # type: ignore[misc]
     """Just enough of the Environment service for the Session service: the
     init guard (with a pluggable setup), bindings, output directories, exec
-    with streamed output, and file reads/writes."""
+    with streamed output, background processes, and file reads/writes."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -64,9 +87,19 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
         self.detached: list[tuple[str, str]] = []
         self.pids: list[int] = []
         self.exec_cancelled = asyncio.Event()
+        self._pumps: set[asyncio.Task[None]] = set()
 
     async def _default_setup(self, env: FakeEnv) -> None:
         return None
+
+    async def close(self) -> None:
+        """Kills every command still running (background ones outlive their
+        turns by design) and waits for their output pumps."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self._pumps:
+            await asyncio.wait(self._pumps, timeout=10)
 
     def _get(self, environment_id: str) -> FakeEnv:
         fake = self.envs.get(environment_id)
@@ -145,11 +178,8 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
         await self._ensure(fake)
         return environment_service_pb2.EnsureEnvironmentReadyResponse(environment=fake.env)
 
-    async def ExecCommand(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        fake = self._get(request.environment_id)
-        await self._ensure(fake)
-        if fake.env.status == environment_pb2.ENVIRONMENT_STATUS_FAILED:
-            raise EnvironmentFailed(fake.env.error.message)
+    async def _spawn(self, fake: FakeEnv, request: Any) -> asyncio.subprocess.Process:
+        """``sh -c request.shell`` for ``request.session_id`` in its own process group."""
         out_dir = self._host(fake, self._output_dir(fake, request.session_id))
         out_dir.mkdir(parents=True, exist_ok=True)
         env = {
@@ -159,7 +189,6 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
             "REBYTE_SESSION_ID": request.session_id,
         }
         cwd = self._host(fake, request.cwd) if request.cwd else fake.root
-        started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             "sh",
             "-c",
@@ -171,6 +200,15 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
             start_new_session=True,
         )
         self.pids.append(proc.pid)
+        return proc
+
+    async def ExecCommand(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        fake = self._get(request.environment_id)
+        await self._ensure(fake)
+        if fake.env.status == environment_pb2.ENVIRONMENT_STATUS_FAILED:
+            raise EnvironmentFailed(fake.env.error.message)
+        started = time.monotonic()
+        proc = await self._spawn(fake, request)
         seq = 0
         try:
             assert proc.stdout is not None
@@ -192,6 +230,56 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
         yield environment_service_pb2.ExecCommandResponse(
             exit=common_pb2.ExitStatus(exit_code=code, duration_ms=int((time.monotonic() - started) * 1000))
         )
+
+    async def _pump(self, process: FakeProcess) -> None:
+        assert process.proc.stdout is not None
+        while data := await process.proc.stdout.read(4096):
+            process.chunks.append(data)
+            process.changed.set()
+        code = await process.proc.wait()
+        process.exit = common_pb2.ExitStatus(exit_code=code, duration_ms=int((time.monotonic() - process.started) * 1000))
+        process.changed.set()
+
+    async def StartProcess(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        await self._ensure(fake)
+        process = FakeProcess(new_id("proc"), request.name, await self._spawn(fake, request), time.monotonic())
+        fake.processes[process.process_id] = process
+        self._pumps.add(asyncio.create_task(self._pump(process)))
+        return environment_service_pb2.StartProcessResponse(process=process.message())
+
+    def _process(self, request: Any) -> FakeProcess:
+        process = self._get(request.environment_id).processes.get(request.process_id)
+        if process is None:
+            raise NotFound(f"process {request.process_id} not found")
+        return process
+
+    async def AttachProcess(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        process = self._process(request)
+        seq = int(request.from_seq)
+        while True:
+            process.changed.clear()
+            while seq < len(process.chunks):
+                yield environment_service_pb2.AttachProcessResponse(
+                    chunk=common_pb2.OutputChunk(stream=common_pb2.OUTPUT_STREAM_STDOUT, seq=seq, data=process.chunks[seq])
+                )
+                seq += 1
+            if process.exit is not None:
+                yield environment_service_pb2.AttachProcessResponse(exit=process.exit)
+                return
+            await process.changed.wait()
+
+    async def KillProcess(self, request: Any, context: Any) -> Any:
+        process = self._process(request)
+        if process.exit is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.proc.pid, signal.SIGKILL)
+            self.exec_cancelled.set()
+        return environment_service_pb2.KillProcessResponse(process=process.message())
+
+    async def ListProcesses(self, request: Any, context: Any) -> Any:
+        fake = self._get(request.environment_id)
+        return environment_service_pb2.ListProcessesResponse(processes=[p.message() for p in fake.processes.values()])
 
     async def ReadWorkspaceFile(self, request: Any, context: Any) -> AsyncIterator[Any]:
         fake = self._get(request.environment_id)

@@ -111,26 +111,123 @@ async def test_a_turn_whose_worker_stopped_renewing_its_lease_is_failed_by_a_swe
     assert [e["type"] for e in events].count("agent.session.turn.failed") == 1
 
 
-async def test_stopping_the_service_ends_running_turns_and_a_restart_serves_the_session(
+async def test_a_restarted_service_resumes_the_turn_and_reattaches_to_the_command_still_running(
     tmp_path: Path, fake_env: Any, client_for: Any
 ) -> None:
+    fake: FakeEnvironmentService = fake_env[0]
     settings = Settings(data_dir=tmp_path / "data")
     env_addr = f"127.0.0.1:{fake_env[1].port}"
     first = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     client = client_for(first.address)
-    created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": "$ sleep 60"})
+    script = "$ echo before; while [ ! -e go ]; do sleep 0.05; done; echo after\n$ echo next"
+    created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": script})
     session_id = created.session.id
-    await client.wait_for(session_id, lambda e: e["type"] == "agent.session.turn.item.added" and e["item"]["type"] == "command_execution")
+    await client.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
     await first.stop(0)
 
     second = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
     try:
         client = client_for(second.address)
-        events = [e for _, e in await client.events(session_id)]
-        failed = next(e for e in events if e["type"] == "agent.session.turn.failed")
-        assert failed["turn"]["error"]["code"] == "internal_error"
-        assert events[-1]["type"] == "agent.session.idle"
+        # The command ran on through the restart; let it finish now.
+        (fake.envs[created.session.environment_id].root / "go").touch()
+        end = await client.wait_turn_end(session_id, created.turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+        backlog = await client.events(session_id)
+        events = [e for _, e in backlog]
+        assert [seq for seq, _ in backlog] == list(range(1, len(backlog) + 1))
+        assert len({e["event_id"] for e in events}) == len(events)
+        done = [e["item"] for e in events if e["type"] == "agent.session.turn.item.done" and e["item"]["type"] == "command_execution"]
+        # The reattached command finished once with its whole output, and the model went on.
+        assert [(i["status"], i["exit_code"], i["output"]) for i in done] == [
+            ("completed", 0, "before\nafter\n"),
+            ("completed", 0, "next\n"),
+        ]
+        deltas = [e["delta"] for e in events if e["type"] == "agent.output.command_execution_output.delta" and e["item_id"] == done[0]["id"]]
+        assert "".join(deltas) == "before\nafter\n"
+        assert [e["type"] for e in events].count("agent.session.turn.in_progress") == 1
         again = await client.say(session_id, "$ echo back")
         assert (await client.wait_turn_end(session_id, again))["type"] == "agent.session.turn.completed"
     finally:
         await second.stop(0)
+
+
+async def test_a_resumed_turn_starts_a_command_the_sandbox_has_no_trace_of(
+    tmp_path: Path, fake_env: Any, client_for: Any
+) -> None:
+    fake: FakeEnvironmentService = fake_env[0]
+    settings = Settings(data_dir=tmp_path / "data")
+    env_addr = f"127.0.0.1:{fake_env[1].port}"
+    first = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    client = client_for(first.address)
+    script = "$ echo partial; [ -e once ] || { touch once; sleep 60; }\n$ echo next"
+    created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": script})
+    session_id = created.session.id
+    await client.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
+    await first.stop(0)
+    # As if the previous worker had died before its start reached the sandbox.
+    fake.envs[created.session.environment_id].processes.clear()
+
+    second = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    try:
+        client = client_for(second.address)
+        end = await client.wait_turn_end(session_id, created.turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+        events = [e for _, e in await client.events(session_id)]
+        done = [e["item"] for e in events if e["type"] == "agent.session.turn.item.done" and e["item"]["type"] == "command_execution"]
+        assert [(i["status"], i["output"]) for i in done] == [("completed", "partial\n"), ("completed", "next\n")]
+    finally:
+        await second.stop(0)
+
+
+async def test_a_turn_whose_worker_lost_its_lease_is_taken_over_by_another_replica_which_reattaches_to_its_command(
+    tmp_path: Path, database_url: str, fake_env: Any, client_for: Any
+) -> None:
+    from sqlalchemy import select, update
+
+    from services.core.db import open_database
+    from services.session.models import TurnRow
+    from services.session.store import Store
+    from waiting import wait_until
+
+    fake: FakeEnvironmentService = fake_env[0]
+    # Short leases, so that the takeover comes at once.
+    settings = Settings(data_dir=tmp_path / "data", session_database_url=database_url, turn_lease_s=0.6)
+    env_addr = f"127.0.0.1:{fake_env[1].port}"
+    a = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    b = await start_session_service(settings, address="127.0.0.1:0", environment_addr=env_addr)
+    migrations = Path(str(__import__("services.session.server", fromlist=["x"]).__file__)).parent / "migrations" / "versions"
+    db = await open_database(settings.database_url("session"), "session", migrations)
+    store = Store(db)
+    try:
+        client = client_for(a.address)
+        script = "$ echo before; while [ ! -e go ]; do sleep 0.05; done; echo after\n$ echo next"
+        created = await client.create_session({"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, "input": script})
+        session_id = created.session.id
+        await client.wait_for(session_id, lambda e: e["type"] == "agent.output.command_execution_output.delta")
+        # As if the worker had stopped renewing: its lease is over and no longer its own.
+        await store.transact(
+            lambda u: u.session.execute(
+                update(TurnRow).where(TurnRow.id == created.turn_id).values(worker_id="w_gone", lease_expires_at=0.0)
+            )
+        )
+
+        async def taken_over() -> bool:
+            worker = await store.query(lambda s: s.scalar(select(TurnRow.worker_id).where(TurnRow.id == created.turn_id)))
+            return worker not in ("w_gone", None)
+
+        await wait_until(taken_over, timeout=10, what="another worker to take the turn over")
+        (fake.envs[created.session.environment_id].root / "go").touch()
+        end = await client.wait_turn_end(session_id, created.turn_id)
+        assert end["type"] == "agent.session.turn.completed"
+        backlog = await client_for(b.address).events(session_id)
+        events = [e for _, e in backlog]
+        assert [seq for seq, _ in backlog] == list(range(1, len(backlog) + 1))
+        done = [e["item"] for e in events if e["type"] == "agent.session.turn.item.done"]
+        assert len({i["id"] for i in done}) == len(done)
+        commands = [(i["status"], i["output"]) for i in done if i["type"] == "command_execution"]
+        assert commands == [("completed", "before\nafter\n"), ("completed", "next\n")]
+        assert [e["type"] for e in events].count("agent.session.turn.completed") == 1
+    finally:
+        await db.dispose()
+        await a.stop(0)
+        await b.stop(0)

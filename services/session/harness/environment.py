@@ -62,9 +62,17 @@ class Process:
 class EnvironmentPort(Protocol):
     """The environment of one session, for the tools of its turns."""
 
-    def exec(self, shell: str, *, cwd: str, timeout_ms: int) -> AsyncGenerator[CommandEvent, None]:
+    def exec(self, shell: str, *, cwd: str, timeout_ms: int, key: str = "") -> AsyncGenerator[CommandEvent, None]:
         """Runs ``sh -c shell``: output chunks, then one CommandExit. Closing
-        the iterator early (``contextlib.aclosing``) kills the command."""
+        the iterator early (``contextlib.aclosing``) kills the command. A
+        command with a ``key`` runs on in the sandbox if this process dies,
+        and ``reattach(key)`` finds it again."""
+        ...
+
+    async def reattach(self, key: str) -> AsyncGenerator[CommandEvent, None] | None:
+        """The whole output of the command ``exec`` started with ``key``
+        (from its first chunk), then its CommandExit; None when no such
+        command was ever started. Closing the iterator early kills it."""
         ...
 
     async def read_file(self, path: str, *, limit: int) -> tuple[bytes, bool]:

@@ -18,19 +18,28 @@ import json
 import posixpath
 import time
 from dataclasses import dataclass
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from services.core.errors import BerthError
 from services.session.agents import AgentConfig, function_tools
 from services.session.harness.coding_tools import CODING_TOOL_NAMES, CODING_TOOLS, run_coding_tool
-from services.session.harness.environment import CommandExit, CommandOutput, environment_unusable
-from services.session.harness.io import TurnFailure, TurnIO
+from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable
+from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.models.base import ToolCall, ToolSpec
 from services.session.harness.tool_output import MAX_ITEM_OUTPUT, MAX_MODEL_OUTPUT
 from services.session.harness.tool_output import call_entries as _call_entries
 from services.session.harness.tool_output import clip_for_model as _clip_for_model
 
-__all__ = ["tool_specs", "execute_tool_call", "PendingCall", "WORKSPACE", "MAX_MODEL_OUTPUT"]
+__all__ = [
+    "tool_specs",
+    "execute_tool_call",
+    "resume_command",
+    "PendingCall",
+    "WORKSPACE",
+    "MAX_MODEL_OUTPUT",
+    "INTERRUPTED",
+]
 
 WORKSPACE = "/workspace"
 MAX_READ_BYTES = 1024 * 1024
@@ -166,7 +175,9 @@ async def _environment_tool(io: TurnIO, call: ToolCall) -> None:
         return
 
     await io.ensure_environment()
-    handle = await io.add_item(item, entries=[], output=True, done=False)
+    # The call is the open item's entry, so a worker that resumes the turn
+    # after this one died can answer it as interrupted.
+    handle = await io.add_item(item, entries=_call_entries(call, "")[:1], output=True, done=False)
     io.track_item(handle, item)
     started = time.monotonic()
     if call.name == "exec_command":
@@ -182,11 +193,22 @@ async def _environment_tool(io: TurnIO, call: ToolCall) -> None:
 async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:
     assert io.env is not None
     timeout_ms = args.get("timeout_ms")
+    # Keyed by its item, so a worker that resumes the turn reattaches to it.
     events = io.env.exec(
         str(args["command"]),
         cwd=str(args.get("cwd") or ""),
         timeout_ms=int(timeout_ms) if isinstance(timeout_ms, int) and timeout_ms > 0 else DEFAULT_EXEC_TIMEOUT_MS,
+        key=handle.id,
     )
+    return await _command_result(io, handle, item, events)
+
+
+async def _command_result(
+    io: TurnIO, handle: Any, item: dict[str, Any], events: AsyncGenerator[CommandEvent, None], *, shown: int = 0
+) -> tuple[dict[str, Any], str]:
+    """Follows a command's events to its exit: output deltas (beyond the
+    first ``shown`` characters, already sent), then the finished item and
+    what the model is told."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     output: list[str] = []
     size = 0
@@ -208,17 +230,20 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
                 text = decoder.decode(event.data)
                 if not text:
                     continue
+                start = size
                 if size < MAX_ITEM_OUTPUT:
                     output.append(text)
                 size += len(text)
                 item["output"] = "".join(output)
                 io.track_item(handle, item)
+                if size <= shown:
+                    continue
                 await io.emit(
                     {
                         "type": "agent.output.command_execution_output.delta",
                         "item_id": handle.id,
                         "output_index": handle.output_index,
-                        "delta": text,
+                        "delta": text[max(0, shown - start) :],
                     }
                 )
             elif isinstance(event, CommandExit):
@@ -247,6 +272,31 @@ async def _exec(io: TurnIO, handle: Any, item: dict[str, Any], args: dict[str, A
     )
     note = " (timed out)" if timed_out else ""
     return item, f"exit_code: {exit_code}{note}\n{_clip_for_model(text)}"
+
+
+INTERRUPTED = "error: the call was interrupted (the process running this turn stopped) and did not finish"
+
+
+async def resume_command(io: TurnIO, handle: ItemHandle, item: dict[str, Any], call: ToolCall, shown: str) -> None:
+    """Finishes an ``exec_command`` item that a worker which died left open.
+    A command that ran on in the sandbox is reattached to and followed to its
+    exit, with the output deltas beyond ``shown`` (what the dead worker had
+    sent); one that was never started (the worker died before, or while, it
+    waited for an unavailable service) is started now. A command whose
+    output cannot be followed is reported to the model as interrupted."""
+    io.track_item(handle, item)
+    args = _arguments(call) or {}
+    model_output = ""
+    if io.env is not None:
+        events = await io.env.reattach(handle.id)
+        if events is None and args.get("command"):
+            item, model_output = await _exec(io, handle, item, args)
+        elif events is not None:
+            item, model_output = await _command_result(io, handle, item, events, shown=len(shown))
+    if not model_output or (item.get("status") == "failed" and item.get("exit_code") is None):
+        item.update(status="incomplete", output=shown or None)
+        model_output = INTERRUPTED + (f"; its output so far:\n{shown}" if shown else "")
+    await io.finish_item(handle, item, entries=_call_entries(call, model_output))
 
 
 async def _read(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple[dict[str, Any], str]:

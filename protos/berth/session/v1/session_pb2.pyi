@@ -1763,6 +1763,8 @@ class SessionEvent(_message.Message):
     ENVIRONMENT_PENDING_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_READY_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_FAILED_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_DISCONNECTED_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_CONNECTED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Per-session sequence number, starting at 1, without gaps (the SSE id)."""
@@ -1851,6 +1853,16 @@ class SessionEvent(_message.Message):
         """agent.session.environment.failed."""
 
     @_builtins.property
+    def environment_disconnected(self) -> Global___EnvironmentEvent:
+        """agent.session.environment.disconnected: a turn waits for the Environment
+        or Sandbox service to answer again.
+        """
+
+    @_builtins.property
+    def environment_connected(self) -> Global___EnvironmentEvent:
+        """agent.session.environment.connected: the service answered again."""
+
+    @_builtins.property
     def error(self) -> Global___ErrorEvent:
         """error: a turn or stream failure."""
 
@@ -1880,13 +1892,15 @@ class SessionEvent(_message.Message):
         environment_pending: Global___EnvironmentEvent | None = ...,
         environment_ready: Global___EnvironmentEvent | None = ...,
         environment_failed: Global___EnvironmentEvent | None = ...,
+        environment_disconnected: Global___EnvironmentEvent | None = ...,
+        environment_connected: Global___EnvironmentEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "environment_pending", "environment_ready", "environment_failed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "error"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -2293,10 +2307,10 @@ class EnvironmentState(_message.Message):
     type: _builtins.str
     """Always "openai_hosted"."""
     status: _builtins.str
-    """"pending", "ready" or "failed"."""
+    """"pending", "ready", "failed", "disconnected" or "connected"."""
     @_builtins.property
     def error(self) -> Global___EnvironmentError:
-        """Why setup failed; unset otherwise."""
+        """Why setup failed, or why the environment is disconnected; unset otherwise."""
 
     def __init__(
         self,
