@@ -9,7 +9,9 @@ time per session, inside this service process.
   ready: ``EnvironmentCache``) starts its turn in the submitting transaction
   itself (``start_in``); otherwise a worker claims it.
 - The worker owning a turn renews a lease on it. A cancel from another
-  replica sets ``turns.cancel_requested``, which the owner polls; a turn whose
+  replica sets ``turns.cancel_requested`` and wakes the owner's watcher
+  (``turn_key``, announced across replicas by the store's notifier; polled
+  as a safety net); a turn whose
   lease expired (its replica died) is failed by any replica's sweeper, which
   also restarts sessions whose queue was left without a worker.
 - Finishing a turn is one transaction: the terminal status is written with a
@@ -40,7 +42,7 @@ from berth.environment.v1 import environment_pb2
 from services.core.context import org_id_var
 from services.core.errors import BerthError
 from services.core.ids import new_id
-from services.core.lease import Lease, poll_until
+from services.core.lease import Lease
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
@@ -54,7 +56,7 @@ from services.session.harness.models.base import Entry
 from services.session.mcp_connections import McpConnections
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
-from services.session.store import Store, Unit
+from services.session.store import Store, Unit, turn_key
 from services.session.turn_io import DbTurnIO
 
 __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
@@ -401,14 +403,31 @@ class TurnRunner:
             log_fields={"turn_id": turn_id},
         )
         async with lease:
-            await poll_until(
-                lambda: self._should_stop(turn_id, task),
-                every_s=self.poll_s,
-                failure_event="turn_watch_failed",
-                log_fields={"turn_id": turn_id},
-            )
+            await self._wait_stop(turn_id, task)
         if not task.done():
             task.cancel()
+
+    async def _wait_stop(self, turn_id: str, task: asyncio.Task[None]) -> None:
+        """Returns once the turn should stop: checked when a cancel is
+        announced (``turn_key``, also from other replicas), and every
+        ``poll_s`` when other replicas are not heard (a slow safety net
+        when they are)."""
+        notifier = self.store.notifier
+        wake = notifier.subscribe(turn_key(turn_id))
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), notifier.poll_s(self.poll_s))
+                wake.clear()
+                try:
+                    if await self._should_stop(turn_id, task):
+                        return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.warning("turn_watch_failed", exc_info=True, turn_id=turn_id)
+        finally:
+            notifier.unsubscribe(turn_key(turn_id), wake)
 
     async def _should_stop(self, turn_id: str, task: asyncio.Task[None]) -> bool:
         return task.done() or await self.store.query(lambda s: self._turn_ended(s, turn_id))
