@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 from sqlalchemy import bindparam, func, select
@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.core.db import Database
 from services.core.logging import get_logger
 
-__all__ = ["Notifier", "PostgresNotifier", "open_notifier"]
+__all__ = ["Notifier", "PostgresNotifier", "Waiter", "open_notifier"]
 
 log = get_logger(__name__)
 
@@ -44,35 +44,51 @@ log = get_logger(__name__)
 _NOTIFY = select(func.pg_notify(bindparam("channel"), bindparam("payload")))
 # PostgreSQL refuses payloads of 8000 bytes or more.
 _PAYLOAD_LIMIT = 7900
+# Query options of a database URL that asyncpg reads as connection options.
+_DSN_OPTIONS = frozenset(
+    {
+        "passfile", "options", "sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "sslpassword",
+        "ssl_min_protocol_version", "ssl_max_protocol_version", "target_session_attrs", "krbsrvname", "gsslib",
+    }
+)
+
+
+class Waiter(Protocol):
+    """What a wake-up sets: an ``asyncio.Event``, or anything with ``set``."""
+
+    def set(self) -> None: ...
 
 
 class Notifier:
     """In-process wake-ups by key. Nothing crosses the process."""
 
     def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._waiters: dict[str, set[Waiter]] = {}
 
-    def subscribe(self, key: str, event: asyncio.Event | None = None) -> asyncio.Event:
-        """Registers ``event`` (a new one by default) to be set when ``key`` is woken."""
-        event = event or asyncio.Event()
-        self._waiters.setdefault(key, set()).add(event)
+    def subscribe(self, key: str) -> asyncio.Event:
+        """A new event, set when ``key`` is woken."""
+        event = asyncio.Event()
+        self.add_waiter(key, event)
         return event
 
-    def unsubscribe(self, key: str, event: asyncio.Event) -> None:
+    def add_waiter(self, key: str, waiter: Waiter) -> None:
+        self._waiters.setdefault(key, set()).add(waiter)
+
+    def unsubscribe(self, key: str, waiter: Waiter) -> None:
         waiters = self._waiters.get(key)
         if waiters is not None:
-            waiters.discard(event)
+            waiters.discard(waiter)
             if not waiters:
                 del self._waiters[key]
 
     def wake(self, key: str) -> None:
-        for event in self._waiters.get(key, ()):
-            event.set()
+        for waiter in list(self._waiters.get(key, ())):
+            waiter.set()
 
     def wake_all(self) -> None:
-        for waiters in self._waiters.values():
-            for event in waiters:
-                event.set()
+        for waiters in list(self._waiters.values()):
+            for waiter in list(waiters):
+                waiter.set()
 
     @property
     def listening(self) -> bool:
@@ -225,6 +241,10 @@ def open_notifier(db: Database, *, channel: str, safety_poll_s: float, listen: b
     (unless ``listen`` is off), in process otherwise. The caller starts and
     closes it."""
     if listen and db.dialect == "postgresql":
-        dsn = db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        url = db.engine.url
+        # The listener connects with asyncpg itself: keep the connection
+        # options libpq and asyncpg share; the rest are SQLAlchemy's.
+        query = {k: v for k, v in url.query.items() if k in _DSN_OPTIONS}
+        dsn = url.set(drivername="postgresql", query=query).render_as_string(hide_password=False)
         return PostgresNotifier(dsn, channel, safety_poll_s=safety_poll_s)
     return Notifier()

@@ -72,18 +72,22 @@ class EventStream:
             woken = True
             next_read = 0.0
             while True:
+                # A wake-up while a keep-alive was being sent counts too.
+                woken = woken or wake.is_set()
                 wake.clear()
                 # Events committed in this process arrive through the feed;
-                # the log is read first, on gaps, and when woken with nothing
-                # fed (a commit heard from another replica, a deletion), or
-                # when the safety-net poll is due. A keep-alive alone reads nothing.
+                # the log is read first, on gaps, when the notifier woke the
+                # feed (a commit heard from another replica, a deletion, a
+                # resync), and when the safety-net poll is due. A keep-alive
+                # alone reads nothing.
+                heard = feed.take_heard()
                 fed = [] if fresh else feed.take_after(last)
                 fresh = False
                 if fed:
                     last = fed[-1].sequence
                     yield [(e.sequence, e.type, e.event_json) for e in fed]
                     idle_since = time.monotonic()
-                    if not follow:
+                    if not follow or heard:
                         woken = True
                         continue
                 elif woken or time.monotonic() >= next_read:

@@ -530,6 +530,9 @@ class TurnRunner:
         else:
             await u.emit(ending.claimed.session_id, *events)
         u.wake_key(f"calls:{ending.claimed.turn_id}")
+        if ending.io is None:
+            # Ended by a sweeper: the turn's worker, wherever it still runs, stands down.
+            u.wake_key(turn_key(ending.claimed.turn_id))
         return more
 
     async def _write_outcome(self, u: Unit, ending: _Ending, now: float) -> TurnRow | None:

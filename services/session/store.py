@@ -83,6 +83,18 @@ class EventFeed:
         self.wake = asyncio.Event()
         self._events: deque[FedEvent] = deque()
         self.overflowed = False
+        # Woken by the notifier (a commit elsewhere, a deletion, a resync):
+        # the log may hold what was not fed.
+        self.heard = False
+
+    def set(self) -> None:
+        """A notifier wake-up (``services.core.notify.Waiter``)."""
+        self.heard = True
+        self.wake.set()
+
+    def take_heard(self) -> bool:
+        heard, self.heard = self.heard, False
+        return heard
 
     def push(self, events: list[FedEvent]) -> None:
         if len(self._events) + len(events) > self.LIMIT:
@@ -109,9 +121,9 @@ class EventFeed:
 
 
 class EventFeeds:
-    """The local followers' feeds, by session. A feed's wake-up is a
-    ``Notifier`` subscription to ``events:<session_id>``, so commits heard
-    from other replicas wake it too (with nothing fed: it reads the log)."""
+    """The local followers' feeds, by session. Each feed also waits on the
+    ``Notifier`` for ``events:<session_id>``, so commits heard from other
+    replicas wake it too (marked ``heard``: it reads the log)."""
 
     def __init__(self, notifier: Notifier) -> None:
         self.notifier = notifier
@@ -120,11 +132,11 @@ class EventFeeds:
     def subscribe(self, session_id: str) -> EventFeed:
         feed = EventFeed()
         self._feeds.setdefault(session_id, set()).add(feed)
-        self.notifier.subscribe(events_key(session_id), feed.wake)
+        self.notifier.add_waiter(events_key(session_id), feed)
         return feed
 
     def unsubscribe(self, session_id: str, feed: EventFeed) -> None:
-        self.notifier.unsubscribe(events_key(session_id), feed.wake)
+        self.notifier.unsubscribe(events_key(session_id), feed)
         feeds = self._feeds.get(session_id)
         if feeds is not None:
             feeds.discard(feed)
@@ -255,7 +267,9 @@ class Store:
             committed.setdefault(session_id, []).append(FedEvent(appended.sequence, appended.type, appended.event_json))
         for session_id, events in committed.items():
             self.feeds.feed(session_id, events)
-        for key in unit.wake:
+        # Followers of a session whose events were just fed need not read the log.
+        fed = {events_key(session_id) for session_id in committed}
+        for key in unit.wake - fed:
             self.notifier.wake(key)
 
     async def query(self, fn: Callable[[AsyncSession], Awaitable[T]]) -> T:
