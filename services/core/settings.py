@@ -61,6 +61,21 @@ class Settings(BaseSettings):
     environment_database_url: str = ""
     sandbox_database_url: str = ""
 
+    notify_listen: bool = Field(
+        default=True,
+        description=(
+            "On PostgreSQL, hear other replicas' commits through LISTEN/NOTIFY. Turn off behind a pooler that does "
+            "not keep sessions (PgBouncer in transaction mode): replicas then find each other's commits by polling."
+        ),
+    )
+    notify_safety_poll_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "On PostgreSQL, commits are announced to the other replicas with LISTEN/NOTIFY; a waiting stream or "
+            "turn re-reads the database without a notification only this often (a safety net)."
+        ),
+    )
     rpc_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of unary gRPC calls.")
     grace_s: float = Field(default=5.0, ge=0, description="Graceful shutdown period.")
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest accepted HTTP body.")

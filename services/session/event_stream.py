@@ -20,6 +20,10 @@ __all__ = ["EventStream"]
 
 
 class EventStream:
+    """``poll_s`` is how often a follower re-reads the log when commits of
+    other replicas are not heard (SQLite); with a listening notifier it
+    reads only when woken, and as a safety net (``Notifier.poll_s``)."""
+
     def __init__(self, store: Store, *, poll_s: float = 0.2) -> None:
         self.store = store
         self.poll_s = poll_s
@@ -43,7 +47,7 @@ class EventStream:
     async def _follow(
         self, session_id: str, org: str, last: int, follow: bool, keepalive_ms: int
     ) -> AsyncIterator[list[tuple[int, str, str]] | int]:
-        feed = self.store.notifier.subscribe_feed(session_id)
+        feed = self.store.feeds.subscribe(session_id)
         wake = feed.wake
         keepalive_s = keepalive_ms / 1000.0
         idle_since = time.monotonic()
@@ -63,41 +67,54 @@ class EventStream:
 
         try:
             fresh = True
+            # Whether the wait ended with a wake-up (or the log must be read
+            # again at once) rather than a time-out.
+            woken = True
+            next_read = 0.0
             while True:
+                # A wake-up while a keep-alive was being sent counts too.
+                woken = woken or wake.is_set()
                 wake.clear()
                 # Events committed in this process arrive through the feed;
-                # the log is read first, on gaps, and when nothing was fed
-                # (commits on other replicas, polls, deletion).
+                # the log is read first, on gaps, when the notifier woke the
+                # feed (a commit heard from another replica, a deletion, a
+                # resync), and when the safety-net poll is due. A keep-alive
+                # alone reads nothing.
+                heard = feed.take_heard()
                 fed = [] if fresh else feed.take_after(last)
                 fresh = False
                 if fed:
                     last = fed[-1].sequence
                     yield [(e.sequence, e.type, e.event_json) for e in fed]
                     idle_since = time.monotonic()
-                    if not follow:
+                    if not follow or heard:
+                        woken = True
                         continue
-                else:
+                elif woken or time.monotonic() >= next_read:
+                    next_read = time.monotonic() + self.store.notifier.poll_s(self.poll_s)
                     rows, alive = await self.store.query(fetch)
                     if rows:
                         last = rows[-1].seq
                         yield [(r.seq, r.type, r.event_json) for r in rows]
                         idle_since = time.monotonic()
                         if not follow or len(rows) >= repo.EVENTS_BATCH:
+                            woken = True
                             continue
                         # A short batch is all there was when it was read: wait
                         # for the next wake-up (already set if something
                         # committed meanwhile) instead of reading an empty batch.
                     elif not follow or not alive:
                         return
-                timeout = self.poll_s
+                timeout = max(0.0, next_read - time.monotonic())
                 if keepalive_s > 0:
                     timeout = max(0.0, min(timeout, idle_since + keepalive_s - time.monotonic()))
                 try:
                     await asyncio.wait_for(wake.wait(), timeout)
+                    woken = True
                 except TimeoutError:
-                    pass
+                    woken = False
                 if keepalive_s > 0 and time.monotonic() - idle_since >= keepalive_s:
                     idle_since = time.monotonic()
                     yield int(time.time() * 1000)
         finally:
-            self.store.notifier.unsubscribe_feed(session_id, feed)
+            self.store.feeds.unsubscribe(session_id, feed)

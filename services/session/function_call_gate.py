@@ -120,9 +120,9 @@ class FunctionCallGate:
                 waited = True
                 await w.transact(self._start_waiting)
             while rows is None:
-                # Local answers wake us at once; answers taken by another replica are polled.
+                # Answers wake us at once (from other replicas when the notifier hears them); polling is the fallback.
                 try:
-                    await asyncio.wait_for(wake.wait(), _POLL_S)
+                    await asyncio.wait_for(wake.wait(), notifier.poll_s(_POLL_S))
                 except TimeoutError:
                     pass
                 wake.clear()

@@ -10,7 +10,8 @@ time per session, inside this service process.
   itself (``start_in``); otherwise a worker claims it.
 - The worker owning a turn renews a lease on it (``turn_lease_s``, a few
   seconds, renewed every third of it). A cancel from another replica sets
-  ``turns.cancel_requested``, which the owner polls. A running turn whose
+  ``turns.cancel_requested`` and wakes the owner's watcher (``turn_key``,
+  announced across replicas by the store's notifier; polled as a safety net). A running turn whose
   lease expired (its process died, or stopped) is taken over by any
   replica's sweeper, with a compare-and-set on its worker: the new worker
   closes the items the old one left open (a command that was running is
@@ -51,7 +52,7 @@ from services.core.context import org_id_var
 from services.core.errors import BerthError
 from services.core.grpc_client import call_until_available
 from services.core.ids import new_id
-from services.core.lease import Lease, poll_until
+from services.core.lease import Lease
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
@@ -66,7 +67,7 @@ from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
-from services.session.store import Store, Unit
+from services.session.store import Store, Unit, turn_key
 from services.session.turn_io import DbTurnIO
 from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
 
@@ -427,7 +428,7 @@ class TurnRunner:
         await run_turn(io, self.providers.for_model)
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
-        """Renews the turn's lease, and polls for cancels sent to other
+        """Renews the turn's lease, and waits for cancels sent to other
         replicas (and for the turn having been ended elsewhere, e.g. by a
         sweeper): either cancels the turn."""
         lease = Lease(
@@ -438,12 +439,7 @@ class TurnRunner:
             log_fields={"turn_id": turn_id},
         )
         async with lease:
-            await poll_until(
-                lambda: self._should_stop(turn_id, task),
-                every_s=self.poll_s,
-                failure_event="turn_watch_failed",
-                log_fields={"turn_id": turn_id},
-            )
+            await self._wait_stop(turn_id, task)
         if not task.done():
             task.cancel()
 
@@ -460,6 +456,28 @@ class TurnRunner:
         await u.session.execute(
             update(TurnRow).where(TurnRow.id == turn_id, TurnRow.worker_id == self.worker_id).values(lease_expires_at=0.0)
         )
+
+    async def _wait_stop(self, turn_id: str, task: asyncio.Task[None]) -> None:
+        """Returns once the turn should stop: checked when a cancel is
+        announced (``turn_key``, also from other replicas), and every
+        ``poll_s`` when other replicas are not heard (a slow safety net
+        when they are)."""
+        notifier = self.store.notifier
+        wake = notifier.subscribe(turn_key(turn_id))
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), notifier.poll_s(self.poll_s))
+                wake.clear()
+                try:
+                    if await self._should_stop(turn_id, task):
+                        return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.warning("turn_watch_failed", exc_info=True, turn_id=turn_id)
+        finally:
+            notifier.unsubscribe(turn_key(turn_id), wake)
 
     async def _should_stop(self, turn_id: str, task: asyncio.Task[None]) -> bool:
         return task.done() or await self.store.query(lambda s: self._turn_ended(s, turn_id))
@@ -572,6 +590,9 @@ class TurnRunner:
         else:
             await u.emit(ending.claimed.session_id, *events)
         u.wake_key(f"calls:{ending.claimed.turn_id}")
+        if ending.io is None:
+            # Ended by a sweeper: the turn's worker, wherever it still runs, stands down.
+            u.wake_key(turn_key(ending.claimed.turn_id))
         return more
 
     async def _still_ours(self, u: Unit, turn_id: str) -> bool:

@@ -11,6 +11,7 @@ from services.core.context import PeerCredentials
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
 from services.core.interceptors import allowed_callers
+from services.core.notify import open_notifier
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.session.artifacts import BlobStore
@@ -39,7 +40,12 @@ async def start_session_service(
     Environment service address the harness and session lifecycle call."""
     credentials = PeerCredentials.from_settings(settings, "session")
     db = await open_database(settings.database_url("session"), "session", _MIGRATIONS)
-    store = Store(db)
+    # Replicas hear each other's commits through it (LISTEN/NOTIFY on PostgreSQL).
+    notifier = open_notifier(
+        db, channel="berth_session", safety_poll_s=settings.notify_safety_poll_s, listen=settings.notify_listen
+    )
+    await notifier.start()
+    store = Store(db, notifier)
     env_client = EnvironmentClient(
         environment_addr or settings.environment_addr,
         credentials=credentials,
@@ -70,6 +76,7 @@ async def start_session_service(
         )
     except BaseException:
         await env_client.close()
+        await notifier.close()
         await db.dispose()
         raise
     await runner.start()
@@ -78,5 +85,5 @@ async def start_session_service(
     return ServiceHandle(
         name="session",
         grpc=running,
-        closers=[db.dispose, env_client.close, mcp.close, providers.close, runner.close],
+        closers=[db.dispose, notifier.close, env_client.close, mcp.close, providers.close, runner.close],
     )

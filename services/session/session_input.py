@@ -21,7 +21,7 @@ from services.session import views, wire
 from services.session.models import FunctionCallRow, SessionRow, TurnRow
 from services.session.runner import ClaimedTurn, TurnRunner
 from services.session.states import RUNNING_TURN_STATUSES, TurnStatus
-from services.session.store import Store, Unit
+from services.session.store import Store, Unit, turn_key
 
 __all__ = ["SessionInput", "SubmitResult", "UnknownToolCall", "enqueue_turn", "input_messages"]
 
@@ -169,6 +169,8 @@ class SessionInput:
             .where(TurnRow.id == turn_id, TurnRow.status.in_(RUNNING_TURN_STATUSES))
             .values(cancel_requested=True)
         )
+        # The turn's watcher, on whichever replica runs it, looks at once.
+        u.wake_key(turn_key(turn_id))
         return turn_id
 
     async def _answer_call(

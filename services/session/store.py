@@ -11,8 +11,9 @@ hands the numbers to ``Unit.append``. The event rows are inserted together
 when the unit's work is done. After commit, the appended events are handed to local stream
 followers (``EventFeed``) so they need not read back what was just written;
 a follower reads the log when its feed has a gap (a commit on another
-replica, or two local commits handed over out of order) and followers on
-other replicas find the rows by polling.
+replica, or two local commits handed over out of order). Followers on other
+replicas are woken by the ``Notifier`` (services/core/notify.py): the unit
+announces the keys it wakes inside its transaction.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.core.db import Database, set_clause, set_params
 from services.core.errors import NotFound
 from services.core.ids import new_id
+from services.core.notify import Notifier
 from services.session.models import EventRow, SessionRow
 
-__all__ = ["Store", "Unit", "Notifier", "AppendedEvent", "EventFeed", "FedEvent"]
+__all__ = ["Store", "Unit", "AppendedEvent", "EventFeed", "EventFeeds", "FedEvent", "events_key", "turn_key"]
 
 T = TypeVar("T")
 
@@ -81,6 +83,18 @@ class EventFeed:
         self.wake = asyncio.Event()
         self._events: deque[FedEvent] = deque()
         self.overflowed = False
+        # Woken by the notifier (a commit elsewhere, a deletion, a resync):
+        # the log may hold what was not fed.
+        self.heard = False
+
+    def set(self) -> None:
+        """A notifier wake-up (``services.core.notify.Waiter``)."""
+        self.heard = True
+        self.wake.set()
+
+    def take_heard(self) -> bool:
+        heard, self.heard = self.heard, False
+        return heard
 
     def push(self, events: list[FedEvent]) -> None:
         if len(self._events) + len(events) > self.LIMIT:
@@ -106,19 +120,23 @@ class EventFeed:
         return events
 
 
-class Notifier:
-    """In-process wake-ups for stream followers and waiting turns, by key."""
+class EventFeeds:
+    """The local followers' feeds, by session. Each feed also waits on the
+    ``Notifier`` for ``events:<session_id>``, so commits heard from other
+    replicas wake it too (marked ``heard``: it reads the log)."""
 
-    def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+    def __init__(self, notifier: Notifier) -> None:
+        self.notifier = notifier
         self._feeds: dict[str, set[EventFeed]] = {}
 
-    def subscribe_feed(self, session_id: str) -> EventFeed:
+    def subscribe(self, session_id: str) -> EventFeed:
         feed = EventFeed()
         self._feeds.setdefault(session_id, set()).add(feed)
+        self.notifier.add_waiter(events_key(session_id), feed)
         return feed
 
-    def unsubscribe_feed(self, session_id: str, feed: EventFeed) -> None:
+    def unsubscribe(self, session_id: str, feed: EventFeed) -> None:
+        self.notifier.unsubscribe(events_key(session_id), feed)
         feeds = self._feeds.get(session_id)
         if feeds is not None:
             feeds.discard(feed)
@@ -129,24 +147,15 @@ class Notifier:
         for feed in self._feeds.get(session_id, ()):
             feed.push(events)
 
-    def subscribe(self, key: str) -> asyncio.Event:
-        event = asyncio.Event()
-        self._waiters.setdefault(key, set()).add(event)
-        return event
 
-    def unsubscribe(self, key: str, event: asyncio.Event) -> None:
-        waiters = self._waiters.get(key)
-        if waiters is not None:
-            waiters.discard(event)
-            if not waiters:
-                del self._waiters[key]
+def events_key(session_id: str) -> str:
+    """The wake-up key of a session's event log (and of its deletion)."""
+    return f"events:{session_id}"
 
-    def notify(self, key: str) -> None:
-        for event in self._waiters.get(key, ()):
-            event.set()
-        if key.startswith("events:"):
-            for feed in self._feeds.get(key[len("events:") :], ()):
-                feed.wake.set()
+
+def turn_key(turn_id: str) -> str:
+    """The wake-up key of a turn's watcher: a cancel was requested."""
+    return f"turn:{turn_id}"
 
 
 @dataclass
@@ -211,7 +220,7 @@ class Unit:
             appended = AppendedEvent(seq, str(event["type"]), event, event_json)
             out.append(appended)
             self.appended.append((session_id, appended))
-        self.wake.add(f"events:{session_id}")
+        self.wake.add(events_key(session_id))
         return out
 
     async def write_events(self) -> None:
@@ -228,20 +237,25 @@ class Store:
     """Runs units of work through ``Database.run``: each transaction runs to
     its end however its caller is cancelled (see services/core/db.py)."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, notifier: Notifier | None = None) -> None:
         self.db = db
-        self.notifier = Notifier()
+        self.notifier = notifier or Notifier()
+        self.feeds = EventFeeds(self.notifier)
 
     async def transact(self, fn: Callable[[Unit], Awaitable[T]], *, inflight: set[asyncio.Future[Any]] | None = None) -> T:
         """One read-write transaction; events appended by ``fn`` wake local
-        followers after commit. ``inflight`` collects the transaction while
-        it runs, so a cancelled caller can wait for it to settle."""
+        followers after commit, and the keys it wakes are announced to other
+        replicas inside it (delivered on commit). ``inflight`` collects the
+        transaction while it runs, so a cancelled caller can wait for it to
+        settle."""
 
         async def work(session: AsyncSession) -> tuple[T, Unit]:
             unit = Unit(session)
             result = await fn(unit)
             await session.flush()
             await unit.write_events()
+            if unit.wake:
+                await self.notifier.announce(session, unit.wake)
             return result, unit
 
         result, _ = await self.db.run(work, inflight=inflight, after_commit=lambda done: self._publish(done[1]))
@@ -252,9 +266,11 @@ class Store:
         for session_id, appended in unit.appended:
             committed.setdefault(session_id, []).append(FedEvent(appended.sequence, appended.type, appended.event_json))
         for session_id, events in committed.items():
-            self.notifier.feed(session_id, events)
-        for key in unit.wake:
-            self.notifier.notify(key)
+            self.feeds.feed(session_id, events)
+        # Followers of a session whose events were just fed need not read the log.
+        fed = {events_key(session_id) for session_id in committed}
+        for key in unit.wake - fed:
+            self.notifier.wake(key)
 
     async def query(self, fn: Callable[[AsyncSession], Awaitable[T]]) -> T:
         """One read-only transaction. On SQLite it stays deferred (no write
