@@ -355,7 +355,9 @@ class TurnRunner:
             mcp=self.mcp,
             on_ending=start_collecting,
         )
-        task = asyncio.create_task(run_turn(io, self.providers.for_model), name=f"turn-{claimed.turn_id}")
+        task = asyncio.create_task(
+            run_turn(io, self.providers.for_model, tool_concurrency=self.providers.tool_concurrency), name=f"turn-{claimed.turn_id}"
+        )
         self._turns[claimed.turn_id] = task
         watcher = asyncio.create_task(self._watch(claimed.turn_id, task))
         try:
