@@ -7,7 +7,9 @@ error code of each kind of model failure."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
+import re
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -272,3 +274,26 @@ async def test_a_model_that_keeps_failing_fails_the_turn_once_the_retries_are_us
     failed = events[-2].turn
     assert (failed.status, failed.error.code) == ("failed", "server_error")
     assert len(model.requests) == 3
+
+
+async def test_time_awareness_tells_the_model_the_current_time_on_every_call(model_stack: Stack, model: FakeModel) -> None:
+    model.script = [Answer(tool_calls=[("exec_command", json.dumps({"command": "true"}))]), Answer(text="noted")]
+    client = strict_client(model_stack)
+    before = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+    async with asyncio.timeout(60):
+        stream = await client.beta.agents.sessions.create(
+            agent={"model": "some-model", "instructions": "Be brief.", "experimental": {"time_awareness": True}},
+            environment=HOSTED,
+            input="what time is it?",
+            stream=True,
+        )
+        result = await stream.get_final_result()
+    after = datetime.datetime.now(datetime.UTC)
+    assert result.output_text == "noted"
+    for body in model.bodies:
+        system = body["messages"][0]
+        assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n")
+        match = re.search(r"The current date and time is (\S+) \(UTC\)\.", system["content"])
+        assert match is not None
+        told = datetime.datetime.fromisoformat(match.group(1).replace("Z", "+00:00"))
+        assert before <= told <= after
