@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.runner import Result, print_table
 from services.core.logging import configure_logging
 
-BENCHMARKS = ["gateway", "exec", "environment", "turn", "docker"]
+BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker"]
 
 
 async def _main(names: list[str]) -> None:

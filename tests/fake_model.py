@@ -107,6 +107,8 @@ class Recorded:
     authorization: str
     received_at: float
     answered_at: float = 0.0
+    # When the answer's first text chunk was written (0 without text).
+    first_text_at: float = 0.0
 
 
 def _chunks(text: str, size: int) -> list[str]:
@@ -416,6 +418,7 @@ class FakeModel:
                 handler.wfile.write(f"{prefix}data: {payload_text}\n\n".encode())
                 handler.wfile.flush()
                 if first_text:
+                    record.first_text_at = time.monotonic()
                     self.first_text_sent.set()
                     if reply.hold is not None:
                         reply.hold.wait(timeout=60)

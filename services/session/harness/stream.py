@@ -57,12 +57,18 @@ class _Writer:
 
     # ----- reasoning ---------------------------------------------------------------
     async def reasoning_delta(self, delta: ReasoningDelta) -> None:
+        if delta.reasoning_index not in self.reasoning:
+            async with self.io.batch():
+                item = {"type": "reasoning", "summary": [], "status": "in_progress"}
+                handle = await self.io.add_item(item, entries=[], output=True, done=False)
+                self.reasoning[delta.reasoning_index] = _OpenReasoning(handle)
+                await self._reasoning(delta)
+        else:
+            await self._reasoning(delta)
+
+    async def _reasoning(self, delta: ReasoningDelta) -> None:
         io = self.io
-        block = self.reasoning.get(delta.reasoning_index)
-        if block is None:
-            item = {"type": "reasoning", "summary": [], "status": "in_progress"}
-            handle = await io.add_item(item, entries=[], output=True, done=False)
-            block = self.reasoning[delta.reasoning_index] = _OpenReasoning(handle)
+        block = self.reasoning[delta.reasoning_index]
         events: list[dict[str, Any]] = []
         block.parts_done = False
         while len(block.parts) <= delta.summary_index:
@@ -138,8 +144,16 @@ class _Writer:
 
     async def text_delta(self, text: str) -> None:
         if self.message is None:
-            await self.end_parts()
-            await self.open_message()
+            # The item, its first part and the first delta are one write:
+            # nothing else writes while the model streams.
+            async with self.io.batch():
+                await self.end_parts()
+                await self.open_message()
+                await self._text(text)
+        else:
+            await self._text(text)
+
+    async def _text(self, text: str) -> None:
         assert self.message is not None
         self.text.append(text)
         self.io.track_item(
