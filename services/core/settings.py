@@ -176,7 +176,7 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="Longest backoff delay; a longer Retry-After ends the retries."
     )
     model_timeout_s: float = Field(default=600.0, gt=0, description="Bound on one model request.")
-    tool_call_concurrency: int = Field(default=8, ge=1, description="Tool calls of one model response run at most this many at a time.")
+    tool_call_concurrency: int = Field(default=16, ge=1, description="Tool calls of one model response run at most this many at a time.")
 
     dev_org: str = "dev"
 

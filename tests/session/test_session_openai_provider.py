@@ -271,3 +271,18 @@ async def test_mcp_tool_names_are_mapped_to_valid_function_names_and_back(model:
     sent = model.bodies[-1]["messages"]
     assert sent[2]["tool_calls"][0]["function"]["name"] == wired
     await provider.close()
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_a_service_tier_and_verbosity_other_than_the_defaults_are_sent_to_the_model(model: FakeModel, api: str) -> None:
+    model.script = [Answer(text="ok"), Answer(text="ok")]
+    provider = OpenAIProvider(base_url=model.base_url, api_key="sk", api=api, retry=FAST)  # type: ignore[arg-type]
+    request = _request()
+    await complete(provider, request)
+    request.service_tier, request.verbosity = "flex", "low"
+    await complete(provider, request)
+    await provider.close()
+    plain, tuned = model.bodies
+    assert "service_tier" not in plain and "verbosity" not in plain and "text" not in plain
+    assert tuned["service_tier"] == "flex"
+    assert (tuned["verbosity"] if api == "chat" else tuned["text"]["verbosity"]) == "low"

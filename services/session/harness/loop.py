@@ -29,7 +29,7 @@ __all__ = ["run_turn", "MAX_ITERATIONS", "DEFAULT_TOOL_CONCURRENCY", "instructio
 log = get_logger(__name__)
 
 MAX_ITERATIONS = 50
-DEFAULT_TOOL_CONCURRENCY = 8
+DEFAULT_TOOL_CONCURRENCY = 16
 
 
 def instructions_for(config: AgentConfig, now: datetime.datetime | None = None) -> str | None:
@@ -41,6 +41,11 @@ def instructions_for(config: AgentConfig, now: datetime.datetime | None = None) 
     moment = (now or datetime.datetime.now(datetime.UTC)).replace(microsecond=0)
     note = f"The current date and time is {moment.isoformat().replace('+00:00', 'Z')} (UTC)."
     return f"{instructions}\n\n{note}" if instructions else note
+
+
+def _unless(value: Any, default: str) -> str | None:
+    """``value``, or None when it is unset or the default."""
+    return str(value) if value not in (None, "", default) else None
 
 
 class _Ordered:
@@ -143,6 +148,8 @@ async def run_turn(
             text_format=config.get("text", {}).get("format"),
             reasoning_effort=reasoning.get("effort"),
             reasoning_summary=reasoning.get("summary"),
+            service_tier=_unless(config.get("service_tier"), "auto"),
+            verbosity=_unless((config.get("text") or {}).get("verbosity"), "medium"),
         )
         try:
             response: ModelResponse = await stream_model_call(io, provider_for(config["model"]), request)

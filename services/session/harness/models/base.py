@@ -84,6 +84,10 @@ class ModelRequest:
     text_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     reasoning_summary: str | None = None
+    # Sent only when not the default ("auto" / "medium"), which servers other
+    # than OpenAI's may not know.
+    service_tier: str | None = None
+    verbosity: str | None = None
 
 
 @dataclass

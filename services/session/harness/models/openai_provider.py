@@ -391,6 +391,10 @@ class OpenAIProvider:
             }
         if request.reasoning_effort:
             kwargs["reasoning_effort"] = request.reasoning_effort
+        if request.service_tier:
+            kwargs["service_tier"] = request.service_tier
+        if request.verbosity:
+            kwargs["verbosity"] = request.verbosity
         # Posted as built: the client's typed ``create`` transforms every
         # message through typing introspection, which costs tens of
         # milliseconds per call on a long transcript.
@@ -446,8 +450,15 @@ class OpenAIProvider:
             kwargs["instructions"] = request.instructions
         if request.tools:
             kwargs["tools"] = _tool_defs(request.tools, "responses", names)
+        text: dict[str, Any] = {}
         if request.text_format and request.text_format.get("type") == "json_schema":
-            kwargs["text"] = {"format": {"type": "json_schema", "name": "output", "schema": request.text_format["schema"]}}
+            text["format"] = {"type": "json_schema", "name": "output", "schema": request.text_format["schema"]}
+        if request.verbosity:
+            text["verbosity"] = request.verbosity
+        if text:
+            kwargs["text"] = text
+        if request.service_tier:
+            kwargs["service_tier"] = request.service_tier
         if request.reasoning_effort or request.reasoning_summary:
             kwargs["reasoning"] = {
                 k: v for k, v in (("effort", request.reasoning_effort), ("summary", request.reasoning_summary)) if v
