@@ -43,6 +43,8 @@ from gateway.validation import (
     Tool,
     ToolSearchTool,
     WebSearchTool,
+    check_agent_config,
+    check_session_update,
     decode_base64,
 )
 
@@ -213,6 +215,7 @@ def _agent_config(body: AgentCreateBody | AgentUpdateBody | InlineAgent | Sessio
 
 
 def create_agent_request(body: AgentCreateBody) -> svc_pb.CreateAgentRequest:
+    check_agent_config(body)
     config, _ = _agent_config(body)
     out = svc_pb.CreateAgentRequest(config=config, metadata=body.metadata or {})
     if body.name is not None:
@@ -221,6 +224,7 @@ def create_agent_request(body: AgentCreateBody) -> svc_pb.CreateAgentRequest:
 
 
 def update_agent_request(agent_id: str, body: AgentUpdateBody) -> svc_pb.UpdateAgentRequest:
+    check_agent_config(body)
     config, paths = _agent_config(body)
     out = svc_pb.UpdateAgentRequest(agent_id=agent_id, config=config, metadata=body.metadata or {})
     if body.name is not None:
@@ -278,6 +282,7 @@ def create_session_request(body: SessionCreateBody) -> svc_pb.CreateSessionReque
 
 
 def update_session_request(session_id: str, body: SessionUpdateBody) -> svc_pb.UpdateSessionRequest:
+    check_session_update(body)
     out = svc_pb.UpdateSessionRequest(session_id=session_id, metadata=body.metadata or {})
     paths = ["metadata"] if "metadata" in body.model_fields_set else []
     if body.agent is not None:

@@ -51,6 +51,8 @@ __all__ = [
     "input_events",
     "check_hosted_config",
     "check_session_create",
+    "check_agent_config",
+    "check_session_update",
     "EnvironmentFileCreateBody",
     "InlineFile",
     "FileIdFile",
@@ -572,6 +574,58 @@ def check_hosted_config(config: HostedEnvironmentConfig, param_prefix: str) -> N
                 )
 
 
+# Tool types of the SDK that Berth does not implement, and why.
+_UNSUPPORTED_TOOLS: dict[type[BaseModel], str] = {
+    WebSearchTool: "web_search tools are not supported: no search backend is configured.",
+    ComputerUseTool: "computer_use tools are not supported.",
+    ProgrammaticToolCallingTool: "programmatic_tool_calling tools are not supported yet.",
+    ToolSearchTool: "tool_search tools are not supported.",
+    AutomationsTool: "automations tools are not supported.",
+}
+
+
+def _refuse(message: str, param: str) -> ApiError:
+    return ApiError(400, "validation_error", message, param=param)
+
+
+def _extra(model: BaseModel | None, param: str) -> None:
+    """An open model (the SDK may grow fields) still refuses keys Berth would ignore."""
+    if model is not None and model.model_extra:
+        key = sorted(model.model_extra)[0]
+        raise _refuse(f"Unknown parameter: {key!r}.", f"{param}.{key}")
+
+
+def check_agent_config(body: _AgentConfig | SessionAgentUpdate, prefix: str = "") -> None:
+    """Settings and tool types the SDK offers but Berth does not implement
+    are refused with a 400 naming them, never accepted and ignored."""
+    for index, tool in enumerate(body.tools or []):
+        param = f"{prefix}tools.{index}"
+        reason = _UNSUPPORTED_TOOLS.get(type(tool))
+        if reason is not None:
+            raise _refuse(reason, f"{param}.type")
+        _extra(tool, param)
+        if isinstance(tool, FunctionTool):
+            if tool.defer_loading:
+                raise _refuse("defer_loading is not supported (there is no tool_search).", f"{param}.defer_loading")
+            if tool.async_:
+                raise _refuse("Asynchronous function tools are not supported.", f"{param}.async")
+        if isinstance(tool, McpTool):
+            _extra(tool.transport, f"{param}.transport")
+    if isinstance(body, SessionAgentUpdate):
+        return
+    if body.multi_agent is not None:
+        _extra(body.multi_agent, f"{prefix}multi_agent")
+        if body.multi_agent.enabled:
+            raise _refuse("multi_agent (subagents) is not supported yet.", f"{prefix}multi_agent.enabled")
+    if body.compaction is not None:
+        raise _refuse("compaction is not supported yet.", f"{prefix}compaction")
+    _extra(body.reasoning, f"{prefix}reasoning")
+    _extra(body.text, f"{prefix}text")
+    if body.text is not None:
+        _extra(body.text.format, f"{prefix}text.format")
+    _extra(body.experimental, f"{prefix}experimental")
+
+
 def check_session_create(body: SessionCreateBody) -> None:
     """Rules between fields of a session create body."""
     env = body.environment
@@ -589,6 +643,14 @@ def check_session_create(body: SessionCreateBody) -> None:
                 )
         else:
             check_hosted_config(env, "environment")
+    if body.agent is not None:
+        check_agent_config(body.agent, "agent.")
+    if body.review == "auto_review":
+        raise ApiError(400, "validation_error", "review 'auto_review' is not supported.", param="review")
+    if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
+        raise ApiError(
+            400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
+        )
     if body.agent_id is None and (body.agent is None or body.agent.model is None):
         raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
     if body.stream_options is not None and not body.stream:
@@ -602,6 +664,17 @@ def check_session_create(body: SessionCreateBody) -> None:
             "validation_error",
             "input is required for environment type 'none' and for streaming creation.",
             param="input",
+        )
+
+
+def check_session_update(body: SessionUpdateBody) -> None:
+    if body.agent is not None:
+        check_agent_config(body.agent, "agent.")
+    if body.review == "auto_review":
+        raise ApiError(400, "validation_error", "review 'auto_review' is not supported.", param="review")
+    if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
+        raise ApiError(
+            400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
         )
 
 

@@ -14,12 +14,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "ServiceName"]
+__all__ = ["Settings", "ServiceName", "ModelRoute"]
 
 ServiceName = Literal["gateway", "session", "environment", "sandbox"]
+
+
+class ModelRoute(BaseModel):
+    """Where the models named ``model`` (exactly) or starting with
+    ``prefix`` are served: an OpenAI-compatible base URL, its key and API."""
+
+    model: str | None = None
+    prefix: str | None = None
+    base_url: str
+    api_key: str = ""
+    api: Literal["chat", "responses"] = "chat"
+
+    @model_validator(mode="after")
+    def _one_match(self) -> ModelRoute:
+        if (self.model is None) == (self.prefix is None):
+            raise ValueError("a model route names exactly one of model or prefix")
+        return self
 
 
 class Settings(BaseSettings):
@@ -177,6 +194,20 @@ class Settings(BaseSettings):
     model_api_key: str = ""
     model_provider: str = Field(default="", description="Force a provider; default by model name.")
     model_api: Literal["chat", "responses"] = "chat"
+    model_routes: list[ModelRoute] = Field(
+        default_factory=list,
+        description=(
+            "JSON list of {model|prefix, base_url, api_key, api}: models served elsewhere than model_base_url. "
+            "An exact model match wins, then the longest prefix."
+        ),
+    )
+    model_max_retries: int = Field(default=4, ge=0, description="Retries of a model call after a 429, 5xx or connection error.")
+    model_retry_base_delay_s: float = Field(default=0.5, gt=0, description="First backoff delay; doubled per retry, with jitter.")
+    model_retry_max_delay_s: float = Field(
+        default=30.0, gt=0, description="Longest backoff delay; a longer Retry-After ends the retries."
+    )
+    model_timeout_s: float = Field(default=600.0, gt=0, description="Bound on one model request.")
+    tool_call_concurrency: int = Field(default=16, ge=1, description="Tool calls of one model response run at most this many at a time.")
 
     dev_org: str = "dev"
 

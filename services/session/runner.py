@@ -425,7 +425,7 @@ class TurnRunner:
         previous worker left running."""
         for handle, item, call, shown in claimed.reattach:
             await resume_command(io, handle, item, call, shown)
-        await run_turn(io, self.providers.for_model)
+        await run_turn(io, self.providers.for_model, tool_concurrency=self.providers.tool_concurrency)
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and waits for cancels sent to other

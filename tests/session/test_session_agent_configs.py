@@ -40,7 +40,12 @@ def _rendered(config: AgentConfig) -> dict[str, Any]:
 
 def test_session_overrides_replace_saved_fields_and_merge_experimental_settings() -> None:
     saved = _saved(
-        {"model": "m", "instructions": "saved", "experimental": {"time_awareness": True}, "tools": [{"type": "tool_search"}]}
+        {
+            "model": "m",
+            "instructions": "saved",
+            "experimental": {"time_awareness": True},
+            "tools": [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}],
+        }
     )
     config = _session_agent(saved, {"model": "n", "tools": None, "reasoning": {"effort": "low"}})
     assert config["model"] == "n" and config["instructions"] == "saved" and config["tools"] == []

@@ -65,7 +65,6 @@ async def test_saved_agents_render_as_sdk_agents_and_update_by_key(client: Clien
             "tools": [
                 {"type": "function", "name": "get_weather", "description": "Weather", "parameters": {"type": "object"}},
                 {"type": "mcp", "server_label": "docs", "transport": {"type": "http", "server_url": "https://mcp.example"}},
-                {"type": "tool_search"},
             ],
         }
     )

@@ -2,87 +2,164 @@
 tool definitions, execute the tool calls it makes, append items, and repeat
 until it answers without tool calls (at most ``MAX_ITERATIONS`` model calls).
 
-The agent's MCP servers are connected before the first model call (a
-required one that fails ends the turn); the MCP calls of one model response
-run concurrently, everything else in the order the model gave."""
+Each model call is streamed (``harness/stream.py`` turns its deltas into
+items and events as they arrive). The agent's MCP servers are connected
+before the first model call (a required one that fails ends the turn). The
+tool calls of one model response run concurrently, at most
+``tool_concurrency`` at a time; each adds its item only after the call
+before it did, so items keep the model's order (output_index)."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 from collections.abc import Callable
 from typing import Any
 
 from services.core.logging import get_logger
-from services.session.harness.io import TurnFailure, TurnIO
-from services.session.harness.models.base import ModelError, ModelProvider, ModelRequest
+from services.session.agents import AgentConfig
+from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.mcp_tools import McpToolbox, is_mcp_call
-from services.session.harness.models.base import ToolCall
+from services.session.harness.models.base import ModelError, ModelProvider, ModelRequest, ModelResponse, ToolCall
+from services.session.harness.stream import stream_model_call
 from services.session.harness.tools import PendingCall, execute_tool_call, tool_specs
 
-__all__ = ["run_turn", "MAX_ITERATIONS"]
+__all__ = ["run_turn", "MAX_ITERATIONS", "DEFAULT_TOOL_CONCURRENCY", "instructions_for"]
 
 log = get_logger(__name__)
 
 MAX_ITERATIONS = 50
+DEFAULT_TOOL_CONCURRENCY = 16
 
 
-async def _emit_message(io: TurnIO, text: str, phase: str) -> None:
-    # The text is complete before anything is shown, so the whole item is one write.
-    item: dict[str, Any] = {"type": "message", "role": "assistant", "status": "in_progress", "phase": phase, "content": []}
-    async with io.batch():
-        handle = await io.add_item(item, entries=[], output=True, done=False)
-        io.track_item(handle, item)
-        scope = {"item_id": handle.id, "output_index": handle.output_index, "content_index": 0}
-        await io.emit(
-            {"type": "agent.session.turn.content_part.added", **scope, "part": {"type": "output_text", "text": ""}},
-            {"type": "agent.session.turn.output_text.delta", **scope, "delta": text},
-            {"type": "agent.session.turn.output_text.done", **scope, "text": text},
-            {"type": "agent.session.turn.content_part.done", **scope, "part": {"type": "output_text", "text": text}},
-        )
-        done = {**item, "status": "completed", "content": [{"type": "output_text", "text": text}]}
-        await io.finish_item(handle, done, entries=[{"role": "assistant", "text": text}])
+def instructions_for(config: AgentConfig, now: datetime.datetime | None = None) -> str | None:
+    """The agent's instructions; with ``experimental.time_awareness`` the
+    current time (UTC) is added, fresh for every model call."""
+    instructions = config.get("instructions")
+    if not (config.get("experimental") or {}).get("time_awareness"):
+        return instructions
+    moment = (now or datetime.datetime.now(datetime.UTC)).replace(microsecond=0)
+    note = f"The current date and time is {moment.isoformat().replace('+00:00', 'Z')} (UTC)."
+    return f"{instructions}\n\n{note}" if instructions else note
 
 
-async def run_turn(io: TurnIO, provider_for: Callable[[str], ModelProvider]) -> None:
+def _unless(value: Any, default: str) -> str | None:
+    """``value``, or None when it is unset or the default."""
+    return str(value) if value not in (None, "", default) else None
+
+
+class _Ordered:
+    """The TurnIO of one tool call of a concurrent batch: the call's first
+    item is added only after the previous call added its first item (or
+    finished without one), and environment setup is entered one call at a
+    time. Everything else passes through."""
+
+    def __init__(self, io: TurnIO, previous: asyncio.Event | None, setup: asyncio.Lock) -> None:
+        self._io = io
+        self._previous = previous
+        self._setup = setup
+        self.added = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._io, name)
+
+    async def _turn(self) -> None:
+        if self._previous is not None and not self.added.is_set():
+            await self._previous.wait()
+
+    async def add_item(
+        self, item: dict[str, Any], *, entries: list[Any], output: bool, done: bool, visible: bool = True
+    ) -> ItemHandle:
+        await self._turn()
+        try:
+            return await self._io.add_item(item, entries=entries, output=output, done=done, visible=visible)
+        finally:
+            self.added.set()
+
+    async def add_function_call(self, name: str, arguments: str, model_call_id: str) -> str:
+        await self._turn()
+        try:
+            return await self._io.add_function_call(name, arguments, model_call_id)
+        finally:
+            self.added.set()
+
+    async def ensure_environment(self) -> None:
+        async with self._setup:
+            await self._io.ensure_environment()
+
+
+async def _run_tool_calls(
+    io: TurnIO, config: AgentConfig, mcp: McpToolbox, calls: list[ToolCall], concurrency: int
+) -> list[PendingCall]:
+    """Runs the calls of one model response; returns the pending
+    application function calls, in order."""
+    limit = asyncio.Semaphore(max(1, concurrency))
+    setup = asyncio.Lock()
+    previous: asyncio.Event | None = None
+    previous_started: asyncio.Event | None = None
+    tasks: list[asyncio.Task[PendingCall | None]] = []
+
+    async def one(call: ToolCall, ordered: _Ordered, wait_start: asyncio.Event | None, started: asyncio.Event) -> PendingCall | None:
+        # Slots are taken in the model's order, so a call never holds one
+        # while waiting for an earlier call that has none.
+        if wait_start is not None:
+            await wait_start.wait()
+        async with limit:
+            started.set()
+            try:
+                if is_mcp_call(call.name):
+                    await mcp.run(ordered, [call])
+                    return None
+                return await execute_tool_call(ordered, config, call)
+            finally:
+                ordered.added.set()
+
+    for call in calls:
+        ordered = _Ordered(io, previous, setup)
+        started = asyncio.Event()
+        tasks.append(asyncio.create_task(one(call, ordered, previous_started, started), name=f"tool-{call.id}"))
+        previous, previous_started = ordered.added, started
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        # A failure (or cancel) of one call ends the others before it is raised.
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        raise
+    return [r for r in results if r is not None]
+
+
+async def run_turn(
+    io: TurnIO, provider_for: Callable[[str], ModelProvider], *, tool_concurrency: int = DEFAULT_TOOL_CONCURRENCY
+) -> None:
     """Runs until the final answer. Raises TurnFailure for a failed turn;
     cancellation arrives as CancelledError at any await."""
     mcp = McpToolbox()
     for _ in range(MAX_ITERATIONS):
         config = await io.agent_config()
         await mcp.prepare(io, config)
+        reasoning = config.get("reasoning") or {}
         request = ModelRequest(
             model=config["model"],
-            instructions=config.get("instructions"),
+            instructions=instructions_for(config),
             transcript=await io.transcript(),
             tools=tool_specs(config, has_environment=io.environment_id is not None) + mcp.specs(),
             text_format=config.get("text", {}).get("format"),
-            reasoning_effort=(config.get("reasoning") or {}).get("effort"),
+            reasoning_effort=reasoning.get("effort"),
+            reasoning_summary=reasoning.get("summary"),
+            service_tier=_unless(config.get("service_tier"), "auto"),
+            verbosity=_unless((config.get("text") or {}).get("verbosity"), "medium"),
         )
         try:
-            response = await provider_for(config["model"]).complete(request)
+            response: ModelResponse = await stream_model_call(io, provider_for(config["model"]), request)
         except ModelError as exc:
             raise TurnFailure(exc.code, exc.message) from exc
         if response.usage is not None:
             io.record_usage(response.usage)
         if not response.tool_calls:
-            io.ending()
-            await _emit_message(io, response.text or "", "final_answer")
             return
-        if response.text:
-            await _emit_message(io, response.text, "commentary")
-        pending: list[PendingCall] = []
-        batch: list[ToolCall] = []
-        for call in response.tool_calls:
-            if is_mcp_call(call.name):
-                batch.append(call)
-                continue
-            if batch:
-                await mcp.run(io, batch)
-                batch = []
-            result = await execute_tool_call(io, config, call)
-            if result is not None:
-                pending.append(result)
-        if batch:
-            await mcp.run(io, batch)
+        pending = await _run_tool_calls(io, config, mcp, response.tool_calls, tool_concurrency)
         if pending:
             await io.wait_function_results([p.call_id for p in pending])
     raise TurnFailure("internal_error", f"the agent did not finish within {MAX_ITERATIONS} model calls")

@@ -1354,6 +1354,7 @@ class Item(_message.Message):
     FUNCTION_CALL_OUTPUT_FIELD_NUMBER: _builtins.int
     COMMAND_EXECUTION_FIELD_NUMBER: _builtins.int
     MCP_CALL_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("item_...")."""
     session_id: _builtins.str
@@ -1382,6 +1383,10 @@ class Item(_message.Message):
     def mcp_call(self) -> Global___McpCallItem:
         """A call of a tool on an MCP server."""
 
+    @_builtins.property
+    def reasoning(self) -> Global___ReasoningItem:
+        """Reasoning the model produced (its summary)."""
+
     def __init__(
         self,
         *,
@@ -1394,16 +1399,71 @@ class Item(_message.Message):
         function_call_output: Global___FunctionCallOutputItem | None = ...,
         command_execution: Global___CommandExecutionItem | None = ...,
         mcp_call: Global___McpCallItem | None = ...,
+        reasoning: Global___ReasoningItem | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "mcp_call", b"mcp_call", "message", b"message"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "reasoning", b"reasoning"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "id", b"id", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "session_id", b"session_id", "turn_id", b"turn_id", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "id", b"id", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "reasoning", b"reasoning", "session_id", b"session_id", "turn_id", b"turn_id", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "function_call", "function_call_output", "command_execution", "mcp_call"]  # noqa: Y015
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "function_call", "function_call_output", "command_execution", "mcp_call", "reasoning"]  # noqa: Y015
     _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
 Global___Item: _TypeAlias = Item  # noqa: Y015
+
+@_typing.final
+class ReasoningItem(_message.Message):
+    """ReasoningItem is the model's reasoning: the summary parts it gave."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    status: _builtins.str
+    """"in_progress", "completed" or "incomplete"."""
+    @_builtins.property
+    def summary(self) -> _containers.RepeatedCompositeFieldContainer[Global___SummaryText]:
+        """The summary parts, in order."""
+
+    def __init__(
+        self,
+        *,
+        summary: _abc.Iterable[Global___SummaryText] | None = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReasoningItem: _TypeAlias = ReasoningItem  # noqa: Y015
+
+@_typing.final
+class SummaryText(_message.Message):
+    """SummaryText is one part of a reasoning summary."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Always "summary_text"."""
+    text: _builtins.str
+    """The text."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SummaryText: _TypeAlias = SummaryText  # noqa: Y015
 
 @_typing.final
 class MessageItem(_message.Message):
@@ -1760,6 +1820,10 @@ class SessionEvent(_message.Message):
     OUTPUT_TEXT_DELTA_FIELD_NUMBER: _builtins.int
     OUTPUT_TEXT_DONE_FIELD_NUMBER: _builtins.int
     COMMAND_EXECUTION_OUTPUT_DELTA_FIELD_NUMBER: _builtins.int
+    REASONING_SUMMARY_PART_ADDED_FIELD_NUMBER: _builtins.int
+    REASONING_SUMMARY_PART_DONE_FIELD_NUMBER: _builtins.int
+    REASONING_SUMMARY_TEXT_DELTA_FIELD_NUMBER: _builtins.int
+    REASONING_SUMMARY_TEXT_DONE_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_PENDING_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_READY_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_FAILED_FIELD_NUMBER: _builtins.int
@@ -1841,6 +1905,22 @@ class SessionEvent(_message.Message):
         """agent.output.command_execution_output.delta."""
 
     @_builtins.property
+    def reasoning_summary_part_added(self) -> Global___ReasoningSummaryPartEvent:
+        """agent.session.turn.reasoning_summary_part.added."""
+
+    @_builtins.property
+    def reasoning_summary_part_done(self) -> Global___ReasoningSummaryPartEvent:
+        """agent.session.turn.reasoning_summary_part.done."""
+
+    @_builtins.property
+    def reasoning_summary_text_delta(self) -> Global___ReasoningSummaryTextDeltaEvent:
+        """agent.session.turn.reasoning_summary_text.delta."""
+
+    @_builtins.property
+    def reasoning_summary_text_done(self) -> Global___ReasoningSummaryTextDoneEvent:
+        """agent.session.turn.reasoning_summary_text.done."""
+
+    @_builtins.property
     def environment_pending(self) -> Global___EnvironmentEvent:
         """agent.session.environment.pending."""
 
@@ -1889,6 +1969,10 @@ class SessionEvent(_message.Message):
         output_text_delta: Global___OutputTextDeltaEvent | None = ...,
         output_text_done: Global___OutputTextDoneEvent | None = ...,
         command_execution_output_delta: Global___CommandOutputDeltaEvent | None = ...,
+        reasoning_summary_part_added: Global___ReasoningSummaryPartEvent | None = ...,
+        reasoning_summary_part_done: Global___ReasoningSummaryPartEvent | None = ...,
+        reasoning_summary_text_delta: Global___ReasoningSummaryTextDeltaEvent | None = ...,
+        reasoning_summary_text_done: Global___ReasoningSummaryTextDoneEvent | None = ...,
         environment_pending: Global___EnvironmentEvent | None = ...,
         environment_ready: Global___EnvironmentEvent | None = ...,
         environment_failed: Global___EnvironmentEvent | None = ...,
@@ -1896,11 +1980,11 @@ class SessionEvent(_message.Message):
         environment_connected: Global___EnvironmentEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "error"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "reasoning_summary_part_added", "reasoning_summary_part_done", "reasoning_summary_text_delta", "reasoning_summary_text_done", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "error"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -2259,6 +2343,151 @@ class CommandOutputDeltaEvent(_message.Message):
 Global___CommandOutputDeltaEvent: _TypeAlias = CommandOutputDeltaEvent  # noqa: Y015
 
 @_typing.final
+class ReasoningSummaryPartEvent(_message.Message):
+    """ReasoningSummaryPartEvent announces a reasoning summary part, when it is
+    added (empty) and when it is done.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    SUMMARY_INDEX_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The reasoning item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    summary_index: _builtins.int
+    """The part's position in the summary."""
+    status: _builtins.str
+    """"incomplete" on a done part whose generation was interrupted; else unset."""
+    @_builtins.property
+    def part(self) -> Global___SummaryText:
+        """The part."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        summary_index: _builtins.int = ...,
+        part: Global___SummaryText | None = ...,
+        status: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_status", b"_status", "_turn_id", b"_turn_id", "part", b"part", "status", b"status", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_status", b"_status", "_turn_id", b"_turn_id", "item_id", b"item_id", "output_index", b"output_index", "part", b"part", "session_id", b"session_id", "status", b"status", "summary_index", b"summary_index", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__status: _TypeAlias = _typing.Literal["status"]  # noqa: Y015
+    _WhichOneofArgType__status: _TypeAlias = _typing.Literal["_status", b"_status"]  # noqa: Y015
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__status) -> _WhichOneofReturnType__status | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___ReasoningSummaryPartEvent: _TypeAlias = ReasoningSummaryPartEvent  # noqa: Y015
+
+@_typing.final
+class ReasoningSummaryTextDeltaEvent(_message.Message):
+    """ReasoningSummaryTextDeltaEvent carries streamed text of a reasoning summary part."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    SUMMARY_INDEX_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The reasoning item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    summary_index: _builtins.int
+    """The part's position in the summary."""
+    delta: _builtins.str
+    """The new text."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        summary_index: _builtins.int = ...,
+        delta: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "delta", b"delta", "item_id", b"item_id", "output_index", b"output_index", "session_id", b"session_id", "summary_index", b"summary_index", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___ReasoningSummaryTextDeltaEvent: _TypeAlias = ReasoningSummaryTextDeltaEvent  # noqa: Y015
+
+@_typing.final
+class ReasoningSummaryTextDoneEvent(_message.Message):
+    """ReasoningSummaryTextDoneEvent carries the complete text of a reasoning summary part."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
+    ITEM_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    SUMMARY_INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    turn_id: _builtins.str
+    """The turn."""
+    item_id: _builtins.str
+    """The reasoning item."""
+    output_index: _builtins.int
+    """The item's position among the turn's output items."""
+    summary_index: _builtins.int
+    """The part's position in the summary."""
+    text: _builtins.str
+    """The complete text."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        turn_id: _builtins.str | None = ...,
+        item_id: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+        summary_index: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "turn_id", b"turn_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "item_id", b"item_id", "output_index", b"output_index", "session_id", b"session_id", "summary_index", b"summary_index", "text", b"text", "turn_id", b"turn_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
+
+Global___ReasoningSummaryTextDoneEvent: _TypeAlias = ReasoningSummaryTextDoneEvent  # noqa: Y015
+
+@_typing.final
 class EnvironmentEvent(_message.Message):
     """EnvironmentEvent announces a change of the session's environment."""
 
@@ -2366,8 +2595,13 @@ class ErrorEvent(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    TURN_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
+    turn_id: _builtins.str
+    """The turn it concerns, when it concerns one (contract-only: the public
+    event has no turn_id).
+    """
     @_builtins.property
     def error(self) -> Global___EventError:
         """The error."""
@@ -2377,12 +2611,15 @@ class ErrorEvent(_message.Message):
         *,
         session_id: _builtins.str = ...,
         error: Global___EventError | None = ...,
+        turn_id: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "error", b"error", "turn_id", b"turn_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id", "error", b"error", "session_id", b"session_id", "turn_id", b"turn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__turn_id: _TypeAlias = _typing.Literal["turn_id"]  # noqa: Y015
+    _WhichOneofArgType__turn_id: _TypeAlias = _typing.Literal["_turn_id", b"_turn_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__turn_id) -> _WhichOneofReturnType__turn_id | None: ...
 
 Global___ErrorEvent: _TypeAlias = ErrorEvent  # noqa: Y015
 

@@ -6,6 +6,12 @@ The harness keeps a provider-neutral transcript of JSON entries:
 - ``{"role": "assistant", "text": str}``
 - ``{"role": "assistant", "tool_calls": [{"id", "name", "arguments"}]}``
 - ``{"role": "tool", "call_id": str, "output": str}``
+- ``{"role": "assistant", "reasoning": {"id", "summary": [str], "encrypted_content"}}``
+  (reasoning the model produced; given back where the API needs it)
+
+A provider streams a model call (``ModelProvider.stream``): text and
+reasoning deltas as they arrive, a ``Retrying`` notice before it waits to
+retry a failed attempt, and last the complete ``ModelResponse``.
 
 ``normalize_transcript`` puts every tool result right after its call (and
 answers calls that never got one, e.g. after a cancel), which is the order
@@ -14,6 +20,7 @@ OpenAI-compatible APIs require.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +34,13 @@ __all__ = [
     "ModelError",
     "ModelProvider",
     "normalize_transcript",
+    "TextDelta",
+    "ReasoningDelta",
+    "Retrying",
+    "Completed",
+    "StreamEvent",
+    "Reasoning",
+    "complete",
 ]
 
 Entry = dict[str, Any]
@@ -69,6 +83,27 @@ class ModelRequest:
     tools: list[ToolSpec]
     text_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    reasoning_summary: str | None = None
+    # Sent only when not the default ("auto" / "medium"), which servers other
+    # than OpenAI's may not know.
+    service_tier: str | None = None
+    verbosity: str | None = None
+
+
+@dataclass
+class Reasoning:
+    """Reasoning of one model response: its summary parts, and what the API
+    needs to have it given back (the item ID, encrypted content)."""
+
+    summary: list[str] = field(default_factory=list)
+    id: str | None = None
+    encrypted_content: str | None = None
+
+    def as_entry(self) -> Entry:
+        return {
+            "role": "assistant",
+            "reasoning": {"id": self.id, "summary": list(self.summary), "encrypted_content": self.encrypted_content},
+        }
 
 
 @dataclass
@@ -76,6 +111,43 @@ class ModelResponse:
     text: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
     usage: Usage | None = None
+    reasoning: list[Reasoning] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text of the response's message."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """New text of reasoning summary part ``summary_index`` of the response's
+    reasoning item ``reasoning_index``."""
+
+    text: str
+    reasoning_index: int = 0
+    summary_index: int = 0
+
+
+@dataclass(frozen=True)
+class Retrying:
+    """The attempt failed with a retryable error; the provider waits
+    ``delay_s`` before attempt ``attempt + 1``."""
+
+    attempt: int
+    delay_s: float
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Completed:
+    response: ModelResponse
+
+
+StreamEvent = TextDelta | ReasoningDelta | Retrying | Completed
 
 
 class ModelError(Exception):
@@ -88,7 +160,18 @@ class ModelError(Exception):
 
 
 class ModelProvider(Protocol):
-    async def complete(self, request: ModelRequest) -> ModelResponse: ...
+    def stream(self, request: ModelRequest) -> AsyncIterator[StreamEvent]:
+        """The events of one model call, ending with ``Completed``; raises
+        ModelError when the call fails for good."""
+        ...
+
+
+async def complete(provider: ModelProvider, request: ModelRequest) -> ModelResponse:
+    """The complete response of one model call, ignoring its deltas."""
+    async for event in provider.stream(request):
+        if isinstance(event, Completed):
+            return event.response
+    raise ModelError("server_error", "the model stream ended without a response")
 
 
 def normalize_transcript(entries: list[Entry]) -> list[Entry]:

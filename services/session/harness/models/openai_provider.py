@@ -1,5 +1,12 @@
 """Any OpenAI-compatible server through the ``openai`` package: Chat
 Completions by default, the Responses API when ``model_api == "responses"``.
+Both are streamed: text and reasoning deltas are passed on as they arrive.
+Failed attempts are retried here (see ``RetryPolicy``), not by the client.
+
+Reasoning is given back to the Responses API as reasoning items (ID,
+summary and encrypted content, as the API requires before the function
+calls that followed it); Chat Completions servers take no reasoning in
+their input, so it is left out there.
 
 Function names there are limited to ``[A-Za-z0-9_-]{1,64}``, while MCP tools
 are named ``<server_label>.<tool>``: such names are mapped to valid ones on
@@ -7,23 +14,40 @@ the way out (tool definitions and past calls alike) and back on the way in."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import email.utils
 import hashlib
+import random
 import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import httpx2
 import openai
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
 
 from services.session.harness.models.base import (
+    Completed,
     ModelError,
     ModelRequest,
     ModelResponse,
+    Reasoning,
+    ReasoningDelta,
+    Retrying,
+    StreamEvent,
+    TextDelta,
     ToolCall,
     ToolSpec,
     Usage,
+    complete,
     normalize_transcript,
 )
 
-__all__ = ["OpenAIProvider", "wire_name"]
+__all__ = ["OpenAIProvider", "RetryPolicy", "wire_name", "error_code", "retryable", "retry_after_s"]
 
 
 _VALID_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -70,7 +94,38 @@ class _Names:
         return self.back.get(name, name)
 
 
-def _error_code(exc: openai.OpenAIError) -> str:
+_TURN_ERROR_CODES = frozenset(
+    {
+        "context_length_exceeded",
+        "max_output_tokens",
+        "usage_limit_exceeded",
+        "rate_limit_exceeded",
+        "server_overloaded",
+        "connection_failed",
+        "server_error",
+        "authentication_error",
+        "invalid_request",
+        "resource_not_found",
+        "request_timeout",
+    }
+)
+_CONTEXT_MESSAGES = ("context_length_exceeded", "maximum context length", "context length", "context window")
+
+
+def _body_code(exc: openai.APIError) -> str:
+    body: dict[str, Any] = exc.body if isinstance(exc.body, dict) else {}
+    inner = body.get("error")
+    source: dict[str, Any] = inner if isinstance(inner, dict) else body
+    return str(source.get("code") or "")
+
+
+def _is_context_overflow(exc: openai.APIError) -> bool:
+    text = f"{_body_code(exc)} {exc.message}".lower()
+    return any(marker in text for marker in _CONTEXT_MESSAGES)
+
+
+def error_code(exc: openai.OpenAIError) -> str:
+    """The `SessionTurnError` code of a failed model call."""
     if isinstance(exc, openai.APITimeoutError):
         return "request_timeout"
     if isinstance(exc, openai.APIConnectionError):
@@ -78,19 +133,81 @@ def _error_code(exc: openai.OpenAIError) -> str:
     if isinstance(exc, openai.AuthenticationError | openai.PermissionDeniedError):
         return "authentication_error"
     if isinstance(exc, openai.RateLimitError):
-        return "rate_limit_exceeded"
+        return "usage_limit_exceeded" if _body_code(exc) == "insufficient_quota" else "rate_limit_exceeded"
     if isinstance(exc, openai.NotFoundError):
         return "resource_not_found"
     if isinstance(exc, openai.BadRequestError | openai.UnprocessableEntityError):
-        body = exc.body if isinstance(exc.body, dict) else {}
-        if body.get("code") == "context_length_exceeded":
-            return "context_length_exceeded"
-        return "invalid_request"
+        return "context_length_exceeded" if _is_context_overflow(exc) else "invalid_request"
     if isinstance(exc, openai.InternalServerError):
         return "server_overloaded" if exc.status_code in (503, 529) else "server_error"
     if isinstance(exc, openai.APIStatusError):
-        return "server_error"
+        return "context_length_exceeded" if exc.status_code == 413 else "server_error"
+    if isinstance(exc, openai.APIError):
+        # An error event inside the stream.
+        if _is_context_overflow(exc):
+            return "context_length_exceeded"
+        code = _body_code(exc) or str(getattr(exc, "code", "") or "")
+        return code if code in _TURN_ERROR_CODES else "server_error"
     return "internal_error"
+
+
+def retryable(exc: BaseException) -> bool:
+    """429 (except an exhausted quota), 408, 409, 5xx and connection errors."""
+    if isinstance(exc, httpx2.TransportError | openai.APIConnectionError):
+        return True
+    if isinstance(exc, openai.RateLimitError):
+        return _body_code(exc) != "insufficient_quota"
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in (408, 409) or exc.status_code >= 500
+    return False
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """The wait the server asked for (``retry-after-ms`` or ``Retry-After``
+    in seconds or as an HTTP date), if any."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, httpx2.Response):
+        return None
+    headers = response.headers
+    with contextlib.suppress(ValueError):
+        if "retry-after-ms" in headers:
+            return max(0.0, float(headers["retry-after-ms"]) / 1000)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter between attempts, at most
+    ``max_retries`` retries; a server's ``Retry-After`` is honoured (never
+    waited less), and one longer than ``max_delay_s`` ends the retries."""
+
+    max_retries: int = 4
+    base_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+
+    def delay(self, attempt: int, exc: BaseException) -> float | None:
+        """The wait before retry ``attempt`` (1-based); None to give up."""
+        if attempt > self.max_retries:
+            return None
+        asked = retry_after_s(exc)
+        if asked is not None:
+            if asked > self.max_delay_s:
+                return None
+            # A little jitter on top, so clients told the same do not return together.
+            return float(asked + random.uniform(0, min(1.0, asked * 0.1)))
+        ceiling = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
+        return float(ceiling / 2 + random.uniform(0, ceiling / 2))
 
 
 def _chat_messages(request: ModelRequest, names: _Names) -> list[dict[str, Any]]:
@@ -99,6 +216,8 @@ def _chat_messages(request: ModelRequest, names: _Names) -> list[dict[str, Any]]
         messages.append({"role": "system", "content": request.instructions})
     for entry in normalize_transcript(request.transcript):
         role = entry.get("role")
+        if "reasoning" in entry:
+            continue
         if role == "user":
             messages.append({"role": "user", "content": str(entry.get("text", ""))})
         elif role == "tool":
@@ -124,6 +243,19 @@ def _responses_input(request: ModelRequest, names: _Names) -> list[dict[str, Any
     items: list[dict[str, Any]] = []
     for entry in normalize_transcript(request.transcript):
         role = entry.get("role")
+        reasoning = entry.get("reasoning")
+        if isinstance(reasoning, dict):
+            if reasoning.get("id") or reasoning.get("encrypted_content"):
+                item: dict[str, Any] = {
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": str(t)} for t in reasoning.get("summary") or ()],
+                }
+                if reasoning.get("id"):
+                    item["id"] = reasoning["id"]
+                if reasoning.get("encrypted_content"):
+                    item["encrypted_content"] = reasoning["encrypted_content"]
+                items.append(item)
+            continue
         if role == "user":
             items.append({"role": "user", "content": str(entry.get("text", ""))})
         elif role == "tool":
@@ -159,25 +291,97 @@ def _attr(obj: Any, *names: str) -> int:
     return int(obj or 0)
 
 
+class _ChatCall:
+    """A tool call of a chat stream, put together from its deltas."""
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.name = ""
+        self.arguments: list[str] = []
+
+
+def _chat_usage(u: Any) -> Usage:
+    return Usage(
+        input_tokens=u.prompt_tokens or 0,
+        output_tokens=u.completion_tokens or 0,
+        cached_tokens=_attr(u, "prompt_tokens_details", "cached_tokens"),
+        reasoning_tokens=_attr(u, "completion_tokens_details", "reasoning_tokens"),
+    )
+
+
+def _responses_usage(u: Any) -> Usage:
+    return Usage(
+        input_tokens=u.input_tokens or 0,
+        output_tokens=u.output_tokens or 0,
+        cached_tokens=_attr(u, "input_tokens_details", "cached_tokens"),
+        reasoning_tokens=_attr(u, "output_tokens_details", "reasoning_tokens"),
+    )
+
+
+def _chat_reasoning(delta: Any) -> str:
+    """Reasoning text of a chat delta: servers name it ``reasoning_content``
+    (DeepSeek, vLLM) or ``reasoning`` (Ollama, OpenRouter, newer vLLM)."""
+    for name in ("reasoning_content", "reasoning"):
+        value = getattr(delta, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
 class OpenAIProvider:
-    def __init__(self, *, base_url: str, api_key: str, api: Literal["chat", "responses"] = "chat", timeout_s: float = 600.0) -> None:
-        self._client = openai.AsyncOpenAI(base_url=base_url or None, api_key=api_key or "unused", timeout=timeout_s, max_retries=2)
+    """One OpenAI-compatible endpoint. The openai client does not retry;
+    ``RetryPolicy`` does, before anything of the attempt was streamed."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str,
+        api: Literal["chat", "responses"] = "chat",
+        timeout_s: float = 600.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self._client = openai.AsyncOpenAI(base_url=base_url or None, api_key=api_key or "unused", timeout=timeout_s, max_retries=0)
         self._api = api
+        self._retry = retry or RetryPolicy()
 
     async def close(self) -> None:
         await self._client.close()
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
-        try:
-            if self._api == "responses":
-                return await self._responses(request)
-            return await self._chat(request)
-        except openai.OpenAIError as exc:
-            raise ModelError(_error_code(exc), f"model call failed: {exc}") from exc
+        return await complete(self, request)
 
-    async def _chat(self, request: ModelRequest) -> ModelResponse:
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamEvent]:
+        attempt = 0
+        while True:
+            streamed = False
+            try:
+                attempt_events = self._responses(request) if self._api == "responses" else self._chat(request)
+                async with contextlib.aclosing(attempt_events):
+                    async for event in attempt_events:
+                        streamed = streamed or not isinstance(event, Completed)
+                        yield event
+                return
+            except (openai.OpenAIError, httpx2.TransportError) as exc:
+                code = error_code(exc) if isinstance(exc, openai.OpenAIError) else "connection_failed"
+                message = f"model call failed: {exc}"
+                if streamed or not retryable(exc):
+                    raise ModelError(code, message) from exc
+                attempt += 1
+                delay = self._retry.delay(attempt, exc)
+                if delay is None:
+                    raise ModelError(code, f"model call failed after {attempt} attempts (retries exhausted): {exc}") from exc
+                yield Retrying(attempt=attempt, delay_s=delay, code=code, message=message)
+                await asyncio.sleep(delay)
+
+    async def _chat(self, request: ModelRequest) -> AsyncGenerator[StreamEvent, None]:
         names = _Names(request.tools)
-        kwargs: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request, names)}
+        kwargs: dict[str, Any] = {
+            "model": request.model,
+            "messages": _chat_messages(request, names),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if request.tools:
             kwargs["tools"] = _tool_defs(request.tools, "chat", names)
         if request.text_format and request.text_format.get("type") == "json_schema":
@@ -187,52 +391,131 @@ class OpenAIProvider:
             }
         if request.reasoning_effort:
             kwargs["reasoning_effort"] = request.reasoning_effort
-        completion = await self._client.chat.completions.create(**kwargs)
-        if not completion.choices:
+        if request.service_tier:
+            kwargs["service_tier"] = request.service_tier
+        if request.verbosity:
+            kwargs["verbosity"] = request.verbosity
+        # Posted as built: the client's typed ``create`` transforms every
+        # message through typing introspection, which costs tens of
+        # milliseconds per call on a long transcript.
+        stream = await self._client.post(
+            "/chat/completions", cast_to=ChatCompletion, body=kwargs, stream=True, stream_cls=openai.AsyncStream[ChatCompletionChunk]
+        )
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: dict[int, _ChatCall] = {}
+        usage: Usage | None = None
+        choices_seen = False
+        async with stream:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = _chat_usage(chunk.usage)
+                for choice in chunk.choices:
+                    if choice.index != 0:
+                        continue
+                    choices_seen = True
+                    delta = choice.delta
+                    thought = _chat_reasoning(delta)
+                    if thought:
+                        reasoning.append(thought)
+                        yield ReasoningDelta(thought)
+                    if delta.content:
+                        text.append(delta.content)
+                        yield TextDelta(delta.content)
+                    for part in delta.tool_calls or ():
+                        call = calls.setdefault(part.index, _ChatCall())
+                        if part.id:
+                            call.id = part.id
+                        if part.function is not None:
+                            if part.function.name:
+                                call.name += part.function.name
+                            if part.function.arguments:
+                                call.arguments.append(part.function.arguments)
+        if not choices_seen:
             raise ModelError("server_error", "the model returned no choices")
-        message = completion.choices[0].message
-        calls = [
-            ToolCall(id=c.id, name=names.from_wire(c.function.name), arguments=c.function.arguments or "{}")
-            for c in message.tool_calls or ()
-            if getattr(c, "function", None) is not None
+        tool_calls = [
+            ToolCall(id=c.id or f"call_{index}", name=names.from_wire(c.name), arguments="".join(c.arguments) or "{}")
+            for index, c in sorted(calls.items())
+            if c.name
         ]
-        usage = None
-        if completion.usage is not None:
-            u = completion.usage
-            usage = Usage(
-                input_tokens=u.prompt_tokens,
-                output_tokens=u.completion_tokens,
-                cached_tokens=_attr(u, "prompt_tokens_details", "cached_tokens"),
-                reasoning_tokens=_attr(u, "completion_tokens_details", "reasoning_tokens"),
-            )
-        return ModelResponse(text=message.content or None, tool_calls=calls, usage=usage)
+        response = ModelResponse(text="".join(text) or None, tool_calls=tool_calls, usage=usage)
+        if reasoning:
+            response.reasoning.append(Reasoning(summary=["".join(reasoning)]))
+        yield Completed(response)
 
-    async def _responses(self, request: ModelRequest) -> ModelResponse:
+    async def _responses(self, request: ModelRequest) -> AsyncGenerator[StreamEvent, None]:
         names = _Names(request.tools)
-        kwargs: dict[str, Any] = {"model": request.model, "input": _responses_input(request, names)}
+        kwargs: dict[str, Any] = {"model": request.model, "input": _responses_input(request, names), "stream": True}
         if request.instructions:
             kwargs["instructions"] = request.instructions
         if request.tools:
             kwargs["tools"] = _tool_defs(request.tools, "responses", names)
+        text: dict[str, Any] = {}
         if request.text_format and request.text_format.get("type") == "json_schema":
-            kwargs["text"] = {"format": {"type": "json_schema", "name": "output", "schema": request.text_format["schema"]}}
-        if request.reasoning_effort:
-            kwargs["reasoning"] = {"effort": request.reasoning_effort}
-        response = await self._client.responses.create(**kwargs)
+            text["format"] = {"type": "json_schema", "name": "output", "schema": request.text_format["schema"]}
+        if request.verbosity:
+            text["verbosity"] = request.verbosity
+        if text:
+            kwargs["text"] = text
+        if request.service_tier:
+            kwargs["service_tier"] = request.service_tier
+        if request.reasoning_effort or request.reasoning_summary:
+            kwargs["reasoning"] = {
+                k: v for k, v in (("effort", request.reasoning_effort), ("summary", request.reasoning_summary)) if v
+            }
+        stream = await self._client.post(
+            "/responses", cast_to=Response, body=kwargs, stream=True, stream_cls=openai.AsyncStream[ResponseStreamEvent]
+        )
         texts: list[str] = []
         calls: list[ToolCall] = []
-        for item in response.output or ():
-            if item.type == "message":
-                texts.extend(part.text for part in item.content if getattr(part, "type", "") == "output_text")
-            elif item.type == "function_call":
-                calls.append(ToolCall(id=item.call_id, name=names.from_wire(item.name), arguments=item.arguments or "{}"))
-        usage = None
-        if response.usage is not None:
-            u = response.usage
-            usage = Usage(
-                input_tokens=u.input_tokens,
-                output_tokens=u.output_tokens,
-                cached_tokens=_attr(u, "input_tokens_details", "cached_tokens"),
-                reasoning_tokens=_attr(u, "output_tokens_details", "reasoning_tokens"),
-            )
-        return ModelResponse(text="".join(texts) or None, tool_calls=calls, usage=usage)
+        reasoning: dict[int, Reasoning] = {}
+        usage: Usage | None = None
+        finished = False
+        async with stream:
+            async for typed in stream:
+                # Narrowed by ``type`` below, which mypy cannot follow through the union.
+                event: Any = typed
+                kind = event.type
+                if kind == "response.output_text.delta":
+                    yield TextDelta(event.delta)
+                elif kind == "response.reasoning_summary_text.delta":
+                    index = list(reasoning).index(event.output_index) if event.output_index in reasoning else len(reasoning)
+                    reasoning.setdefault(event.output_index, Reasoning())
+                    yield ReasoningDelta(event.delta, reasoning_index=index, summary_index=event.summary_index)
+                elif kind == "response.output_item.done":
+                    item = event.item
+                    if item.type == "message":
+                        texts.extend(part.text for part in item.content if getattr(part, "type", "") == "output_text")
+                    elif item.type == "function_call":
+                        calls.append(ToolCall(id=item.call_id, name=names.from_wire(item.name), arguments=item.arguments or "{}"))
+                    elif item.type == "reasoning":
+                        entry = reasoning.setdefault(event.output_index, Reasoning())
+                        entry.id = item.id
+                        entry.summary = [s.text for s in item.summary]
+                        entry.encrypted_content = item.encrypted_content
+                elif kind in ("response.completed", "response.incomplete"):
+                    finished = True
+                    if event.response.usage is not None:
+                        usage = _responses_usage(event.response.usage)
+                    if kind == "response.incomplete":
+                        details = event.response.incomplete_details
+                        reason = details.reason if details is not None else None
+                        raise ModelError(
+                            "max_output_tokens" if reason == "max_output_tokens" else "server_error",
+                            f"the model response is incomplete: {reason or 'unknown reason'}",
+                        )
+                elif kind == "response.failed":
+                    error = event.response.error
+                    code = error.code if error is not None else "server_error"
+                    message = error.message if error is not None else "the model response failed"
+                    raise ModelError(code if code in _TURN_ERROR_CODES else "server_error", f"model call failed: {message}")
+                elif kind == "error":
+                    code = event.code or ""
+                    if any(marker in f"{code} {event.message}".lower() for marker in _CONTEXT_MESSAGES):
+                        code = "context_length_exceeded"
+                    raise ModelError(code if code in _TURN_ERROR_CODES else "server_error", f"model call failed: {event.message}")
+        if not finished:
+            raise ModelError("connection_failed", "the model stream ended before the response completed")
+        response = ModelResponse(text="".join(texts) or None, tool_calls=calls, usage=usage)
+        response.reasoning = [r for r in reasoning.values() if r.summary or r.id or r.encrypted_content]
+        yield Completed(response)

@@ -58,10 +58,20 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.session.harness.models.base import Entry, ModelRequest, ModelResponse, ToolCall, Usage
+from services.session.harness.models.base import (
+    Completed,
+    Entry,
+    ModelRequest,
+    ModelResponse,
+    StreamEvent,
+    TextDelta,
+    ToolCall,
+    Usage,
+)
 
 __all__ = ["ScriptedProvider", "parse_script", "ScriptAction", "mcp_tool_name"]
 
@@ -181,6 +191,12 @@ def _tokens(text: str) -> int:
 
 
 class ScriptedProvider:
+    async def stream(self, request: ModelRequest) -> AsyncIterator[StreamEvent]:
+        response = await self.complete(request)
+        if response.text:
+            yield TextDelta(response.text)
+        yield Completed(response)
+
     async def complete(self, request: ModelRequest) -> ModelResponse:
         last_user = -1
         for index, entry in enumerate(request.transcript):
