@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator
+from collections import Counter
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -78,8 +79,11 @@ class _LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="stack-loop", daemon=True)
         self._thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+    def run(self, awaitable: Awaitable[T], timeout: float = 120) -> T:
+        async def wrapped() -> T:
+            return await awaitable
+
+        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result(timeout)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -131,20 +135,31 @@ def test_every_operation_answers_generated_requests_as_documented(api_schema: An
 
     @hypothesis.given(case=operation.as_strategy())
     @hypothesis.settings(_SETTINGS, max_examples=_EXAMPLES_PER_OPERATION)
-    def run(case: Case) -> None:
+    def run(case: Case[Any]) -> None:
         case.call_and_validate(headers=_auth(), checks=CHECKS)
 
     run()
 
 
 def test_stateful_scenarios_along_the_links_answer_as_documented(api_schema: Any) -> None:
+    answered: Counter[tuple[str, int]] = Counter()
+
     class Workflow(api_schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: Case[Any]) -> dict[str, Any]:
+            return {"headers": _auth()}
+
+        def after_call(self, response: Response, case: Case[Any]) -> None:
+            answered[(f"{case.method} {case.path}", response.status_code)] += 1
+
         def validate_response(
-            self, response: Response, case: Case, additional_checks: Any = None, **kwargs: Any
+            self, response: Response, case: Case[Any], additional_checks: Any = None, **kwargs: Any
         ) -> None:
             case.validate_response(response, checks=CHECKS, transport_kwargs=kwargs or None)
 
     Workflow.run(settings=hypothesis.settings(_SETTINGS, max_examples=_STATEFUL_SCENARIOS, stateful_step_count=6))
+    # The links were followed: an operation on a created resource succeeded.
+    followed = {op for (op, status), _ in answered.items() if "{" in op and 200 <= status < 300}
+    assert followed, sorted(answered.items())
 
 
 def test_the_document_links_creates_to_the_operations_on_what_they_create(live_stack: Stack) -> None:
