@@ -207,11 +207,17 @@ def _component_name(model: Any) -> str:
         return "AgentSessionItem"
     if model is AgentSessionEvent:
         return "AgentSessionEvent"
-    origin = getattr(model, "__pydantic_generic_metadata__", {}).get("origin")
-    if origin in _PAGE_NAMES:
+    origin = _page_origin(model)
+    if origin is not None:
         (item,) = model.__pydantic_generic_metadata__["args"]
         return f"{_component_name(item)}{_PAGE_NAMES[origin]}"
     return str(getattr(model, "__name__", model))
+
+
+def _page_origin(model: Any) -> Any:
+    """The SDK page class ``model`` parametrizes, if it is a page."""
+    origin = getattr(model, "__pydantic_generic_metadata__", {}).get("origin")
+    return origin if origin in _PAGE_NAMES else None
 
 
 def _schemas(models: Iterable[Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -237,7 +243,7 @@ def _schemas(models: Iterable[Any]) -> tuple[dict[str, dict[str, Any]], dict[str
         text = text.replace(json.dumps(_REF.format(model=old)), json.dumps(_REF.format(model=new)))
     components = json.loads(text)
     for name, model in unique.items():
-        if name.endswith(tuple(_PAGE_NAMES.values())) and name in components:
+        if _page_origin(model) is not None:
             components[name]["properties"] = {**_PAGE_ENVELOPE, **components[name]["properties"]}
     return by_name, components
 
