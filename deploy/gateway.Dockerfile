@@ -47,5 +47,5 @@ ENV BERTH_GATEWAY_HOST=0.0.0.0 BERTH_GATEWAY_PORT=8080
 USER 10001:10001
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-  CMD ["python3", "-c", "import os, sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('BERTH_GATEWAY_PORT', '8080'), timeout=2).status == 200 else 1)"]
+  CMD ["python3", "-c", "import os, sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('BERTH_GATEWAY_PORT', '8080'), timeout=2).status == 200 else 1)"]
 CMD ["python3", "-m", "gateway"]

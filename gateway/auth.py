@@ -23,9 +23,10 @@ from gateway.keys import SCOPE_READ, SCOPE_WRITE, authenticate_key
 from gateway.state import StateDep
 from services.core.context import org_id_var
 
-__all__ = ["Principal", "authorize", "PrincipalDep", "required_scope", "BETA_HEADER_VALUE"]
+__all__ = ["Principal", "authorize", "PrincipalDep", "required_scope", "requires_beta_header", "BETA_HEADER_VALUE"]
 
 BETA_HEADER_VALUE = "agents=v1"
+_BETA_PATH_PREFIX = "/v1/agents"
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -38,6 +39,11 @@ class Principal:
 
 def required_scope(method: str) -> str:
     return SCOPE_READ if method.upper() in _READ_METHODS else SCOPE_WRITE
+
+
+def requires_beta_header(path: str) -> bool:
+    """The SDK sends ``OpenAI-Beta`` on the agents routes only."""
+    return path.startswith(_BETA_PATH_PREFIX)
 
 
 def _bearer_token(request: Request) -> str:
@@ -64,7 +70,7 @@ async def authorize(request: Request, state: StateDep) -> Principal:
     key = await authenticate_key(state.db, token)
     if key is None:
         raise ApiError(401, "invalid_api_key", "Incorrect or revoked API key provided.", type="authentication_error")
-    if request.url.path.startswith("/v1/agents") and not _has_beta_header(request):
+    if requires_beta_header(request.url.path) and not _has_beta_header(request):
         raise ApiError(
             400, "missing_beta_header", f"This endpoint requires the 'OpenAI-Beta: {BETA_HEADER_VALUE}' header."
         )

@@ -279,7 +279,7 @@ async def _status(settings: Settings) -> int:
     # Health checks need no token; the credentials are for what status may ask later.
     credentials = _cli_credentials(settings)
     rows: list[tuple[str, str, str]] = [
-        ("gateway", f"{settings.gateway_host}:{settings.gateway_port}", await _check_http(f"http://{settings.gateway_host}:{settings.gateway_port}/healthz")),
+        ("gateway", f"{settings.gateway_host}:{settings.gateway_port}", await _check_http(f"http://{settings.gateway_host}:{settings.gateway_port}/readyz")),
         ("session", settings.session_addr, await _check_grpc(settings.session_addr, credentials)),
         ("environment", settings.environment_addr, await _check_grpc(settings.environment_addr, credentials)),
     ]

@@ -2,7 +2,7 @@
 
     python deploy/ci/smoke.py --base-url http://127.0.0.1:8080 --api-key sk-berth-...
 
-Waits for /healthz, creates an environment, attaches two sessions to it by
+Waits for /readyz, creates an environment, attaches two sessions to it by
 reference, writes and lists a file (the first environment operation, so it
 creates the sandbox on the stack's backend), then deletes the sessions and
 the environment. Prints one line per step and exits non-zero at the first
@@ -37,20 +37,20 @@ def wait_healthy(client: httpx.Client, timeout_s: float) -> None:
     last = ""
     while time.monotonic() < deadline:
         try:
-            response = client.get("/healthz")
+            response = client.get("/readyz")
             if response.status_code == 200:
                 return
             last = f"{response.status_code} {response.text[:200]}"
         except httpx.HTTPError as exc:
             last = repr(exc)
         time.sleep(0.5)
-    raise SmokeFailure(f"gateway not healthy after {timeout_s}s: {last}")
+    raise SmokeFailure(f"gateway not ready after {timeout_s}s: {last}")
 
 
 def run(base_url: str, api_key: str, health_timeout_s: float, request_timeout_s: float) -> None:
     headers = {"Authorization": f"Bearer {api_key}", **BETA}
     with httpx.Client(base_url=base_url, headers=headers, timeout=request_timeout_s) as client:
-        step("healthz")
+        step("readyz")
         wait_healthy(client, health_timeout_s)
 
         step("create environment")

@@ -91,9 +91,9 @@ async def test_file_upload_with_a_purpose_berth_cannot_serve_is_rejected_and_sto
     assert listed.status_code == 200 and listed.json()["data"] == []
 
 
-async def test_healthz_reports_serving_upstreams_without_auth(stack: Stack) -> None:
+async def test_readyz_reports_serving_upstreams_without_auth(stack: Stack) -> None:
     async with stack.client() as client:
-        response = await client.get("/healthz", headers={"Authorization": ""})
+        response = await client.get("/readyz", headers={"Authorization": ""})
     assert response.status_code == 200
     assert response.json()["checks"] == {"session": "SERVING", "environment": "SERVING", "database": "SERVING"}
 
