@@ -33,7 +33,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from schemathesis.core.failures import FailureGroup
-from turns_support import FakeChatModel
+from fake_model import Answer, FakeModel
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
 
@@ -103,7 +103,7 @@ class _LoopThread:
 @pytest.fixture(scope="module")
 def live_stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> Iterator[Stack]:
     data_dir = tmp_path_factory.mktemp("schemathesis") / "berth"
-    with FakeChatModel([], usage=[]) as model:
+    with FakeModel(default=Answer(text="ok")) as model:
         loop = _LoopThread()
         try:
             stack, stop = loop.run(start_stack(data_dir, model_base_url=model.base_url, model_api_key="sk-fake"))
