@@ -23,7 +23,7 @@ class _Env:
         self.active = 0
         self.most = 0
 
-    async def exec(self, shell: str, *, cwd: str, timeout_ms: int) -> AsyncGenerator[CommandEvent, None]:
+    async def exec(self, shell: str, *, cwd: str, timeout_ms: int, key: str = "") -> AsyncGenerator[CommandEvent, None]:
         self.active += 1
         self.most = max(self.most, self.active)
         try:
