@@ -250,7 +250,8 @@ async def test_a_setup_that_outlives_its_timeout_fails_without_rerunning(
     cluster: Cluster, sqlite_url: str, fake: FakeCompute
 ) -> None:
     fake.create_gate = asyncio.Event()  # never released: setup hangs in CreateSandbox
-    service = await cluster.start(sqlite_url, compute=fake, setup_timeout_s=0.2)
+    # Long enough for the journal's writes before CreateSandbox, on a busy machine too.
+    service = await cluster.start(sqlite_url, compute=fake, setup_timeout_s=1.0)
     env = (await create_env(service.stub, config=setup_config(SETUP))).environment
     result = await asyncio.wait_for(ensure(service.stub, env.id), 10)
     assert result.status == FAILED and result.error.code == "setup_timeout"
