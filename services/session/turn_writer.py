@@ -74,6 +74,10 @@ _APPEND = (
 _TURNS = cast(Table, TurnRow.__table__)
 # The same, fenced: only while the turn's row names this worker, so a worker
 # whose turn was taken over cannot append after its successor.
+# The turn's usage so far, saved with its next write so that a worker that
+# takes the turn over counts the model calls made before it.
+_SAVE_USAGE = update(_TURNS).where(_TURNS.c.id == bindparam("turn_id")).values(usage_json=bindparam("v_usage_json"))
+
 _APPEND_FENCED = _APPEND.where(
     exists(
         select(_TURNS.c.id).where(_TURNS.c.id == bindparam("v_turn_id"), _TURNS.c.worker_id == bindparam("v_worker_id"))
@@ -116,13 +120,16 @@ class TurnWriter:
         transcript: list[tuple[str, list[Entry]]],
         next_output_index: int = 0,
         worker_id: str = "",
+        usage: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         # When set, every append is fenced on the turn naming this worker.
         self.worker_id = worker_id
         self.session_id = session_id
         self.turn_id = turn_id
-        self.usage: dict[str, Any] | None = None
+        # The turn's usage, including a previous worker's when resumed.
+        self.usage: dict[str, Any] | None = usage
+        self._usage_unsaved = False
         self.open_items: dict[str, tuple[ItemHandle, dict[str, Any]]] = {}
         self.next_output_index = next_output_index
         self._config_json = agent_config_json
@@ -171,6 +178,9 @@ class TurnWriter:
         if row is None:
             raise NotFound(f"session {self.session_id} not found")
         self._remember_config(row.agent_config_json)
+        if self._usage_unsaved:
+            await u.session.execute(_SAVE_USAGE, {"turn_id": self.turn_id, "v_usage_json": dumps(self.usage)})
+            self._usage_unsaved = False
         u.append(self.session_id, int(row.event_seq), *events)
 
     async def flush(self) -> None:
@@ -332,3 +342,4 @@ class TurnWriter:
         self.usage = wire.add_usage(
             self.usage, wire.usage(usage.input_tokens, usage.output_tokens, usage.cached_tokens, usage.reasoning_tokens)
         )
+        self._usage_unsaved = True
