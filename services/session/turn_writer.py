@@ -72,15 +72,20 @@ _APPEND = (
     .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
 )
 _TURNS = cast(Table, TurnRow.__table__)
-# The same, fenced: only while the turn's row names this worker, so a worker
-# whose turn was taken over cannot append after its successor.
 # The turn's usage so far, saved with its next write so that a worker that
 # takes the turn over counts the model calls made before it.
 _SAVE_USAGE = update(_TURNS).where(_TURNS.c.id == bindparam("turn_id")).values(usage_json=bindparam("v_usage_json"))
-
+# The same as _APPEND, fenced: only while the turn's row names this worker,
+# so a worker whose turn was taken over cannot append after its successor.
+# The turn row is read FOR SHARE (PostgreSQL; SQLite has one writer): an
+# append and a takeover (an UPDATE of that row) serialize, and an append
+# that waited re-reads the row as the takeover left it, so neither an
+# append the takeover's reads missed nor one after it can commit.
 _APPEND_FENCED = _APPEND.where(
     exists(
-        select(_TURNS.c.id).where(_TURNS.c.id == bindparam("v_turn_id"), _TURNS.c.worker_id == bindparam("v_worker_id"))
+        select(_TURNS.c.id)
+        .where(_TURNS.c.id == bindparam("v_turn_id"), _TURNS.c.worker_id == bindparam("v_worker_id"))
+        .with_for_update(read=True)
     )
 )
 
@@ -169,6 +174,13 @@ class TurnWriter:
         if not events:
             return
         params: dict[str, Any] = {"session_id": self.session_id, "v_count": len(events)}
+        if self._usage_unsaved:
+            # Before the fenced append, which reads the turn row FOR SHARE:
+            # taking the row's write lock after that share could deadlock
+            # with a concurrent append of this turn. If the fence fails, the
+            # transaction rolls back.
+            self._usage_unsaved = False
+            await u.session.execute(_SAVE_USAGE, {"turn_id": self.turn_id, "v_usage_json": dumps(self.usage)})
         if self.worker_id:
             params |= {"v_turn_id": self.turn_id, "v_worker_id": self.worker_id}
         result = await u.session.execute(_APPEND_FENCED if self.worker_id else _APPEND, params)
@@ -178,9 +190,6 @@ class TurnWriter:
         if row is None:
             raise NotFound(f"session {self.session_id} not found")
         self._remember_config(row.agent_config_json)
-        if self._usage_unsaved:
-            await u.session.execute(_SAVE_USAGE, {"turn_id": self.turn_id, "v_usage_json": dumps(self.usage)})
-            self._usage_unsaved = False
         u.append(self.session_id, int(row.event_seq), *events)
 
     async def flush(self) -> None:
