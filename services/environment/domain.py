@@ -38,6 +38,7 @@ from services.core.settings import Settings
 from services.environment import repository as repo
 from services.environment.compute import Compute, ExecEvent, SandboxRef
 from services.environment.file_store import FileStore
+from services.environment.vaults import VaultStore
 from services.environment.init_guard import InitGuard
 from services.environment.mcp_registry import McpServerInfo, merge_servers, parse_transport, transport_name, validate_label
 from services.environment.models import (
@@ -148,9 +149,11 @@ class EnvironmentDomain:
         file_store: FileStore,
         settings: Settings,
         *,
+        vaults: VaultStore,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        self._vaults = vaults
         # Called after environments are created or deleted (metrics).
         self._on_change = on_change or (lambda: None)
         self._guard = guard
@@ -170,6 +173,7 @@ class EnvironmentDomain:
         config = await self._validated_config(org_id, config)
         if len(vault_ids) > _MAX_VAULTS or any(not v for v in vault_ids):
             raise InvalidArgument(f"vault_ids takes up to {_MAX_VAULTS} non-empty IDs", param="vault_ids")
+        await self._vaults.check_vaults(org_id, vault_ids)
         if owner_session_id:
             validate_session_id(owner_session_id, param="owner_session_id")
         now = time.time()

@@ -108,6 +108,8 @@ class ClaimedTurn:
     # Commands a worker that died left running, to reattach before the loop
     # goes on: (item handle, item, its call, the output already sent).
     reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = field(default_factory=list)
+    # The session's own vaults: its service-origin MCP connections use them.
+    vault_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -344,7 +346,15 @@ class TurnRunner:
             await u.session.execute(_INSERT_ITEMS, rows)
         u.append(session_id, row.event_seq, *events)
         return ClaimedTurn(
-            org_id, session_id, turn.id, environment_id, environment, row.agent_config_json, transcript, row.usage_json
+            org_id,
+            session_id,
+            turn.id,
+            environment_id,
+            environment,
+            row.agent_config_json,
+            transcript,
+            row.usage_json,
+            vault_ids=json.loads(row.vault_ids_json),
         )
 
     # ----- running ----------------------------------------------------------------
@@ -378,6 +388,7 @@ class TurnRunner:
             transcript=claimed.transcript,
             next_output_index=claimed.next_output_index,
             mcp=self.mcp,
+            vault_ids=claimed.vault_ids,
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
@@ -856,6 +867,7 @@ class TurnRunner:
             session.usage_json,
             next_output_index=next_output_index,
             reattach=reattach,
+            vault_ids=json.loads(session.vault_ids_json),
         )
 
 
