@@ -201,13 +201,18 @@ class EnvironmentClient:
         return SessionOutputs(output_dir=response.output_dir, entries=list(response.entries))
 
     async def start_mcp_server(
-        self, environment_id: str, session_id: str, label: str, transport_json: str
+        self, environment_id: str, session_id: str, label: str, transport_json: str, *, credential_id: str = ""
     ) -> tuple[environment_pb2.McpServer, bool]:
         """Starts or joins the label's environment-origin server; enters the
-        init guard first, so it may wait for setup."""
+        init guard first, so it may wait for setup. Its credential comes from
+        the environment's vaults."""
         response = await self._stub.StartMcpServer(
             environment_service_pb2.StartMcpServerRequest(
-                environment_id=environment_id, session_id=session_id, label=label, transport_json=transport_json
+                environment_id=environment_id,
+                session_id=session_id,
+                label=label,
+                transport_json=transport_json,
+                credential_id=credential_id,
             ),
             timeout=self._setup_timeout_s + 60.0,
         )

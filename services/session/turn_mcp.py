@@ -54,7 +54,7 @@ class TurnMcp:
             raise McpUnavailable(f"MCP server {label!r} cannot be reached: MCP is not configured in this service")
         # Stdio servers always run in the environment; HTTP ones only when asked to.
         if transport["type"] == "stdio" or tool.get("connection_origin") == "environment":
-            return await self._environment_mcp(label, transport)
+            return await self._environment_mcp(label, transport, str(tool.get("credential_id") or ""))
         headers = dict(transport.get("headers") or {})
         if transport.get("authorization"):
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
@@ -85,7 +85,7 @@ class TurnMcp:
         except BerthError as exc:
             raise McpUnavailable(f"MCP server {label!r} has no usable credential: {exc.message}", reason=exc.reason) from exc
 
-    async def _environment_mcp(self, label: str, transport: dict[str, Any]) -> McpClient:
+    async def _environment_mcp(self, label: str, transport: dict[str, Any], credential_id: str) -> McpClient:
         assert self._mcp is not None
         environment, client = self._environment, self._client
         if environment is None or client is None:
@@ -95,7 +95,9 @@ class TurnMcp:
         async with self._environment_lock:
             await environment.ensure_ready()
         try:
-            server, _ = await client.start_mcp_server(environment_id, self._session_id, label, json.dumps(transport))
+            server, _ = await client.start_mcp_server(
+                environment_id, self._session_id, label, json.dumps(transport), credential_id=credential_id
+            )
         except BerthError as exc:
             raise McpUnavailable(f"MCP server {label!r} could not start: {exc.message}", reason=exc.reason) from exc
         if server.state == environment_pb2.MCP_SERVER_STATE_DEAD:
