@@ -86,10 +86,14 @@ def _name(value: str, param: str) -> str:
 def normalize_url(url: str) -> str:
     """The form two MCP server URLs are compared in: scheme and host in
     lowercase, the default port dropped, no trailing slash."""
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        # Matches nothing a credential was stored for (those URLs parse).
+        return url
     scheme = parts.scheme.lower()
     host = (parts.hostname or "").lower()
-    port = parts.port
     netloc = host if port is None or (scheme, port) in (("https", 443), ("http", 80)) else f"{host}:{port}"
     path = parts.path.rstrip("/")
     return f"{scheme}://{netloc}{path}" + (f"?{parts.query}" if parts.query else "")
