@@ -14,7 +14,7 @@ from berth.environment.v1 import vault_pb2, vault_service_pb2 as pb
 from gateway import render
 from gateway.errors import ApiError
 from gateway.idempotency import IdempotencyDep
-from gateway.routes._common import json_response, read_json, require_id, v1_router
+from gateway.routes._common import body_hash, json_response, read_json, require_id, v1_router
 from gateway.state import VaultStubDep
 from gateway.validation import validate_body
 from gateway.vault_validation import (
@@ -45,6 +45,20 @@ def _list_page(
         if status not in ("active", "archived"):
             raise ApiError(400, "validation_error", "Invalid 'status': must be active or archived.", param="status")
     return pb.VaultPage(limit=limit, after=after or "", order=order, metadata=metadata, statuses=statuses)
+
+
+_SECRET_FIELDS = frozenset({"token", "access_token", "secret_value", "refresh_token", "client_secret"})
+
+
+def _without_secrets(value: Any) -> Any:
+    """The body as the idempotency record hashes it: no secret, nor a digest
+    of one, is stored. A retry under the same key with another secret
+    replays the first answer."""
+    if isinstance(value, dict):
+        return {k: _without_secrets(v) for k, v in value.items() if k not in _SECRET_FIELDS}
+    if isinstance(value, list):
+        return [_without_secrets(v) for v in value]
+    return value
 
 
 _After = Annotated[str | None, Query()]
@@ -113,7 +127,7 @@ async def create_credential(
     message = pb.CreateCredentialRequest(
         vault_id=vault_id, name=parsed.name, metadata=parsed.metadata or {}, auth=auth, secret=secret
     )
-    async with idempotency.begin(body.hash) as idem:
+    async with idempotency.begin(body_hash({"vault_id": vault_id, **_without_secrets(body.data)})) as idem:
         if idem.replay is not None:
             return idem.replay.to_response()
         response = await stub.CreateCredential(message)

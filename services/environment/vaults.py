@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -40,7 +41,7 @@ _STATUSES = ("active", "archived")
 _MCP_TYPES = ("static_bearer", "mcp_oauth")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _HEADER_UNSAFE = re.compile(r"[\r\n\x00]")
-_ROTATE_BATCH = 200
+_BATCH = 200
 
 
 class _Unset:
@@ -150,6 +151,27 @@ def _matches(metadata_json: str, wanted: Mapping[str, str] | None) -> bool:
     return all(metadata.get(k) == v for k, v in wanted.items())
 
 
+_Row = TypeVar("_Row", VaultRow, VaultCredentialRow)
+
+
+async def _filtered_page(
+    page: VaultListPage, fetch: Callable[[str, bool, list[str]], Awaitable[Sequence[_Row]]]
+) -> tuple[list[_Row], bool]:
+    """One page of ``fetch`` (rows after a cursor, in order, by status)
+    whose metadata matches the page's filter, read in batches."""
+    limit, descending = _check_page(page)
+    statuses = _statuses(page)
+    found: list[_Row] = []
+    after = page.after
+    while len(found) <= limit:
+        batch = await fetch(after, descending, statuses)
+        found.extend(r for r in batch if _matches(r.metadata_json, page.metadata))
+        if len(batch) < _BATCH:
+            break
+        after = batch[-1].id
+    return found[:limit], len(found) > limit
+
+
 class VaultStore:
     def __init__(self, db: Database, cipher: VaultCipher) -> None:
         self._db = db
@@ -198,20 +220,13 @@ class VaultStore:
         return row
 
     async def list_vaults(self, org_id: str, page: VaultListPage) -> tuple[list[VaultRow], bool]:
-        limit, descending = _check_page(page)
-        statuses = _statuses(page)
-        found: list[VaultRow] = []
-        after = page.after
         async with self._db.transaction(read_only=True) as s:
-            while len(found) <= limit:
-                batch = await repo.list_vaults(
-                    s, org_id, after=after, descending=descending, statuses=statuses, limit=_ROTATE_BATCH
-                )
-                found.extend(r for r in batch if _matches(r.metadata_json, page.metadata))
-                if len(batch) < _ROTATE_BATCH:
-                    break
-                after = batch[-1].id
-        return found[:limit], len(found) > limit
+            return await _filtered_page(
+                page,
+                lambda after, descending, statuses: repo.list_vaults(
+                    s, org_id, after=after, descending=descending, statuses=statuses, limit=_BATCH
+                ),
+            )
 
     async def delete_vault(self, org_id: str, vault_id: str) -> None:
         if not has_prefix(vault_id, "vault"):
@@ -352,21 +367,14 @@ class VaultStore:
     async def list_credentials(
         self, org_id: str, vault_id: str, page: VaultListPage
     ) -> tuple[list[VaultCredentialRow], bool]:
-        limit, descending = _check_page(page)
-        statuses = _statuses(page)
-        found: list[VaultCredentialRow] = []
-        after = page.after
         async with self._db.transaction(read_only=True) as s:
             await self._vault(s, org_id, vault_id)
-            while len(found) <= limit:
-                batch = await repo.list_credentials(
-                    s, org_id, vault_id, after=after, descending=descending, statuses=statuses, limit=_ROTATE_BATCH
-                )
-                found.extend(r for r in batch if _matches(r.metadata_json, page.metadata))
-                if len(batch) < _ROTATE_BATCH:
-                    break
-                after = batch[-1].id
-        return found[:limit], len(found) > limit
+            return await _filtered_page(
+                page,
+                lambda after, descending, statuses: repo.list_credentials(
+                    s, org_id, vault_id, after=after, descending=descending, statuses=statuses, limit=_BATCH
+                ),
+            )
 
     async def delete_credential(self, org_id: str, vault_id: str, credential_id: str) -> None:
         async with self._db.transaction() as s:
@@ -433,12 +441,12 @@ class VaultStore:
         done = 0
         while True:
             async with self._db.transaction() as s:
-                rows = await repo.stale_credentials(s, self._cipher.key_id, limit=_ROTATE_BATCH)
+                rows = await repo.stale_credentials(s, self._cipher.key_id, limit=_BATCH)
                 for row in rows:
                     row.secret_ciphertext = self._cipher.rotate(row.secret_ciphertext)
                     row.key_id = self._cipher.key_id
             done += len(rows)
-            if len(rows) < _ROTATE_BATCH:
+            if len(rows) < _BATCH:
                 break
         if done:
             log.info("vault_keys_rotated", credentials=done, key_id=self._cipher.key_id)

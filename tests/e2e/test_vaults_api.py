@@ -73,7 +73,16 @@ async def test_every_credential_method_round_trips_and_no_response_carries_a_sec
         name="bearer",
         metadata={"kind": "bearer"},
         auth={"type": "static_bearer", "token": TOKEN, "mcp_server_url": MCP_URL},
+        extra_headers={"Idempotency-Key": "bearer-1"},
     )
+    replayed = await credentials.create(
+        vault.id,
+        name="bearer",
+        metadata={"kind": "bearer"},
+        auth={"type": "static_bearer", "token": TOKEN, "mcp_server_url": MCP_URL},
+        extra_headers={"Idempotency-Key": "bearer-1"},
+    )
+    assert replayed == bearer
     assert (bearer.object, bearer.vault_id, bearer.name, bearer.metadata) == (
         "vault.credential",
         vault.id,
@@ -103,9 +112,10 @@ async def test_every_credential_method_round_trips_and_no_response_carries_a_sec
         for path in (f"/vaults/{vault.id}/credentials", f"/vaults/{vault.id}/credentials/{bearer.id}"):
             body = (await http.get(path)).text
             assert TOKEN not in body and ROTATED not in body and ACCESS not in body
-    # Encrypted at rest: the Environment service's database holds no secret.
-    stored = (stack.data_dir / "environment.db").read_bytes()
-    assert TOKEN.encode() not in stored and ROTATED.encode() not in stored and ACCESS.encode() not in stored
+    # Encrypted at rest: no database (nor the idempotency record) holds a secret.
+    for path in stack.data_dir.rglob("*.db*"):
+        stored = path.read_bytes()
+        assert TOKEN.encode() not in stored and ROTATED.encode() not in stored and ACCESS.encode() not in stored, path
 
     gone = await credentials.delete(bearer.id, vault_id=vault.id)
     assert (gone.id, gone.object, gone.deleted) == (bearer.id, "vault.credential.deleted", True)
