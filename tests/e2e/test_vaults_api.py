@@ -113,9 +113,9 @@ async def test_every_credential_method_round_trips_and_no_response_carries_a_sec
             body = (await http.get(path)).text
             assert TOKEN not in body and ROTATED not in body and ACCESS not in body
     # Encrypted at rest: no database (nor the idempotency record) holds a secret.
-    for path in stack.data_dir.rglob("*.db*"):
-        stored = path.read_bytes()
-        assert TOKEN.encode() not in stored and ROTATED.encode() not in stored and ACCESS.encode() not in stored, path
+    for database in stack.data_dir.rglob("*.db*"):
+        stored = database.read_bytes()
+        assert TOKEN.encode() not in stored and ROTATED.encode() not in stored and ACCESS.encode() not in stored, database
 
     gone = await credentials.delete(bearer.id, vault_id=vault.id)
     assert (gone.id, gone.object, gone.deleted) == (bearer.id, "vault.credential.deleted", True)
