@@ -20,12 +20,17 @@ import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
+from berth.environment.v1 import (
+    environment_service_pb2,
+    environment_service_pb2_grpc,
+    vault_service_pb2,
+    vault_service_pb2_grpc,
+)
 from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
 from gateway.errors import install_error_handlers
 from gateway.keys import open_gateway_database
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from gateway.routes import agents, environments, files, ops, session_resources, sessions
+from gateway.routes import agents, environments, files, ops, session_resources, sessions, vaults
 from gateway.state import GatewayState
 from services.core.context import PeerCredentials
 from services.core.db import Database
@@ -39,6 +44,7 @@ log = get_logger("berth.gateway")
 
 _SESSION_SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
 _ENVIRONMENT_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
+_VAULT_SERVICE = vault_service_pb2.DESCRIPTOR.services_by_name["VaultService"]
 _HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
 
 
@@ -60,7 +66,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
                 environment_addr or settings.environment_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                services=[_ENVIRONMENT_SERVICE, _HEALTH_SERVICE],
+                services=[_ENVIRONMENT_SERVICE, _VAULT_SERVICE, _HEALTH_SERVICE],
             )
         except BaseException as exc:
             app.state.startup_error = exc
@@ -70,6 +76,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
             db=db,
             session=session_service_pb2_grpc.SessionServiceStub(session_channel),
             environment=environment_service_pb2_grpc.EnvironmentServiceStub(environment_channel),
+            vaults=vault_service_pb2_grpc.VaultServiceStub(environment_channel),
             session_health=health_pb2_grpc.HealthStub(session_channel),
             environment_health=health_pb2_grpc.HealthStub(environment_channel),
             channels=[session_channel, environment_channel],
@@ -85,7 +92,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     install_error_handlers(app)
 
     # Literal segments (environments, sessions) before /agents/{agent_id}.
-    for module in (environments, sessions, session_resources, files, agents, ops):
+    for module in (environments, sessions, session_resources, files, agents, vaults, ops):
         app.include_router(module.router)
 
     # The last added middleware is the outermost: metrics see every response,

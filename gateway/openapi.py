@@ -40,12 +40,17 @@ from openai.types.beta.agents.environments.environment_file import EnvironmentFi
 from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
 from openai.types.beta.agents.sessions.session_artifact_deleted import SessionArtifactDeleted
 from openai.types.beta.agents.sessions.turn import Turn
+from openai.types.beta.agents.vault import Vault
+from openai.types.beta.agents.vault_deleted import VaultDeleted
+from openai.types.beta.agents.vaults.credential import Credential
+from openai.types.beta.agents.vaults.credential_deleted import CredentialDeleted
 from openai.types.file_deleted import FileDeleted
 from openai.types.file_object import FileObject
 from openai.types.shared.error_object import ErrorObject
 
 from gateway.auth import BETA_HEADER_VALUE, authorize, requires_beta_header
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyDep
+from gateway.vault_validation import CredentialCreateBody, CredentialUpdateBody, VaultCreateBody, VaultUpdateBody
 from gateway.validation import (
     AgentCreateBody,
     AgentUpdateBody,
@@ -176,6 +181,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("DELETE", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}"): Operation(
         "Delete an artifact", SessionArtifactDeleted
+    ),
+    ("POST", "/v1/vaults"): Operation("Create a vault", Vault, VaultCreateBody),
+    ("GET", "/v1/vaults"): Operation("List vaults", SyncCursorPage[Vault]),
+    ("GET", "/v1/vaults/{vault_id}"): Operation("Retrieve a vault", Vault),
+    ("POST", "/v1/vaults/{vault_id}"): Operation("Update a vault", Vault, VaultUpdateBody),
+    ("DELETE", "/v1/vaults/{vault_id}"): Operation("Delete a vault and its credentials", VaultDeleted),
+    ("POST", "/v1/vaults/{vault_id}/credentials"): Operation(
+        "Store a credential (its secret is write-only)", Credential, CredentialCreateBody
+    ),
+    ("GET", "/v1/vaults/{vault_id}/credentials"): Operation("List a vault's credentials", SyncCursorPage[Credential]),
+    ("GET", "/v1/vaults/{vault_id}/credentials/{credential_id}"): Operation("Retrieve a credential", Credential),
+    ("POST", "/v1/vaults/{vault_id}/credentials/{credential_id}"): Operation(
+        "Update a credential's metadata or rotate its secret", Credential, CredentialUpdateBody
+    ),
+    ("DELETE", "/v1/vaults/{vault_id}/credentials/{credential_id}"): Operation(
+        "Delete a credential", CredentialDeleted
     ),
     ("GET", "/healthz"): Operation("Liveness: the gateway process answers", ProbeReport),
     ("GET", "/readyz"): Operation(

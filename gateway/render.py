@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from berth.common.v1 import common_pb2
-from berth.environment.v1 import environment_pb2
+from berth.environment.v1 import environment_pb2, vault_pb2
 from berth.session.v1 import session_pb2
 from services.core.agent_tools import tool_json
 from services.core.wire_json import to_wire
@@ -348,3 +348,38 @@ def cursor_page(data: Sequence[dict[str, Any]], has_more: bool) -> dict[str, Any
         "has_more": has_more,
     }
 
+
+
+def vault(v: vault_pb2.Vault) -> dict[str, Any]:
+    return {
+        "id": v.id,
+        "object": "vault",
+        "created_at": seconds(v.create_time),
+        "metadata": dict(v.metadata),
+        "name": v.name if v.HasField("name") else None,
+    }
+
+
+def _credential_auth(auth: vault_pb2.CredentialAuth) -> dict[str, Any]:
+    """The public part of a credential's auth; the secrets never reach the gateway."""
+    if auth.type == "mcp_oauth":
+        return {
+            "type": auth.type,
+            "mcp_server_url": auth.mcp_server_url,
+            "expires_at": auth.expires_at if auth.HasField("expires_at") else None,
+            "refresh": None,
+        }
+    return {"type": auth.type, "mcp_server_url": auth.mcp_server_url}
+
+
+def vault_credential(c: vault_pb2.Credential) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "object": "vault.credential",
+        "auth": _credential_auth(c.auth),
+        "created_at": seconds(c.create_time),
+        "updated_at": seconds(c.update_time),
+        "metadata": dict(c.metadata),
+        "name": c.name,
+        "vault_id": c.vault_id,
+    }

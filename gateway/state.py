@@ -12,7 +12,7 @@ import grpc
 from fastapi import Depends, Request
 from grpc_health.v1 import health_pb2_grpc
 
-from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc, vault_service_pb2_grpc as vault_grpc
 from berth.session.v1 import session_service_pb2_grpc as session_grpc
 from services.core.db import Database
 from services.core.settings import Settings
@@ -23,6 +23,7 @@ __all__ = [
     "StateDep",
     "SessionStubDep",
     "EnvironmentStubDep",
+    "VaultStubDep",
     "DatabaseDep",
     "SettingsDep",
 ]
@@ -34,6 +35,8 @@ class GatewayState:
     db: Database
     session: session_grpc.SessionServiceStub
     environment: env_grpc.EnvironmentServiceStub
+    # On the Environment service's channel, which serves VaultService too.
+    vaults: vault_grpc.VaultServiceStub
     session_health: health_pb2_grpc.HealthStub
     environment_health: health_pb2_grpc.HealthStub
     channels: list[grpc.aio.Channel] = field(default_factory=list)
@@ -66,6 +69,10 @@ async def _environment_stub(state: StateDep) -> env_grpc.EnvironmentServiceStub:
     return state.environment
 
 
+async def _vault_stub(state: StateDep) -> vault_grpc.VaultServiceStub:
+    return state.vaults
+
+
 async def _database(state: StateDep) -> Database:
     return state.db
 
@@ -76,5 +83,6 @@ async def _settings(state: StateDep) -> Settings:
 
 SessionStubDep = Annotated[session_grpc.SessionServiceStub, Depends(_session_stub)]
 EnvironmentStubDep = Annotated[env_grpc.EnvironmentServiceStub, Depends(_environment_stub)]
+VaultStubDep = Annotated[vault_grpc.VaultServiceStub, Depends(_vault_stub)]
 DatabaseDep = Annotated[Database, Depends(_database)]
 SettingsDep = Annotated[Settings, Depends(_settings)]

@@ -23,11 +23,11 @@ TEST_INTERNAL_TOKEN = "berth-test-internal-token"
 @functools.cache
 def _callers() -> CallerTable:
     # Imported on first use: tests/conftest.py imports this module early.
-    from services.environment.server import ENVIRONMENT_CALLERS
+    from services.environment.server import ENVIRONMENT_CALLERS, VAULT_CALLERS
     from services.sandbox.server import SANDBOX_CALLERS
     from services.session.server import SESSION_CALLERS
 
-    return {**SESSION_CALLERS, **ENVIRONMENT_CALLERS, **SANDBOX_CALLERS}
+    return {**SESSION_CALLERS, **ENVIRONMENT_CALLERS, **VAULT_CALLERS, **SANDBOX_CALLERS}
 
 
 def credentials(peer: Peer) -> PeerCredentials:

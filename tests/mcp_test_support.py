@@ -72,11 +72,12 @@ def stdio_transport(env_vars: tuple[str, ...] = (), **env: str) -> dict[str, Any
 
 
 @contextlib.asynccontextmanager
-async def http_mcp_server(host: TestHost | None = None) -> AsyncIterator[str]:
+async def http_mcp_server(host: TestHost | None = None, *, required_bearer: str | None = None) -> AsyncIterator[str]:
     """The test server over streamable HTTP on 127.0.0.1 or, given ``host``,
     on that test host (the one place a sandbox's environment-origin server
     can be: no sandbox reaches the Berth host); yields its URL and kills the
-    process on exit."""
+    process on exit. With ``required_bearer`` (127.0.0.1 only) it answers 401
+    to requests without that bearer token."""
     if host is not None:
         port = free_port_on(host)
         process = host.spawn([sys.executable, str(SERVER_SCRIPT), "http", str(port), "--host", "0.0.0.0"])
@@ -84,8 +85,9 @@ async def http_mcp_server(host: TestHost | None = None) -> AsyncIterator[str]:
         yield f"http://{host.address}:{port}/mcp"
         return
     port = free_port()
+    env = {**os.environ, "MCP_REQUIRED_BEARER": required_bearer} if required_bearer else None
     server = subprocess.Popen(
-        [sys.executable, str(SERVER_SCRIPT), "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, str(SERVER_SCRIPT), "http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
 
     def listening() -> bool:

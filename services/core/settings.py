@@ -73,6 +73,22 @@ class Settings(BaseSettings):
         description="File holding the internal token (e.g. a mounted secret), used when `internal_token` is empty.",
     )
 
+    # Vault secrets are encrypted at rest with Fernet keys (services/environment/vault_crypto.py).
+    vault_keys: SecretStr = Field(
+        default=SecretStr(""),
+        description=(
+            "Fernet keys that encrypt vault secrets, comma-separated, newest first: the first encrypts, every one "
+            "decrypts, and the Environment service re-encrypts older rows with the first at start (rotation)."
+        ),
+    )
+    vault_keys_file: Path | None = Field(
+        default=None,
+        description=(
+            "File holding the vault keys, one a line, newest first; used when `vault_keys` is empty. With neither, "
+            "the Environment service creates `vault.keys` under `data_dir` (one replica only)."
+        ),
+    )
+
     gateway_database_url: str = ""
     session_database_url: str = ""
     environment_database_url: str = ""

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -38,6 +39,7 @@ from services.core.settings import Settings
 from services.environment import repository as repo
 from services.environment.compute import Compute, ExecEvent, SandboxRef
 from services.environment.file_store import FileStore
+from services.environment.vaults import VaultStore
 from services.environment.init_guard import InitGuard
 from services.environment.mcp_registry import McpServerInfo, merge_servers, parse_transport, transport_name, validate_label
 from services.environment.models import (
@@ -148,9 +150,11 @@ class EnvironmentDomain:
         file_store: FileStore,
         settings: Settings,
         *,
+        vaults: VaultStore,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self._db = db
+        self._vaults = vaults
         # Called after environments are created or deleted (metrics).
         self._on_change = on_change or (lambda: None)
         self._guard = guard
@@ -170,6 +174,7 @@ class EnvironmentDomain:
         config = await self._validated_config(org_id, config)
         if len(vault_ids) > _MAX_VAULTS or any(not v for v in vault_ids):
             raise InvalidArgument(f"vault_ids takes up to {_MAX_VAULTS} non-empty IDs", param="vault_ids")
+        await self._vaults.check_vaults(org_id, vault_ids)
         if owner_session_id:
             validate_session_id(owner_session_id, param="owner_session_id")
         now = time.time()
@@ -602,7 +607,7 @@ class EnvironmentDomain:
     # Environment-origin MCP servers -------------------------------------------
 
     async def start_mcp_server(
-        self, org_id: str, environment_id: str, session_id: str, label: str, transport_json: str
+        self, org_id: str, environment_id: str, session_id: str, label: str, transport_json: str, *, credential_id: str = ""
     ) -> tuple[McpServerInfo, bool]:
         """Starts the label's broker with this configuration, or joins the
         one already there. The sandbox decides who was first (its broker
@@ -614,6 +619,8 @@ class EnvironmentDomain:
         if session_id:
             await self.get_binding(org_id, environment_id, session_id)
         row = await self._ready(org_id, environment_id, session_id)
+        if transport.HasField("http"):
+            await self._inject_vault_credential(org_id, row, transport.http, credential_id)
         with _sandbox_errors(environment_id, session_id):
             broker, created = await self._compute.start_mcp_broker(_sandbox(row), label, transport)
         now = time.time()
@@ -648,6 +655,26 @@ class EnvironmentDomain:
             state=broker.state,
         )
         return merge_servers(environment_id, rows, uses, [broker])[0], created
+
+    async def _inject_vault_credential(
+        self, org_id: str, row: EnvironmentRow, http: sandbox_pb2.McpHttpTransport, credential_id: str
+    ) -> None:
+        """Puts the credential of the environment's own vaults for this URL in
+        the broker's headers. The broker's HTTP client runs in the Sandbox
+        service, so the value never enters the sandbox."""
+        authorization, _ = await self._vaults.resolve_mcp(
+            org_id, json.loads(row.vault_ids_json), credential_id=credential_id, server_url=http.server_url
+        )
+        if authorization and urlsplit(http.server_url).scheme != "https":
+            # Plain HTTP from the sandbox's network could be read or answered
+            # by code in the sandbox (its own loopback included).
+            raise InvalidArgument(
+                "vault credentials reach environment-origin MCP servers over https only", param="credential_id"
+            )
+        if authorization:
+            for key in [k for k in http.headers if k.lower() == "authorization"]:
+                del http.headers[key]
+            http.headers["Authorization"] = authorization
 
     async def send_mcp_message(
         self, org_id: str, environment_id: str, session_id: str, label: str, message_json: str, *, timeout_s: float | None

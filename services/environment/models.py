@@ -20,6 +20,8 @@ __all__ = [
     "McpServerRow",
     "McpServerUseRow",
     "SetupStepRow",
+    "VaultRow",
+    "VaultCredentialRow",
     "MCP_ORIGIN_ENVIRONMENT",
     "LIFETIME_PRIVATE",
     "LIFETIME_SHARED",
@@ -166,3 +168,41 @@ class SetupStepRow(Base):
     # The init_version of the owner that recorded it.
     init_version: Mapped[int] = mapped_column(BigInteger)
     done_time: Mapped[float] = mapped_column(Float)
+
+
+class VaultRow(Base):
+    """A vault of one organization; its credentials are VaultCredentialRow."""
+
+    __tablename__ = "vaults"
+    __table_args__ = (Index("ix_vaults_org_id", "org_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str | None] = mapped_column(Text, nullable=True)
+    metadata_json: Mapped[str] = mapped_column(Text, default="{}")
+    # "active" or "archived" (the SDK's list filter; nothing archives yet).
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    create_time: Mapped[float] = mapped_column(Float)
+    update_time: Mapped[float] = mapped_column(Float)
+
+
+class VaultCredentialRow(Base):
+    """A credential: its public configuration (a serialized CredentialAuth)
+    and its secrets as one Fernet token (services/environment/vault_crypto.py)."""
+
+    __tablename__ = "vault_credentials"
+    __table_args__ = (Index("ix_vault_credentials_vault_id", "vault_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    vault_id: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(Text)
+    metadata_json: Mapped[str] = mapped_column(Text, default="{}")
+    auth_type: Mapped[str] = mapped_column(String(32))
+    auth: Mapped[bytes] = mapped_column(LargeBinary)
+    secret_ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
+    # Which key encrypted secret_ciphertext (VaultCipher.key_id).
+    key_id: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    create_time: Mapped[float] = mapped_column(Float)
+    update_time: Mapped[float] = mapped_column(Float)

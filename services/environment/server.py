@@ -10,7 +10,12 @@ from pathlib import Path
 
 import grpc
 
-from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
+from berth.environment.v1 import (
+    environment_service_pb2,
+    environment_service_pb2_grpc,
+    vault_service_pb2,
+    vault_service_pb2_grpc,
+)
 from services.core.context import PeerCredentials
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
@@ -26,8 +31,11 @@ from services.environment.sandbox_reconciler import SandboxReconciler
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
+from services.environment.vault_crypto import VaultCipher
+from services.environment.vault_servicer import VaultServicer
+from services.environment.vaults import VaultStore
 
-__all__ = ["start_environment_service", "ENVIRONMENT_CALLERS"]
+__all__ = ["start_environment_service", "ENVIRONMENT_CALLERS", "VAULT_CALLERS"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
 _SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
@@ -76,6 +84,27 @@ ENVIRONMENT_CALLERS = allowed_callers(
         "cli": ("ListMcpServers",),
     },
 )
+_VAULT_SERVICE = vault_service_pb2.DESCRIPTOR.services_by_name["VaultService"]
+# The gateway serves the vaults API; the Session service checks a session's
+# vault_ids and resolves its service-origin MCP credentials.
+VAULT_CALLERS = allowed_callers(
+    _VAULT_SERVICE,
+    {
+        "gateway": (
+            "CreateVault",
+            "GetVault",
+            "UpdateVault",
+            "ListVaults",
+            "DeleteVault",
+            "CreateCredential",
+            "GetCredential",
+            "UpdateCredential",
+            "ListCredentials",
+            "DeleteCredential",
+        ),
+        "session": ("CheckVaults", "ResolveMcpCredential"),
+    },
+)
 # How long placement waits for a node's count before skipping the node.
 _PLACEMENT_TIMEOUT_S = 5.0
 
@@ -121,15 +150,21 @@ async def start_environment_service(
         )
         guard.start()
         closers.append(guard.close)
-        domain = EnvironmentDomain(db, guard, compute, file_store, settings, on_change=gauge.touch)
+        vaults = VaultStore(db, VaultCipher.from_settings(settings))
+        await vaults.rotate()
+        domain = EnvironmentDomain(db, guard, compute, file_store, settings, vaults=vaults, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store)
 
         def register(server: grpc.aio.Server) -> list[str]:
             environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
-            return [_SERVICE.full_name]
+            vault_service_pb2_grpc.add_VaultServiceServicer_to_server(VaultServicer(vaults), server)
+            return [_SERVICE.full_name, _VAULT_SERVICE.full_name]
 
         running = await start_grpc_server(
-            address or settings.environment_addr, register, token=credentials.token, callers=ENVIRONMENT_CALLERS
+            address or settings.environment_addr,
+            register,
+            token=credentials.token,
+            callers={**ENVIRONMENT_CALLERS, **VAULT_CALLERS},
         )
         if inventory is not None and settings.environment_reconcile_interval_s > 0:
             reconciler = SandboxReconciler(

@@ -288,7 +288,12 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
 
     async def StartMcpServer(self, request: pb.StartMcpServerRequest, context: _Context) -> pb.StartMcpServerResponse:
         info, created = await self._domain.start_mcp_server(
-            current_org(), request.environment_id, request.session_id, request.label, request.transport_json
+            current_org(),
+            request.environment_id,
+            request.session_id,
+            request.label,
+            request.transport_json,
+            credential_id=request.credential_id,
         )
         return pb.StartMcpServerResponse(server=_mcp_server(info), created=created)
 

@@ -10,13 +10,20 @@ from dataclasses import dataclass
 import grpc
 
 from berth.common.v1 import common_pb2
-from berth.environment.v1 import environment_pb2, environment_service_pb2, environment_service_pb2_grpc
+from berth.environment.v1 import (
+    environment_pb2,
+    environment_service_pb2,
+    environment_service_pb2_grpc,
+    vault_service_pb2,
+    vault_service_pb2_grpc,
+)
 from services.core.context import PeerCredentials
 from services.core.grpc_server import open_channel
 
 __all__ = ["EnvironmentClient", "SessionOutputs"]
 
 _SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
+_VAULT_SERVICE = vault_service_pb2.DESCRIPTOR.services_by_name["VaultService"]
 
 
 @dataclass
@@ -28,9 +35,10 @@ class SessionOutputs:
 class EnvironmentClient:
     def __init__(self, address: str, *, credentials: PeerCredentials, timeout_s: float, setup_timeout_s: float) -> None:
         self._channel = open_channel(
-            address, timeout_s=timeout_s, credentials=credentials, services=[_SERVICE], domain_errors=True
+            address, timeout_s=timeout_s, credentials=credentials, services=[_SERVICE, _VAULT_SERVICE], domain_errors=True
         )
         self._stub = environment_service_pb2_grpc.EnvironmentServiceStub(self._channel)
+        self._vaults = vault_service_pb2_grpc.VaultServiceStub(self._channel)
         self._setup_timeout_s = setup_timeout_s
 
     async def close(self) -> None:
@@ -45,6 +53,21 @@ class EnvironmentClient:
             )
         )
         return response.environment
+
+    async def check_vaults(self, vault_ids: list[str], *, param: str = "vault_ids") -> None:
+        """NotFound (naming ``param``) unless every vault is the caller's."""
+        if vault_ids:
+            await self._vaults.CheckVaults(vault_service_pb2.CheckVaultsRequest(vault_ids=vault_ids, param=param))
+
+    async def resolve_mcp_credential(self, vault_ids: list[str], *, credential_id: str, server_url: str) -> str:
+        """The Authorization header value of a vault credential for
+        ``server_url``; empty when none applies. Never log it."""
+        response = await self._vaults.ResolveMcpCredential(
+            vault_service_pb2.ResolveMcpCredentialRequest(
+                vault_ids=vault_ids, credential_id=credential_id, server_url=server_url
+            )
+        )
+        return str(response.authorization)
 
     async def attach_session(self, environment_id: str, session_id: str) -> environment_pb2.Environment:
         response = await self._stub.AttachSession(
@@ -180,13 +203,18 @@ class EnvironmentClient:
         return SessionOutputs(output_dir=response.output_dir, entries=list(response.entries))
 
     async def start_mcp_server(
-        self, environment_id: str, session_id: str, label: str, transport_json: str
+        self, environment_id: str, session_id: str, label: str, transport_json: str, *, credential_id: str = ""
     ) -> tuple[environment_pb2.McpServer, bool]:
         """Starts or joins the label's environment-origin server; enters the
-        init guard first, so it may wait for setup."""
+        init guard first, so it may wait for setup. Its credential comes from
+        the environment's vaults."""
         response = await self._stub.StartMcpServer(
             environment_service_pb2.StartMcpServerRequest(
-                environment_id=environment_id, session_id=session_id, label=label, transport_json=transport_json
+                environment_id=environment_id,
+                session_id=session_id,
+                label=label,
+                transport_json=transport_json,
+                credential_id=credential_id,
             ),
             timeout=self._setup_timeout_s + 60.0,
         )

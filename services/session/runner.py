@@ -117,6 +117,8 @@ class ClaimedTurn:
     waiting: bool = False
     # The turn's usage so far (a previous worker's model calls).
     turn_usage: dict[str, Any] | None = None
+    # The session's own vaults: its service-origin MCP connections use them.
+    vault_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -353,7 +355,15 @@ class TurnRunner:
             await u.session.execute(_INSERT_ITEMS, rows)
         u.append(session_id, row.event_seq, *events)
         return ClaimedTurn(
-            org_id, session_id, turn.id, environment_id, environment, row.agent_config_json, transcript, row.usage_json
+            org_id,
+            session_id,
+            turn.id,
+            environment_id,
+            environment,
+            row.agent_config_json,
+            transcript,
+            row.usage_json,
+            vault_ids=json.loads(row.vault_ids_json),
         )
 
     # ----- running ----------------------------------------------------------------
@@ -387,6 +397,7 @@ class TurnRunner:
             transcript=claimed.transcript,
             next_output_index=claimed.next_output_index,
             mcp=self.mcp,
+            vault_ids=claimed.vault_ids,
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
@@ -883,6 +894,7 @@ class TurnRunner:
             rewait=rewait,
             waiting=turn.status == TurnStatus.WAITING,
             turn_usage=wire.parse_usage(turn.usage_json),
+            vault_ids=json.loads(session.vault_ids_json),
         )
 
 

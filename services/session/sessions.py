@@ -105,6 +105,11 @@ class Sessions:
         messages = input_messages(request.input)
 
         session_id = new_id("sess")
+        if vault_ids and request.environment.WhichOneof("environment") != "inline":
+            # An inline environment checks them itself (they become its selection).
+            if self.env is None:
+                raise FailedPrecondition("vaults need the environment service, which is not configured", param="vault_ids")
+            await self.env.check_vaults(vault_ids)
         kind, environment_id, environment = await self._bind_environment(request.environment, session_id, vault_ids)
         now = time.time()
         row = SessionRow(

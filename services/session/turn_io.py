@@ -40,6 +40,7 @@ class DbTurnIO:
         transcript: list[tuple[str, list[Entry]]],
         next_output_index: int = 0,
         mcp: McpConnections | None = None,
+        vault_ids: list[str] | None = None,
         on_ending: Callable[[], None] | None = None,
         dependency_retry_s: float = 0.0,
         worker_id: str = "",
@@ -71,7 +72,14 @@ class DbTurnIO:
             else None
         )
         self.calls = FunctionCallGate(self.writer, org_id=org_id, environment=lambda: self.environment)
-        self.mcp = TurnMcp(mcp, session_id=session_id, environment=self.env, client=env_client if self.env else None)
+        self.mcp = TurnMcp(
+            mcp,
+            session_id=session_id,
+            environment=self.env,
+            client=env_client if self.env else None,
+            vaults=env_client,
+            vault_ids=vault_ids or [],
+        )
         self._on_ending = on_ending
 
     # ----- what the runner reads when the turn ends --------------------------------

@@ -25,7 +25,9 @@ __all__ = ["TurnMcp"]
 
 
 class TurnMcp:
-    """``environment`` and ``client`` are None for a session without one."""
+    """``environment`` and ``client`` are None for a session without one.
+    ``vaults`` resolves the credentials of the session's own ``vault_ids``
+    for its service-origin servers (None without an Environment service)."""
 
     def __init__(
         self,
@@ -34,11 +36,15 @@ class TurnMcp:
         session_id: str,
         environment: TurnEnvironment | None,
         client: EnvironmentClient | None,
+        vaults: EnvironmentClient | None = None,
+        vault_ids: list[str] | None = None,
     ) -> None:
         self._mcp = mcp
         self._session_id = session_id
         self._environment = environment
         self._client = client
+        self._vaults = vaults
+        self._vault_ids = list(vault_ids or [])
         self._environment_lock = asyncio.Lock()
 
     async def connect(self, tool: dict[str, Any]) -> McpClient:
@@ -48,21 +54,38 @@ class TurnMcp:
             raise McpUnavailable(f"MCP server {label!r} cannot be reached: MCP is not configured in this service")
         # Stdio servers always run in the environment; HTTP ones only when asked to.
         if transport["type"] == "stdio" or tool.get("connection_origin") == "environment":
-            return await self._environment_mcp(label, transport)
+            return await self._environment_mcp(label, transport, str(tool.get("credential_id") or ""))
         headers = dict(transport.get("headers") or {})
         if transport.get("authorization"):
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = authorization_header(str(transport["authorization"]))
         url = str(transport["server_url"])
+        credential = await self._vault_authorization(label, tool, url)
+        if credential:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["Authorization"] = credential
         timeout_s = self._mcp.call_timeout_s
+        # The fingerprint names the credential, never its value.
+        fingerprint = transport_fingerprint("service", "", {**transport, "credential_id": tool.get("credential_id")})
         return await self._mcp.connect(
             self._session_id,
             label,
-            transport_fingerprint("service", "", transport),
+            fingerprint,
             lambda: service_http_transport(url, headers, read_timeout_s=timeout_s),
         )
 
-    async def _environment_mcp(self, label: str, transport: dict[str, Any]) -> McpClient:
+    async def _vault_authorization(self, label: str, tool: dict[str, Any], url: str) -> str:
+        """The Authorization value from the session's vaults for ``url``: the
+        tool's ``credential_id``, or the one credential matching the URL."""
+        credential_id = str(tool.get("credential_id") or "")
+        if self._vaults is None or not (self._vault_ids or credential_id):
+            return ""
+        try:
+            return await self._vaults.resolve_mcp_credential(self._vault_ids, credential_id=credential_id, server_url=url)
+        except BerthError as exc:
+            raise McpUnavailable(f"MCP server {label!r} has no usable credential: {exc.message}", reason=exc.reason) from exc
+
+    async def _environment_mcp(self, label: str, transport: dict[str, Any], credential_id: str) -> McpClient:
         assert self._mcp is not None
         environment, client = self._environment, self._client
         if environment is None or client is None:
@@ -72,7 +95,9 @@ class TurnMcp:
         async with self._environment_lock:
             await environment.ensure_ready()
         try:
-            server, _ = await client.start_mcp_server(environment_id, self._session_id, label, json.dumps(transport))
+            server, _ = await client.start_mcp_server(
+                environment_id, self._session_id, label, json.dumps(transport), credential_id=credential_id
+            )
         except BerthError as exc:
             raise McpUnavailable(f"MCP server {label!r} could not start: {exc.message}", reason=exc.reason) from exc
         if server.state == environment_pb2.MCP_SERVER_STATE_DEAD:

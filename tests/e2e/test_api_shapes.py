@@ -15,7 +15,7 @@ from openai.types.beta.agent_session_event import AgentSessionEvent
 from turns_support import idle_after_turn, open_events
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
-from gateway.routes import agents, environments, files, session_resources, sessions
+from gateway.routes import agents, environments, files, session_resources, sessions, vaults
 
 # Route -> the SDK model of its JSON body; None: no JSON body (202, bytes,
 # SSE). The OpenAPI document's table is the one home of that claim; this
@@ -45,7 +45,7 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 def _public_routes() -> set[tuple[str, str]]:
     routes: set[tuple[str, str]] = set()
-    for module in (agents, environments, files, sessions, session_resources):
+    for module in (agents, environments, files, sessions, session_resources, vaults):
         for route in module.router.routes:
             for method in getattr(route, "methods", ()):
                 routes.add((method, str(getattr(route, "path"))))
@@ -107,6 +107,24 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         await api.call("GET", "/v1/agents")
         await api.call("GET", "/v1/agents/{agent_id}", agent_id=agent["id"])
         await api.call("POST", "/v1/agents/{agent_id}", agent_id=agent["id"], json={"instructions": "Be brief."})
+
+        vault = await api.call("POST", "/v1/vaults", json={"name": "shapes", "metadata": {"k": "v"}})
+        vault_ids = {"vault_id": vault["id"]}
+        await api.call("GET", "/v1/vaults")
+        await api.call("GET", "/v1/vaults/{vault_id}", **vault_ids)
+        await api.call("POST", "/v1/vaults/{vault_id}", json={"name": None}, **vault_ids)
+        bearer = {"type": "static_bearer", "token": "t", "mcp_server_url": "https://mcp.example.test/"}
+        credential = await api.call(
+            "POST", "/v1/vaults/{vault_id}/credentials", json={"name": "c", "auth": bearer}, **vault_ids
+        )
+        credential_ids = {**vault_ids, "credential_id": credential["id"]}
+        await api.call("GET", "/v1/vaults/{vault_id}/credentials", **vault_ids)
+        await api.call("GET", "/v1/vaults/{vault_id}/credentials/{credential_id}", **credential_ids)
+        await api.call(
+            "POST", "/v1/vaults/{vault_id}/credentials/{credential_id}", json={"metadata": {"k": "w"}}, **credential_ids
+        )
+        await api.call("DELETE", "/v1/vaults/{vault_id}/credentials/{credential_id}", **credential_ids)
+        await api.call("DELETE", "/v1/vaults/{vault_id}", **vault_ids)
 
         uploaded = await api.call(
             "POST", "/v1/files", files={"file": ("notes.txt", b"notes\n")}, data={"purpose": "user_data"}

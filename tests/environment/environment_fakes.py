@@ -45,6 +45,8 @@ class FakeCompute:
     brokers: dict[str, dict[str, sandbox_pb2.McpBroker]] = field(default_factory=dict)
     # ("stop" | "close" | "destroy", sandbox_id, label) in call order.
     mcp_calls: list[tuple[str, str, str]] = field(default_factory=list)
+    # (sandbox_id, label) -> the transport the broker was started with.
+    mcp_transports: dict[tuple[str, str], sandbox_pb2.McpTransport] = field(default_factory=dict)
     # sandbox_id -> process_id -> process; processes never exit on their own.
     processes: dict[str, dict[str, sandbox_pb2.Process]] = field(default_factory=dict)
     # process_id -> everything written to its stdin.
@@ -140,6 +142,7 @@ class FakeCompute:
         brokers = self.brokers.setdefault(sandbox_id, {})
         if label in brokers:
             return brokers[label], False
+        self.mcp_transports[(sandbox_id, label)] = transport
         kind = sandbox_pb2.MCP_TRANSPORT_TYPE_STDIO if transport.HasField("stdio") else sandbox_pb2.MCP_TRANSPORT_TYPE_HTTP
         brokers[label] = sandbox_pb2.McpBroker(
             label=label, transport_type=kind, state=sandbox_pb2.MCP_BROKER_STATE_RUNNING, pid=100 + len(brokers)

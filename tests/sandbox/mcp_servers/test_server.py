@@ -3,6 +3,8 @@
 ``python test_server.py`` serves stdio; ``python test_server.py http PORT
 [json] [--host HOST]`` serves streamable HTTP on HOST (default 127.0.0.1):PORT
 at ``/mcp``, answering with SSE streams, or with plain JSON bodies given ``json``.
+With ``MCP_REQUIRED_BEARER`` in its environment, an HTTP request without
+``Authorization: Bearer <that value>`` is answered 401.
 """
 
 from __future__ import annotations
@@ -107,9 +109,30 @@ def header(name: str, ctx: Context) -> str:
     return (ctx.headers or {}).get(name, "<unset>")
 
 
+def _serve_requiring_bearer(host: str, port: int, json_response: bool, expected: str) -> None:
+    import uvicorn
+
+    app = server.streamable_http_app(json_response=json_response, host=host)
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode() != expected:
+                await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+                await send({"type": "http.response.body", "body": b""})
+                return
+        await app(scope, receive, send)
+
+    uvicorn.run(guarded, host=host, port=port, log_level="warning")
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "http":
         host = sys.argv[sys.argv.index("--host") + 1] if "--host" in sys.argv else "127.0.0.1"
-        server.run("streamable-http", host=host, port=int(sys.argv[2]), json_response="json" in sys.argv[3:])
+        required = os.environ.get("MCP_REQUIRED_BEARER")
+        if required:
+            _serve_requiring_bearer(host, int(sys.argv[2]), "json" in sys.argv[3:], f"Bearer {required}")
+        else:
+            server.run("streamable-http", host=host, port=int(sys.argv[2]), json_response="json" in sys.argv[3:])
     else:
         server.run()

@@ -1140,6 +1140,7 @@ class StartMcpServerRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
     TRANSPORT_JSON_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_ID_FIELD_NUMBER: _builtins.int
     environment_id: _builtins.str
     """The environment."""
     session_id: _builtins.str
@@ -1151,6 +1152,11 @@ class StartMcpServerRequest(_message.Message):
     cwd, args, env, env_vars} or {"type":"http", server_url, authorization,
     headers}. Used only if this call starts the server.
     """
+    credential_id: _builtins.str
+    """The vault credential the MCP tool names; empty means the one credential
+    of the environment's vaults whose URL matches an http server_url, if any.
+    Credentials come from the environment's vault_ids, never the session's.
+    """
     def __init__(
         self,
         *,
@@ -1158,10 +1164,11 @@ class StartMcpServerRequest(_message.Message):
         session_id: _builtins.str = ...,
         label: _builtins.str = ...,
         transport_json: _builtins.str = ...,
+        credential_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["environment_id", b"environment_id", "label", b"label", "session_id", b"session_id", "transport_json", b"transport_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_id", b"credential_id", "environment_id", b"environment_id", "label", b"label", "session_id", b"session_id", "transport_json", b"transport_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,104 @@
+"""Request bodies of the vaults API (``/v1/vaults``), as the SDK's
+``vault_*_params`` and ``vaults/credential_*_params`` types define them.
+Their shape is checked here; the rules on values (name length, URLs,
+secret characters) live in ``services/environment/vaults.py``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from berth.environment.v1 import vault_pb2
+from gateway.validation import Metadata, _not_null, _Strict
+
+__all__ = [
+    "VaultCreateBody",
+    "VaultUpdateBody",
+    "CredentialCreateBody",
+    "CredentialUpdateBody",
+]
+
+
+class VaultCreateBody(_Strict):
+    _check_name = _not_null("name")
+    metadata: Metadata = None
+    name: str | None = None
+
+
+class VaultUpdateBody(_Strict):
+    _check_metadata = _not_null("metadata")
+    metadata: Metadata = None
+    name: str | None = None
+
+
+class _StaticBearer(_Strict):
+    type: Literal["static_bearer"]
+    token: str
+    mcp_server_url: str
+
+    def to_proto(self) -> tuple[vault_pb2.CredentialAuth, vault_pb2.CredentialSecret]:
+        return (
+            vault_pb2.CredentialAuth(type=self.type, mcp_server_url=self.mcp_server_url),
+            vault_pb2.CredentialSecret(value=self.token),
+        )
+
+
+class _McpOauth(_Strict):
+    type: Literal["mcp_oauth"]
+    access_token: str
+    mcp_server_url: str
+    expires_at: str | None = None
+    refresh: dict[str, Any] | None = None
+
+    def to_proto(self) -> tuple[vault_pb2.CredentialAuth, vault_pb2.CredentialSecret]:
+        auth = vault_pb2.CredentialAuth(type=self.type, mcp_server_url=self.mcp_server_url)
+        if self.expires_at is not None:
+            auth.expires_at = self.expires_at
+        if self.refresh is not None:
+            # Recorded so the Environment service can refuse it by name.
+            auth.refresh.CopyFrom(vault_pb2.OAuthRefresh())
+        return auth, vault_pb2.CredentialSecret(value=self.access_token)
+
+
+class _EnvironmentVariable(_Strict):
+    type: Literal["environment_variable"]
+    networking: dict[str, Any]
+    secret_name: str
+    secret_value: str
+
+    def to_proto(self) -> tuple[vault_pb2.CredentialAuth, vault_pb2.CredentialSecret]:
+        # Never stored: the Environment service refuses this type (see vaults.py).
+        return vault_pb2.CredentialAuth(type=self.type, secret_name=self.secret_name), vault_pb2.CredentialSecret()
+
+
+class CredentialCreateBody(_Strict):
+    _check_metadata = _not_null("metadata")
+    auth: Annotated[_StaticBearer | _McpOauth | _EnvironmentVariable, Field(discriminator="type")]
+    name: str
+    metadata: Metadata = None
+
+
+class _RotateStaticBearer(_Strict):
+    type: Literal["static_bearer"]
+    token: str
+
+
+class _RotateMcpOauth(_Strict):
+    type: Literal["mcp_oauth"]
+    access_token: str | None = None
+    expires_at: str | None = None
+    refresh: dict[str, Any] | None = None
+
+
+class _RotateEnvironmentVariable(_Strict):
+    type: Literal["environment_variable"]
+    secret_value: str
+
+
+class CredentialUpdateBody(_Strict):
+    _check_fields = _not_null("metadata", "auth")
+    auth: Annotated[
+        _RotateStaticBearer | _RotateMcpOauth | _RotateEnvironmentVariable, Field(discriminator="type")
+    ] | None = None
+    metadata: Metadata = None

@@ -1,0 +1,454 @@
+"""Vaults and credentials: the rules, the encrypted storage, and resolving
+a credential for an MCP connection.
+
+Secrets live only in ``secret_ciphertext`` (``VaultCipher``); every other
+column and every message this module returns is public. Nothing here logs a
+secret, and errors never quote one.
+
+A credential is bound to its ``mcp_server_url``: it is resolved only for a
+connection to that URL, so a tool configuration cannot send it elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from berth.environment.v1 import vault_pb2
+from services.core.db import Database
+from services.core.errors import InvalidArgument, NotFound
+from services.core.ids import has_prefix, new_id
+from services.core.logging import get_logger
+from services.environment import vault_repository as repo
+from services.environment.models import VaultCredentialRow, VaultRow
+from services.environment.vault_crypto import VaultCipher
+
+__all__ = ["VaultStore", "VaultListPage", "SecretInput", "CredentialRotation", "normalize_url", "UNSET"]
+
+log = get_logger(__name__)
+
+_MAX_NAME_BYTES = 256
+_MAX_LIST = 100
+_STATUSES = ("active", "archived")
+_MCP_TYPES = ("static_bearer", "mcp_oauth")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_HEADER_UNSAFE = re.compile(r"[\r\n\x00]")
+_BATCH = 200
+
+
+class _Unset:
+    pass
+
+
+UNSET = _Unset()
+"""A field the request left out (distinct from an explicit null)."""
+
+
+@dataclass(frozen=True)
+class SecretInput:
+    value: str | None = None
+    refresh_token: str | None = None
+    client_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class CredentialRotation:
+    """A credential update's ``auth``: the type it names and its replacements."""
+
+    type: str
+    secret: SecretInput
+    expires_at: str | None | _Unset = UNSET
+
+
+@dataclass(frozen=True)
+class VaultListPage:
+    limit: int = 20
+    after: str = ""
+    order: str = "desc"
+    metadata: Mapping[str, str] | None = None
+    statuses: Sequence[str] = ()
+
+
+def _name(value: str, param: str) -> str:
+    trimmed = value.strip()
+    if not 1 <= len(trimmed.encode()) <= _MAX_NAME_BYTES:
+        raise InvalidArgument(f"{param} must contain 1 to {_MAX_NAME_BYTES} UTF-8 bytes after trimming", param=param)
+    return trimmed
+
+
+def normalize_url(url: str) -> str:
+    """The form two MCP server URLs are compared in: scheme and host in
+    lowercase, the default port dropped, no trailing slash."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        # Matches nothing a credential was stored for (those URLs parse).
+        return url
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    netloc = host if port is None or (scheme, port) in (("https", 443), ("http", 80)) else f"{host}:{port}"
+    path = parts.path.rstrip("/")
+    return f"{scheme}://{netloc}{path}" + (f"?{parts.query}" if parts.query else "")
+
+
+def _server_url(value: str, param: str) -> str:
+    try:
+        parts = urlsplit(value.strip())
+        _ = parts.port
+    except ValueError as exc:
+        raise InvalidArgument(f"{param} is not a valid URL", param=param) from exc
+    host = (parts.hostname or "").lower()
+    loopback_http = parts.scheme == "http" and host in _LOOPBACK_HOSTS
+    if not host or (parts.scheme != "https" and not loopback_http) or parts.username or parts.password:
+        raise InvalidArgument(f"{param} must be an https:// URL (http:// only on loopback) without userinfo", param=param)
+    return value.strip()
+
+
+def _header_secret(value: str | None, param: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{param} is required and must not be empty", param=param)
+    if _HEADER_UNSAFE.search(value):
+        raise InvalidArgument(f"{param} must not contain carriage returns, newlines or NUL bytes", param=param)
+    return value
+
+
+def _expires_at(value: str, param: str) -> str:
+    try:
+        datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise InvalidArgument(f"{param} must be an RFC 3339 timestamp", param=param) from exc
+    return value
+
+
+def _statuses(page: VaultListPage) -> list[str]:
+    for status in page.statuses:
+        if status not in _STATUSES:
+            raise InvalidArgument("status must be active or archived", param="status")
+    return list(page.statuses)
+
+
+def _check_page(page: VaultListPage) -> tuple[int, bool]:
+    if not 0 <= page.limit <= _MAX_LIST:
+        raise InvalidArgument(f"limit must be between 1 and {_MAX_LIST}", param="limit")
+    if page.order not in ("", "asc", "desc"):
+        raise InvalidArgument("order must be asc or desc", param="order")
+    return page.limit or 20, page.order != "asc"
+
+
+def _matches(metadata_json: str, wanted: Mapping[str, str] | None) -> bool:
+    if not wanted:
+        return True
+    metadata = json.loads(metadata_json)
+    return all(metadata.get(k) == v for k, v in wanted.items())
+
+
+_Row = TypeVar("_Row", VaultRow, VaultCredentialRow)
+
+
+async def _filtered_page(
+    page: VaultListPage, fetch: Callable[[str, bool, list[str]], Awaitable[Sequence[_Row]]]
+) -> tuple[list[_Row], bool]:
+    """One page of ``fetch`` (rows after a cursor, in order, by status)
+    whose metadata matches the page's filter, read in batches."""
+    limit, descending = _check_page(page)
+    statuses = _statuses(page)
+    found: list[_Row] = []
+    after = page.after
+    while len(found) <= limit:
+        batch = await fetch(after, descending, statuses)
+        found.extend(r for r in batch if _matches(r.metadata_json, page.metadata))
+        if len(batch) < _BATCH:
+            break
+        after = batch[-1].id
+    return found[:limit], len(found) > limit
+
+
+class VaultStore:
+    def __init__(self, db: Database, cipher: VaultCipher) -> None:
+        self._db = db
+        self._cipher = cipher
+
+    # Vaults -------------------------------------------------------------------
+
+    async def create_vault(self, org_id: str, *, name: str | None, metadata: Mapping[str, str]) -> VaultRow:
+        now = time.time()
+        row = VaultRow(
+            id=new_id("vault"),
+            org_id=org_id,
+            name=None if name is None else _name(name, "name"),
+            metadata_json=json.dumps(dict(metadata)),
+            status="active",
+            create_time=now,
+            update_time=now,
+        )
+        async with self._db.transaction() as s:
+            s.add(row)
+        log.info("vault_created", vault_id=row.id)
+        return row
+
+    async def get_vault(self, org_id: str, vault_id: str) -> VaultRow:
+        async with self._db.transaction(read_only=True) as s:
+            return await self._vault(s, org_id, vault_id)
+
+    @staticmethod
+    async def _vault(s: AsyncSession, org_id: str, vault_id: str, *, for_update: bool = False) -> VaultRow:
+        row = await repo.get_vault(s, org_id, vault_id, for_update=for_update) if has_prefix(vault_id, "vault") else None
+        if row is None:
+            raise NotFound(f"vault {vault_id} not found")
+        return row
+
+    async def update_vault(
+        self, org_id: str, vault_id: str, *, name: str | None | _Unset, metadata: Mapping[str, str] | None
+    ) -> VaultRow:
+        new_name = name if isinstance(name, _Unset) or name is None else _name(name, "name")
+        async with self._db.transaction() as s:
+            row = await self._vault(s, org_id, vault_id, for_update=True)
+            if not isinstance(new_name, _Unset):
+                row.name = new_name
+            if metadata is not None:
+                row.metadata_json = json.dumps(dict(metadata))
+            row.update_time = time.time()
+        return row
+
+    async def list_vaults(self, org_id: str, page: VaultListPage) -> tuple[list[VaultRow], bool]:
+        async with self._db.transaction(read_only=True) as s:
+            return await _filtered_page(
+                page,
+                lambda after, descending, statuses: repo.list_vaults(
+                    s, org_id, after=after, descending=descending, statuses=statuses, limit=_BATCH
+                ),
+            )
+
+    async def delete_vault(self, org_id: str, vault_id: str) -> None:
+        if not has_prefix(vault_id, "vault"):
+            raise NotFound(f"vault {vault_id} not found")
+        async with self._db.transaction() as s:
+            if not await repo.delete_vault(s, org_id, vault_id):
+                raise NotFound(f"vault {vault_id} not found")
+        log.info("vault_deleted", vault_id=vault_id)
+
+    async def check_vaults(self, org_id: str, vault_ids: Sequence[str], *, param: str = "vault_ids") -> None:
+        """NotFound (naming ``param``) unless every vault is the org's."""
+        if not vault_ids:
+            return
+        async with self._db.transaction(read_only=True) as s:
+            known = await repo.existing_vault_ids(s, org_id, vault_ids)
+        for vault_id in vault_ids:
+            if vault_id not in known:
+                raise NotFound(f"vault {vault_id} not found", param=param)
+
+    # Credentials --------------------------------------------------------------
+
+    async def create_credential(
+        self,
+        org_id: str,
+        vault_id: str,
+        *,
+        name: str,
+        metadata: Mapping[str, str],
+        auth: vault_pb2.CredentialAuth,
+        secret: SecretInput,
+    ) -> VaultCredentialRow:
+        public = self._checked_auth(auth)
+        if auth.type == "static_bearer":
+            stored = SecretInput(value=_header_secret(secret.value, "auth.token"))
+        else:
+            stored = SecretInput(value=_header_secret(secret.value, "auth.access_token"))
+        now = time.time()
+        row = VaultCredentialRow(
+            id=new_id("vcred"),
+            org_id=org_id,
+            vault_id=vault_id,
+            name=_name(name, "name"),
+            metadata_json=json.dumps(dict(metadata)),
+            auth_type=public.type,
+            auth=public.SerializeToString(),
+            secret_ciphertext=self._seal(stored),
+            key_id=self._cipher.key_id,
+            status="active",
+            create_time=now,
+            update_time=now,
+        )
+        async with self._db.transaction() as s:
+            await self._vault(s, org_id, vault_id, for_update=True)
+            s.add(row)
+        log.info("vault_credential_created", vault_id=vault_id, credential_id=row.id, auth_type=row.auth_type)
+        return row
+
+    @staticmethod
+    def _checked_auth(auth: vault_pb2.CredentialAuth) -> vault_pb2.CredentialAuth:
+        """The public part of a new credential's auth, validated."""
+        if auth.type == "environment_variable":
+            # Fail closed: the egress substitution these need is not built, so
+            # Berth stores none rather than one it could not keep out of a sandbox.
+            raise InvalidArgument(
+                "environment_variable credentials are not supported by this deployment", param="auth.type"
+            )
+        if auth.type not in _MCP_TYPES:
+            raise InvalidArgument("auth.type must be static_bearer or mcp_oauth", param="auth.type")
+        if auth.HasField("refresh"):
+            raise InvalidArgument("OAuth refresh is not supported by this deployment", param="auth.refresh")
+        public = vault_pb2.CredentialAuth(
+            type=auth.type, mcp_server_url=_server_url(auth.mcp_server_url, "auth.mcp_server_url")
+        )
+        if auth.type == "mcp_oauth" and auth.HasField("expires_at"):
+            public.expires_at = _expires_at(auth.expires_at, "auth.expires_at")
+        return public
+
+    async def get_credential(self, org_id: str, vault_id: str, credential_id: str) -> VaultCredentialRow:
+        async with self._db.transaction(read_only=True) as s:
+            return await self._credential(s, org_id, vault_id, credential_id)
+
+    async def _credential(
+        self, s: AsyncSession, org_id: str, vault_id: str, credential_id: str, *, for_update: bool = False
+    ) -> VaultCredentialRow:
+        await self._vault(s, org_id, vault_id)
+        row = None
+        if has_prefix(credential_id, "vcred"):
+            row = await repo.get_credential(s, org_id, vault_id, credential_id, for_update=for_update)
+        if row is None:
+            raise NotFound(f"credential {credential_id} not found")
+        return row
+
+    async def update_credential(
+        self,
+        org_id: str,
+        vault_id: str,
+        credential_id: str,
+        *,
+        metadata: Mapping[str, str] | None,
+        rotation: CredentialRotation | None,
+    ) -> VaultCredentialRow:
+        if rotation is not None and rotation.type not in (*_MCP_TYPES, "environment_variable"):
+            raise InvalidArgument("auth.type must be static_bearer, mcp_oauth or environment_variable", param="auth.type")
+        async with self._db.transaction() as s:
+            row = await self._credential(s, org_id, vault_id, credential_id, for_update=True)
+            if rotation is not None:
+                self._rotate(row, rotation)
+            if metadata is not None:
+                row.metadata_json = json.dumps(dict(metadata))
+            row.update_time = time.time()
+        if rotation is not None:
+            log.info("vault_credential_rotated", vault_id=vault_id, credential_id=credential_id)
+        return row
+
+    def _rotate(self, row: VaultCredentialRow, rotation: CredentialRotation) -> None:
+        if rotation.type != row.auth_type:
+            raise InvalidArgument(f"auth.type must be the credential's own type, {row.auth_type}", param="auth.type")
+        auth = vault_pb2.CredentialAuth.FromString(row.auth)
+        current = self._open(row)
+        if row.auth_type == "static_bearer":
+            row.secret_ciphertext = self._seal(SecretInput(value=_header_secret(rotation.secret.value, "auth.token")))
+        else:
+            if rotation.secret.refresh_token is not None or rotation.secret.client_secret is not None:
+                raise InvalidArgument("OAuth refresh is not supported by this deployment", param="auth.refresh")
+            value = current.value
+            if rotation.secret.value is not None:
+                value = _header_secret(rotation.secret.value, "auth.access_token")
+                # A new access token without an expiry clears the old one (the SDK's rule).
+                auth.ClearField("expires_at")
+            if isinstance(rotation.expires_at, str):
+                auth.expires_at = _expires_at(rotation.expires_at, "auth.expires_at")
+            elif rotation.expires_at is None:
+                auth.ClearField("expires_at")
+            row.auth = auth.SerializeToString()
+            row.secret_ciphertext = self._seal(SecretInput(value=value))
+        row.key_id = self._cipher.key_id
+
+    async def list_credentials(
+        self, org_id: str, vault_id: str, page: VaultListPage
+    ) -> tuple[list[VaultCredentialRow], bool]:
+        async with self._db.transaction(read_only=True) as s:
+            await self._vault(s, org_id, vault_id)
+            return await _filtered_page(
+                page,
+                lambda after, descending, statuses: repo.list_credentials(
+                    s, org_id, vault_id, after=after, descending=descending, statuses=statuses, limit=_BATCH
+                ),
+            )
+
+    async def delete_credential(self, org_id: str, vault_id: str, credential_id: str) -> None:
+        async with self._db.transaction() as s:
+            await self._vault(s, org_id, vault_id, for_update=True)
+            if not has_prefix(credential_id, "vcred") or not await repo.delete_credential(
+                s, org_id, vault_id, credential_id
+            ):
+                raise NotFound(f"credential {credential_id} not found")
+        log.info("vault_credential_deleted", vault_id=vault_id, credential_id=credential_id)
+
+    # Use ----------------------------------------------------------------------
+
+    async def resolve_mcp(
+        self, org_id: str, vault_ids: Sequence[str], *, credential_id: str, server_url: str
+    ) -> tuple[str, str]:
+        """(Authorization header value, credential ID) for a connection to
+        ``server_url`` with the credentials of ``vault_ids``: the named
+        credential, or the one whose URL matches; ("", "") when none does.
+        A named credential outside those vaults is NotFound, and one bound
+        to another URL is refused."""
+        if not vault_ids:
+            if credential_id:
+                raise NotFound(f"credential {credential_id} not found", param="credential_id")
+            return "", ""
+        async with self._db.transaction(read_only=True) as s:
+            rows = [r for r in await repo.credentials_of(s, org_id, vault_ids) if r.auth_type in _MCP_TYPES]
+        target = normalize_url(server_url)
+        urls = {r.id: normalize_url(vault_pb2.CredentialAuth.FromString(r.auth).mcp_server_url) for r in rows}
+        if credential_id:
+            named = [r for r in rows if r.id == credential_id]
+            if not named:
+                raise NotFound(f"credential {credential_id} not found", param="credential_id")
+            if urls[credential_id] != target:
+                raise InvalidArgument(
+                    f"credential {credential_id} is for another MCP server URL", param="credential_id"
+                )
+            chosen = named[0]
+        else:
+            matching = [r for r in rows if urls[r.id] == target]
+            if not matching:
+                return "", ""
+            if len(matching) > 1:
+                raise InvalidArgument(
+                    "more than one attached credential matches the MCP server URL; name one with credential_id",
+                    param="credential_id",
+                )
+            chosen = matching[0]
+        value = self._open(chosen).value or ""
+        return f"Bearer {value}", chosen.id
+
+    # Encryption ---------------------------------------------------------------
+
+    def _seal(self, secret: SecretInput) -> bytes:
+        payload = {k: v for k, v in vars(secret).items() if v is not None}
+        return self._cipher.encrypt(json.dumps(payload).encode())
+
+    def _open(self, row: VaultCredentialRow) -> SecretInput:
+        payload = json.loads(self._cipher.decrypt(row.secret_ciphertext))
+        return SecretInput(**payload)
+
+    async def rotate(self) -> int:
+        """Re-encrypts every credential not sealed with the first key; returns
+        how many. Safe on several replicas at once (rows are locked)."""
+        done = 0
+        while True:
+            async with self._db.transaction() as s:
+                rows = await repo.stale_credentials(s, self._cipher.key_id, limit=_BATCH)
+                for row in rows:
+                    row.secret_ciphertext = self._cipher.rotate(row.secret_ciphertext)
+                    row.key_id = self._cipher.key_id
+            done += len(rows)
+            if len(rows) < _BATCH:
+                break
+        if done:
+            log.info("vault_keys_rotated", credentials=done, key_id=self._cipher.key_id)
+        return done
+
