@@ -5,7 +5,9 @@ child session on the parent's environment.
   processes are shared, and it writes to its own
   ``/workspace/outputs/sessions/<session_id>``); it has its own history and
   turns, and its turns carry the subagent's ID as ``agent_id`` and
-  ``subagent_id``. It is not listed as a session.
+  ``subagent_id``. It is not listed as a session. It runs the parent's
+  agent configuration (model and reasoning effort as the call asks) without
+  the application function tools: nobody could answer their calls.
 - The root session (the one an application created) owns every subagent of
   its tree: subagents may create subagents, and all are listed under the
   root, with ``parent_agent_id`` naming their creator. The
@@ -119,9 +121,10 @@ async def _state(s: AsyncSession, row: SubagentRow) -> SubagentState:
     return SubagentState(row.id, row.status, running, str(turn.status), answer)
 
 
-async def _open_count(s: AsyncSession, root_session_id: str) -> int:
-    # Locks the root's row first, so two creations in one tree count in turn.
-    await s.execute(select(SessionRow.id).where(SessionRow.id == root_session_id).with_for_update())
+async def _open_count(s: AsyncSession, root_session_id: str, *, lock: bool = True) -> int:
+    if lock:
+        # Locks the root's row first, so two creations in one tree count in turn.
+        await s.execute(select(SessionRow.id).where(SessionRow.id == root_session_id).with_for_update())
     count = await s.execute(
         select(func.count()).select_from(SubagentRow).where(SubagentRow.root_session_id == root_session_id, SubagentRow.status == ACTIVE)
     )
@@ -237,6 +240,9 @@ class _SessionSubagents:
         root = await self._root_id()
         parent = await host.store.query(lambda s: repo.get_session(s, self.org, self.session_id))
         config = copy.deepcopy(views.snapshot(parent)["config"])
+        # The application answers function calls on the session it knows; a
+        # child session's calls would wait for an answer that never comes.
+        config["tools"] = [t for t in config.get("tools") or [] if t.get("type") != "function"]
         if model:
             config["model"] = model
         if reasoning_effort:
@@ -244,7 +250,7 @@ class _SessionSubagents:
         bound = int((config.get("multi_agent") or {}).get("max_concurrent_subagents") or DEFAULT_MAX_CONCURRENT_SUBAGENTS)
         full = f"{bound} subagents are open, the most max_concurrent_subagents allows; close one first"
         # A first look, so a refusal does not attach the environment.
-        if await host.store.transact(lambda u: _open_count(u.session, root)) >= bound:
+        if await host.store.query(lambda s: _open_count(s, root, lock=False)) >= bound:
             raise SubagentRefused(full)
         now = time.time()
         row = SubagentRow(

@@ -15,7 +15,7 @@ from e2e_stack import Stack
 from e2e_support import api_error, environment_of, run_script
 from openai.types.beta.agents.sessions.turn import Turn
 from openai.types.beta.subagent import Subagent
-from turns_support import CANCEL, NO_ENVIRONMENT, new_turn, strict_client, submit, turn_status
+from turns_support import CANCEL, NO_ENVIRONMENT, message, new_turn, strict_client, submit, turn_status
 from waiting import wait_until
 
 MULTI: Any = {"model": "scripted", "multi_agent": {"enabled": True}}
@@ -58,7 +58,7 @@ async def test_a_subagent_tree_runs_is_listed_and_is_deleted_with_its_session(st
     turn = await turn_status(client, session.id, turn_id, DONE)
     assert (turn.status, turn.subagent_id) == ("completed", None)
 
-    items = [i async for i in client.beta.agents.sessions.turns.items.list(turn_id, session_id=session.id, order="asc")]
+    items: list[Any] = [i async for i in client.beta.agents.sessions.turns.items.list(turn_id, session_id=session.id, order="asc")]
     assert [i.type for i in items] == [
         "message",
         "create_subagent_call",
@@ -73,7 +73,7 @@ async def test_a_subagent_tree_runs_is_listed_and_is_deleted_with_its_session(st
     assert create_alpha.content[0].text.startswith("subagent beta:")
 
     subagents = await _subagents(client, session.id)
-    by_name = {s.name: s for s in subagents}
+    by_name = {s.name or "": s for s in subagents}
     assert sorted(by_name) == ["alpha", "beta", "gamma"]
     alpha, beta, gamma = by_name["alpha"], by_name["beta"], by_name["gamma"]
     assert {s.session_id for s in subagents} == {session.id}
@@ -92,7 +92,7 @@ async def test_a_subagent_tree_runs_is_listed_and_is_deleted_with_its_session(st
     alpha_items = await _items(client, session.id, alpha.id)
     assert [i.type for i in alpha_items] == ["message", "create_subagent_call", "wait_for_subagents_call", "message"]
     assert alpha_items[-1].content[0].text == "alpha answer"
-    beta_turn_items = [
+    beta_turn_items: list[Any] = [
         i
         async for i in client.beta.agents.sessions.subagents.turns.items.list(
             (await _turns(client, session.id, beta.id))[0].id, session_id=session.id, subagent_id=beta.id, order="asc"
@@ -132,7 +132,7 @@ async def test_subagents_beyond_max_concurrent_subagents_are_refused_to_the_mode
     session = await client.beta.agents.sessions.create(agent=agent, environment=NO_ENVIRONMENT, input=script)
     turn = await turn_status(client, session.id, await new_turn(client, session.id, []), DONE)
     assert turn.status == "completed"
-    items = [i async for i in client.beta.agents.sessions.turns.items.list(turn.id, session_id=session.id, order="asc")]
+    items: list[Any] = [i async for i in client.beta.agents.sessions.turns.items.list(turn.id, session_id=session.id, order="asc")]
     assert [(i.type, getattr(i, "status", None)) for i in items[1:-1]] == [
         ("create_subagent_call", "completed"),
         ("create_subagent_call", "failed"),
@@ -146,29 +146,26 @@ async def test_subagents_beyond_max_concurrent_subagents_are_refused_to_the_mode
 
 async def test_cancelling_the_parent_turn_interrupts_its_running_subagent(stack: Stack) -> None:
     client = strict_client(stack)
-    slow: Any = {"type": "function", "name": "slow", "description": "Never answered.", "parameters": {"type": "object"}}
-    agent: Any = {**MULTI, "tools": [slow]}
-    session = await client.beta.agents.sessions.create(
-        agent=agent, environment=NO_ENVIRONMENT, input="subagent worker: call slow {}\nsubagent wait"
-    )
-    turn_id = await new_turn(client, session.id, [])
+    session = await client.beta.agents.sessions.create(agent=MULTI, environment={"type": "openai_hosted"})
+    known = {t.id async for t in client.beta.agents.sessions.turns.list(session.id)}
+    await submit(client, session.id, message("subagent worker: $ sleep 120\nsubagent wait"))
+    turn_id = await new_turn(client, session.id, known)
 
-    async def worker_waiting() -> Turn | None:
+    async def worker_running() -> Any:
         subagents = await _subagents(client, session.id)
-        turns = await _turns(client, session.id, subagents[0].id) if subagents else []
-        return turns[0] if turns and turns[0].status == "waiting" else None
+        items = await _items(client, session.id, subagents[0].id) if subagents else []
+        return subagents[0] if any(i.type == "command_execution" and i.status == "in_progress" for i in items) else None
 
-    child_turn = await wait_until(worker_waiting, timeout=30, what="the subagent's turn to wait for its function call")
+    worker = await wait_until(worker_running, timeout=60, what="the subagent's command to run")
     # The parent still runs: it is waiting for the subagent.
     assert (await client.beta.agents.sessions.turns.retrieve(turn_id, session_id=session.id)).status == "in_progress"
-    (worker,) = await _subagents(client, session.id)
     assert (await api_error(client.beta.agents.sessions.delete(session.id))).status_code == 409
 
     await submit(client, session.id, CANCEL)
     assert (await turn_status(client, session.id, turn_id, DONE)).status == "cancelled"
 
     async def child_cancelled() -> bool:
-        turn = await client.beta.agents.sessions.subagents.turns.retrieve(child_turn.id, session_id=session.id, subagent_id=worker.id)
+        (turn,) = await _turns(client, session.id, worker.id)
         return turn.status == "cancelled"
 
     await wait_until(child_cancelled, timeout=30, what="the subagent's turn to be cancelled")
@@ -180,7 +177,7 @@ async def test_a_subagent_shares_the_environment_and_writes_to_its_own_output_di
     script = "subagent writer: $ echo shared > /workspace/note.txt && echo $REBYTE_OUTPUT_DIR\nsubagent wait\n$ cat /workspace/note.txt"
     turn = await run_script(client, session.id, script, timeout=60)
     assert turn.status == "completed"
-    items = [i async for i in client.beta.agents.sessions.turns.items.list(turn.id, session_id=session.id, order="asc")]
+    items: list[Any] = [i async for i in client.beta.agents.sessions.turns.items.list(turn.id, session_id=session.id, order="asc")]
     (command,) = [i for i in items if i.type == "command_execution"]
     assert command.output.strip() == "shared"
     (writer,) = await _subagents(client, session.id)
