@@ -121,6 +121,16 @@ async def _state(s: AsyncSession, row: SubagentRow) -> SubagentState:
     return SubagentState(row.id, row.status, running, str(turn.status), answer)
 
 
+def _bound(row: SessionRow) -> int:
+    """The session's ``max_concurrent_subagents``."""
+    multi_agent = views.snapshot(row)["config"].get("multi_agent") or {}
+    return int(multi_agent.get("max_concurrent_subagents") or DEFAULT_MAX_CONCURRENT_SUBAGENTS)
+
+
+def _full(bound: int) -> SubagentRefused:
+    return SubagentRefused(f"{bound} subagents are open, the most max_concurrent_subagents allows; close one first")
+
+
 async def _open_count(s: AsyncSession, root_session_id: str, *, lock: bool = True) -> int:
     if lock:
         # Locks the root's row first, so two creations in one tree count in turn.
@@ -247,11 +257,10 @@ class _SessionSubagents:
             config["model"] = model
         if reasoning_effort:
             config["reasoning"] = {**(config.get("reasoning") or {}), "effort": reasoning_effort}
-        bound = int((config.get("multi_agent") or {}).get("max_concurrent_subagents") or DEFAULT_MAX_CONCURRENT_SUBAGENTS)
-        full = f"{bound} subagents are open, the most max_concurrent_subagents allows; close one first"
+        bound = _bound(parent)
         # A first look, so a refusal does not attach the environment.
         if await host.store.query(lambda s: _open_count(s, root, lock=False)) >= bound:
-            raise SubagentRefused(full)
+            raise _full(bound)
         now = time.time()
         row = SubagentRow(
             id=new_id("subagent"),
@@ -269,7 +278,7 @@ class _SessionSubagents:
 
         async def record(u: Unit) -> None:
             if await _open_count(u.session, root) >= bound:
-                raise SubagentRefused(full)
+                raise _full(bound)
             u.session.add(row)
             await u.emit(root, _event("created", row))
 
@@ -332,15 +341,11 @@ class _SessionSubagents:
 
     async def resume(self, subagent_id: str) -> None:
         row = await self._get(subagent_id)
-        config = await self.host.store.query(lambda s: repo.get_session(s, self.org, self.session_id))
-        bound = int(
-            (views.snapshot(config)["config"].get("multi_agent") or {}).get("max_concurrent_subagents")
-            or DEFAULT_MAX_CONCURRENT_SUBAGENTS
-        )
+        bound = _bound(await self.host.store.query(lambda s: repo.get_session(s, self.org, self.session_id)))
 
         async def reopen(u: Unit) -> None:
             if await _open_count(u.session, row.root_session_id) >= bound:
-                raise SubagentRefused(f"{bound} subagents are open, the most max_concurrent_subagents allows; close one first")
+                raise _full(bound)
             changed = await self._transition(u, row, CLOSED, ACTIVE, None)
             if not changed:
                 raise SubagentRefused(f"subagent {subagent_id} is not closed")
