@@ -142,9 +142,11 @@ class Compute(Protocol):
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> sandbox_pb2.Process:
         """Starts a background process that outlives the call; with
-        ``stdin`` its stdin is a pipe for ``write_process_stdin``."""
+        ``stdin`` its stdin is a pipe for ``write_process_stdin``. With
+        ``by_name`` a process of that name that exists is returned instead."""
         ...
 
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
@@ -338,6 +340,7 @@ class SandboxClient:
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> sandbox_pb2.Process:
         request = sandbox_service_pb2.StartProcessRequest(
             sandbox_id=sandbox_id,
@@ -348,6 +351,7 @@ class SandboxClient:
             env=dict(env or {}),
             keepalive=keepalive,
             stdin=stdin,
+            by_name=by_name,
         )
         with self._unreachable(sandbox_id):
             response = await self._stub.StartProcess(request)

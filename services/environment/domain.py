@@ -479,6 +479,7 @@ class EnvironmentDomain:
         env: Mapping[str, str],
         keepalive: bool,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> sandbox_pb2.Process:
         cwd = _command_cwd(argv, shell, cwd)
         row, command_env = await self._command_site(org_id, environment_id, session_id, env)
@@ -492,6 +493,7 @@ class EnvironmentDomain:
                 env=command_env,
                 keepalive=keepalive,
                 stdin=stdin,
+                by_name=by_name,
             )
 
     async def attach_process(

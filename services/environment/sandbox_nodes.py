@@ -143,9 +143,18 @@ class SandboxNodes:
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> sandbox_pb2.Process:
         return await self._client(sandbox).start_process(
-            sandbox.sandbox_id, name=name, argv=argv, shell=shell, cwd=cwd, env=env, keepalive=keepalive, stdin=stdin
+            sandbox.sandbox_id,
+            name=name,
+            argv=argv,
+            shell=shell,
+            cwd=cwd,
+            env=env,
+            keepalive=keepalive,
+            stdin=stdin,
+            by_name=by_name,
         )
 
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:

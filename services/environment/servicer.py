@@ -319,6 +319,7 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
             env=dict(request.env),
             keepalive=request.keepalive,
             stdin=request.stdin,
+            by_name=request.by_name,
         )
         return pb.StartProcessResponse(process=_process(process))
 

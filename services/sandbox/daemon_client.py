@@ -577,15 +577,22 @@ class DaemonClient:
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> ProcessInfo:
         """Starts a process that outlives this request and this connection.
         With ``stdin`` its stdin is a pipe that ``write_stdin`` writes to;
-        otherwise it reads /dev/null."""
+        otherwise it reads /dev/null. With ``by_name`` (and a ``name``), a
+        process of that name the daemon knows is returned and nothing starts."""
         fields = _command(argv, shell, cwd, env)
         fields.update(name=name, keepalive=keepalive)
         if stdin:
             fields["stdin"] = True
+        if by_name:
+            fields["by_name"] = True
         frame = await self._request("process.start", fields)
+        if "running" in frame:
+            # An existing process, as process.list describes it.
+            return _process_info(frame)
         return ProcessInfo(
             process_id=str(frame["process_id"]),
             name=str(frame.get("name", name)),

@@ -226,6 +226,7 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
                 env=dict(request.env),
                 keepalive=request.keepalive,
                 stdin=request.stdin,
+                by_name=request.by_name,
             )
         return pb.StartProcessResponse(process=_process(info))
 

@@ -97,6 +97,7 @@ class EnvironmentClient:
         cwd: str = "",
         keepalive: bool = False,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> environment_pb2.Process:
         response = await self._stub.StartProcess(
             environment_service_pb2.StartProcessRequest(
@@ -107,6 +108,7 @@ class EnvironmentClient:
                 cwd=cwd,
                 keepalive=keepalive,
                 stdin=stdin,
+                by_name=by_name,
             )
         )
         return response.process

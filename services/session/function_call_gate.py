@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
@@ -24,7 +25,7 @@ from services.session.states import SessionStatus, TurnStatus
 from services.session.store import Unit
 from services.session.turn_writer import TurnWriter
 
-__all__ = ["FunctionCallGate", "function_output_text"]
+__all__ = ["FunctionCallGate", "PendingFunctionCall", "function_output_text"]
 
 _POLL_S = 0.25
 
@@ -45,6 +46,17 @@ def function_output_text(result: FunctionResult) -> str:
         elif isinstance(part, dict) and part.get("type") == "input_image":
             parts.append("[image]")
     return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class PendingFunctionCall:
+    """A function call a turn's previous worker registered and left
+    unanswered: its public ID, the model's ID for it, and its item."""
+
+    call_id: str
+    model_call_id: str
+    handle: ItemHandle
+    item: dict[str, Any]
 
 
 class FunctionCallGate:
@@ -95,6 +107,17 @@ class FunctionCallGate:
         await w.flush()
         return call_id
 
+    async def resume_waiting(self, calls: list[PendingFunctionCall], *, already_waiting: bool) -> list[FunctionResult]:
+        """For a turn taken over from a worker that died: registers the calls
+        it left unanswered and waits for their results as it did. When the
+        turn was already waiting, the session's ``requires_action`` was
+        announced: it is not announced again."""
+        for call in calls:
+            self._calls[call.call_id] = (call.model_call_id, call.handle, call.item)
+            self._writer.track_item(call.handle, call.item)
+        self.made_function_calls = True
+        return await self.wait_function_results([c.call_id for c in calls], already_waiting=already_waiting)
+
     async def _answered(self, call_ids: list[str]) -> list[FunctionCallRow] | None:
         async def read(s: AsyncSession) -> list[FunctionCallRow]:
             return list((await s.execute(select(FunctionCallRow).where(FunctionCallRow.call_id.in_(call_ids)))).scalars())
@@ -109,14 +132,14 @@ class FunctionCallGate:
         view = await views.session_view(u.session, row, self._environment(), status=status)
         return wire.session_event(event_type, view.message)
 
-    async def wait_function_results(self, call_ids: list[str]) -> list[FunctionResult]:
+    async def wait_function_results(self, call_ids: list[str], *, already_waiting: bool = False) -> list[FunctionResult]:
         w = self._writer
         notifier = w.store.notifier
         wake = notifier.subscribe(f"calls:{w.turn_id}")
-        waited = False
+        waited = already_waiting
         try:
             rows = await self._answered(call_ids)
-            if rows is None:
+            if rows is None and not waited:
                 waited = True
                 await w.transact(self._start_waiting)
             while rows is None:

@@ -19,9 +19,10 @@ time per session, inside this service process.
   runs the agent loop again from the persisted transcript, so a model call
   that was interrupted is made again. Events and items already written stay
   as they are and nothing is written twice. A worker that finds its lease
-  taken stops without ending the turn. The sweeper also restarts sessions
-  whose queue was left without a worker. A turn waiting for function
-  results whose worker died still fails when its lease expires.
+  taken stops without ending the turn. A turn waiting for application
+  function results is taken over the same way: the new worker waits for
+  the results the old one waited for. The sweeper also restarts sessions
+  whose queue was left without a worker.
 - Finishing a turn is one transaction: the terminal status is written with a
   compare-and-set from ``in_progress``/``waiting``, so a completed or failed
   outcome is never replaced by a cancel (and vice versa). Artifacts of a
@@ -59,6 +60,7 @@ from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
+from services.session.function_call_gate import PendingFunctionCall
 from services.session.harness.io import ItemHandle, TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
@@ -118,6 +120,13 @@ class ClaimedTurn:
     # Commands a worker that died left running, to reattach before the loop
     # goes on: (item handle, item, its call, the output already sent).
     reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = field(default_factory=list)
+    # Application function calls a worker that died left unanswered, to
+    # wait for again before the loop goes on.
+    rewait: list[PendingFunctionCall] = field(default_factory=list)
+    # Whether the turn was already waiting for them (session requires action).
+    waiting: bool = False
+    # The turn's usage so far (a previous worker's model calls).
+    turn_usage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -394,6 +403,7 @@ class TurnRunner:
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
+            usage=claimed.turn_usage,
             subagents=(
                 self.subagents.port(claimed.org_id, claimed.session_id, json.loads(claimed.agent_config_json)["id"])
                 if self.subagents is not None and claimed.agent_config_json
@@ -450,6 +460,8 @@ class TurnRunner:
         previous worker left running."""
         for handle, item, call, shown in claimed.reattach:
             await resume_command(io, handle, item, call, shown)
+        if claimed.rewait:
+            await io.calls.resume_waiting(claimed.rewait, already_waiting=claimed.waiting)
         await run_turn(io, self.providers.for_model, tool_concurrency=self.providers.tool_concurrency)
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
@@ -766,7 +778,7 @@ class TurnRunner:
             kind, environment_id = kinds.get(turn.session_id, ("none", ""))
             env_id = environment_id if kind == "hosted" else None
             org_id_var.set(turn.org_id)
-            if turn.status == TurnStatus.IN_PROGRESS:
+            if turn.status in (TurnStatus.IN_PROGRESS, TurnStatus.WAITING):
                 resumed = await self.store.transact(functools.partial(self._take_over, turn=turn, environment_id=env_id))
                 if resumed is not None:
                     resumed.environment = await self._environment(env_id)
@@ -783,16 +795,18 @@ class TurnRunner:
             self.kick(session_id, org_id)
 
     async def _take_over(self, u: Unit, turn: TurnRow, environment_id: str | None) -> ClaimedTurn | None:
-        """Takes an in-progress turn whose lease expired over from its worker
-        (a compare-and-set on the worker and the expiry), closes the items
-        that worker left open, and reads what the harness needs to run the
-        turn on; None when another replica was first."""
+        """Takes an in-progress or waiting turn whose lease expired over from
+        its worker (a compare-and-set on the worker and the expiry), closes
+        the items that worker left open, and reads what the harness needs to
+        run the turn on; None when another replica was first. Application
+        function calls still unanswered stay open: the new worker waits for
+        their results as the old one did."""
         now = time.time()
         taken = await u.session.execute(
             update(TurnRow)
             .where(
                 TurnRow.id == turn.id,
-                TurnRow.status == TurnStatus.IN_PROGRESS,
+                TurnRow.status == turn.status,
                 TurnRow.worker_id == turn.worker_id,
                 TurnRow.lease_expires_at == turn.lease_expires_at,
             )
@@ -832,6 +846,7 @@ class TurnRunner:
         transcript: list[tuple[str, list[Entry]]] = []
         closed: list[dict[str, Any]] = []
         reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = []
+        rewait: list[PendingFunctionCall] = []
         for item_id, turn_id, item_json, model_json in history:
             entries: list[Entry] = json.loads(model_json)
             if turn_id == turn.id:
@@ -842,6 +857,15 @@ class TurnRunner:
                     call = ToolCall(str(calls[0]["id"]), "exec_command", str(calls[0].get("arguments") or ""))
                     shown = "".join(captured.get(item_id, []))
                     reattach.append((ItemHandle(item_id, output_index.get(item_id)), item, call, shown))
+                    transcript.append((item_id, entries))
+                    continue
+                if item.get("status") == "in_progress" and item.get("type") == "function_call" and calls:
+                    # The application answers it (or has): wait for it again.
+                    rewait.append(
+                        PendingFunctionCall(
+                            str(item["call_id"]), str(calls[0]["id"]), ItemHandle(item_id, output_index.get(item_id)), item
+                        )
+                    )
                     transcript.append((item_id, entries))
                     continue
                 if item.get("status") == "in_progress":
@@ -881,6 +905,9 @@ class TurnRunner:
             session.usage_json,
             next_output_index=next_output_index,
             reattach=reattach,
+            rewait=rewait,
+            waiting=turn.status == TurnStatus.WAITING,
+            turn_usage=wire.parse_usage(turn.usage_json),
         )
 
 

@@ -174,20 +174,15 @@ class TurnEnvironment:
     async def _exec_process(self, shell: str, *, cwd: str, timeout_ms: int, key: str) -> AsyncGenerator[CommandEvent, None]:
         """A keyed command runs as a background process named by its key, so
         it outlives this process and a resumed turn reattaches to it through
-        the daemon's lossless output log. Starting is made idempotent by the
-        name: a start whose answer was lost is found, not repeated."""
+        the daemon's lossless output log. Starting is idempotent by the name
+        (``by_name``, decided in sandboxd): a start whose answer was lost, or
+        a dead worker's start that reaches the sandbox after the resumed
+        turn's, finds the process the other started instead of a second run."""
         name = _command_name(key)
-        retried = False
 
         async def start() -> environment_pb2.Process:
-            nonlocal retried
-            if retried:
-                found = await self._named(name)
-                if found is not None:
-                    return found
-            retried = True
             return await self._client.start_process(
-                self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=False
+                self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=False, by_name=True
             )
 
         process = await self._call(start)

@@ -44,6 +44,7 @@ class DbTurnIO:
         on_ending: Callable[[], None] | None = None,
         dependency_retry_s: float = 0.0,
         worker_id: str = "",
+        usage: dict[str, Any] | None = None,
         subagents: SubagentPort | None = None,
     ) -> None:
         self.session_id = session_id
@@ -57,6 +58,7 @@ class DbTurnIO:
             transcript=transcript,
             next_output_index=next_output_index,
             worker_id=worker_id,
+            usage=usage,
         )
         self._snapshot = environment
         self.env = (

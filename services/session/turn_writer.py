@@ -72,11 +72,20 @@ _APPEND = (
     .returning(_SESSIONS.c.event_seq, _SESSIONS.c.agent_config_json)
 )
 _TURNS = cast(Table, TurnRow.__table__)
-# The same, fenced: only while the turn's row names this worker, so a worker
-# whose turn was taken over cannot append after its successor.
+# The turn's usage so far, saved with its next write so that a worker that
+# takes the turn over counts the model calls made before it.
+_SAVE_USAGE = update(_TURNS).where(_TURNS.c.id == bindparam("turn_id")).values(usage_json=bindparam("v_usage_json"))
+# The same as _APPEND, fenced: only while the turn's row names this worker,
+# so a worker whose turn was taken over cannot append after its successor.
+# The turn row is read FOR SHARE (PostgreSQL; SQLite has one writer): an
+# append and a takeover (an UPDATE of that row) serialize, and an append
+# that waited re-reads the row as the takeover left it, so neither an
+# append the takeover's reads missed nor one after it can commit.
 _APPEND_FENCED = _APPEND.where(
     exists(
-        select(_TURNS.c.id).where(_TURNS.c.id == bindparam("v_turn_id"), _TURNS.c.worker_id == bindparam("v_worker_id"))
+        select(_TURNS.c.id)
+        .where(_TURNS.c.id == bindparam("v_turn_id"), _TURNS.c.worker_id == bindparam("v_worker_id"))
+        .with_for_update(read=True)
     )
 )
 
@@ -116,13 +125,16 @@ class TurnWriter:
         transcript: list[tuple[str, list[Entry]]],
         next_output_index: int = 0,
         worker_id: str = "",
+        usage: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         # When set, every append is fenced on the turn naming this worker.
         self.worker_id = worker_id
         self.session_id = session_id
         self.turn_id = turn_id
-        self.usage: dict[str, Any] | None = None
+        # The turn's usage, including a previous worker's when resumed.
+        self.usage: dict[str, Any] | None = usage
+        self._usage_unsaved = False
         self.open_items: dict[str, tuple[ItemHandle, dict[str, Any]]] = {}
         self.next_output_index = next_output_index
         self._config_json = agent_config_json
@@ -162,6 +174,13 @@ class TurnWriter:
         if not events:
             return
         params: dict[str, Any] = {"session_id": self.session_id, "v_count": len(events)}
+        if self._usage_unsaved:
+            # Before the fenced append, which reads the turn row FOR SHARE:
+            # taking the row's write lock after that share could deadlock
+            # with a concurrent append of this turn. If the fence fails, the
+            # transaction rolls back.
+            self._usage_unsaved = False
+            await u.session.execute(_SAVE_USAGE, {"turn_id": self.turn_id, "v_usage_json": dumps(self.usage)})
         if self.worker_id:
             params |= {"v_turn_id": self.turn_id, "v_worker_id": self.worker_id}
         result = await u.session.execute(_APPEND_FENCED if self.worker_id else _APPEND, params)
@@ -332,3 +351,4 @@ class TurnWriter:
         self.usage = wire.add_usage(
             self.usage, wire.usage(usage.input_tokens, usage.output_tokens, usage.cached_tokens, usage.reasoning_tokens)
         )
+        self._usage_unsaved = True

@@ -182,3 +182,15 @@ async def test_a_process_is_addressable_only_by_the_session_that_started_it(stac
     assert [c.status for c in await _commands(client, other.id, tried.id)] == ["failed", "failed"]
     (kill,) = await _commands(client, owner.id, killed.id)
     assert (kill.status, kill.exit_code) == ("completed", -9)
+
+
+async def test_reading_or_writing_a_directory_as_a_file_fails_the_call_and_the_turn_goes_on(stack: Stack) -> None:
+    client = strict_client(stack)
+    session = await inline_session(client)
+    script = "$ mkdir -p adir\nread adir\nwrite adir\n```\nx\n```\n$ echo still here"
+
+    turn = await run_script(client, session.id, script)
+
+    assert turn.status == "completed"
+    commands = await _commands(client, session.id, turn.id)
+    assert [c.status for c in commands] == ["completed", "failed", "failed", "completed"]

@@ -157,9 +157,13 @@ class FakeCompute:
         env: Mapping[str, str] | None = None,
         keepalive: bool = False,
         stdin: bool = False,
+        by_name: bool = False,
     ) -> sandbox_pb2.Process:
         self._check()
         table = self.processes.setdefault(sandbox.sandbox_id, {})
+        for existing in table.values() if by_name else ():
+            if existing.name == name:
+                return existing
         process = sandbox_pb2.Process(
             process_id=f"proc_{len(table) + 1}", name=name, running=True, keepalive=keepalive, stdin_open=stdin
         )

@@ -182,3 +182,19 @@ async def test_writing_stdin_is_refused_without_a_pipe_or_after_close(sandbox: S
     assert unknown.value.code == "not_found"
     for process_id in (plain.process_id, piped.process_id):
         await sandbox.client.kill_process(process_id)
+
+
+async def test_a_start_by_name_returns_the_process_of_that_name_instead_of_running_it_again(sandbox: Sandbox) -> None:
+    first = await sandbox.client.start_process(name="exec-item_1", shell="echo once >> /workspace/runs; sleep 600", by_name=True)
+    again = await sandbox.client.start_process(name="exec-item_1", shell="echo once >> /workspace/runs; sleep 600", by_name=True)
+    other = await sandbox.client.start_process(name="exec-item_2", shell="true", by_name=True)
+    plain = await sandbox.client.start_process(name="exec-item_1", shell="true")
+
+    assert again.process_id == first.process_id and again.running
+    assert len({first.process_id, other.process_id, plain.process_id}) == 3
+    await wait_until(lambda: (sandbox.workspace / "runs").exists(), timeout=10, what="the first start to run")
+    with pytest.raises(DaemonError) as nameless:
+        await sandbox.client.start_process(shell="true", by_name=True)
+    assert nameless.value.code == "invalid_argument"
+    assert (sandbox.workspace / "runs").read_text() == "once\n"
+    await sandbox.client.kill_process(first.process_id)

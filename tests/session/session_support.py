@@ -243,6 +243,9 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
     async def StartProcess(self, request: Any, context: Any) -> Any:
         fake = self._get(request.environment_id)
         await self._ensure(fake)
+        for existing in fake.processes.values() if request.by_name else ():
+            if existing.name == request.name:
+                return environment_service_pb2.StartProcessResponse(process=existing.message())
         process = FakeProcess(new_id("proc"), request.name, await self._spawn(fake, request), time.monotonic())
         fake.processes[process.process_id] = process
         self._pumps.add(asyncio.create_task(self._pump(process)))

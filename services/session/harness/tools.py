@@ -25,7 +25,7 @@ from typing import Any
 from services.core.errors import BerthError
 from services.session.agents import SUBAGENT_TOOL_NAMES, AgentConfig, function_tools
 from services.session.harness.coding_tools import CODING_TOOL_NAMES, CODING_TOOLS, run_coding_tool
-from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable
+from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable, model_fault
 from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.models.base import ToolCall, ToolSpec
 from services.session.harness.subagents import SUBAGENT_TOOLS, run_subagent_tool
@@ -316,7 +316,7 @@ async def _read(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tuple
     try:
         data, truncated = await io.env.read_file(path, limit=MAX_READ_BYTES)
     except BerthError as exc:
-        if environment_unusable(exc):
+        if not model_fault(exc):
             raise io.sandbox_failure(exc) from exc
         message = f"error: {exc.message}"
         item.update(status="failed", exit_code=1, output=message)
@@ -336,7 +336,7 @@ async def _write(io: TurnIO, item: dict[str, Any], args: dict[str, Any]) -> tupl
     try:
         await io.env.write_file(path, data)
     except BerthError as exc:
-        if environment_unusable(exc):
+        if not model_fault(exc):
             raise io.sandbox_failure(exc) from exc
         message = f"error: {exc.message}"
         item.update(status="failed", exit_code=1, output=message)

@@ -412,6 +412,7 @@ class StartProcessRequest(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     KEEPALIVE_FIELD_NUMBER: _builtins.int
     STDIN_FIELD_NUMBER: _builtins.int
+    BY_NAME_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     """The sandbox to run in."""
     name: _builtins.str
@@ -425,6 +426,11 @@ class StartProcessRequest(_message.Message):
     stdin: _builtins.bool
     """Give the process a stdin pipe for WriteProcessStdin; otherwise it
     reads /dev/null.
+    """
+    by_name: _builtins.bool
+    """Idempotent by name: when the sandbox has a process of this name
+    (running or kept after its exit), it is returned and nothing starts.
+    A caller whose answer was lost can start again without a second run.
     """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -445,10 +451,11 @@ class StartProcessRequest(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         keepalive: _builtins.bool = ...,
         stdin: _builtins.bool = ...,
+        by_name: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cwd", b"cwd", "env", b"env", "keepalive", b"keepalive", "name", b"name", "sandbox_id", b"sandbox_id", "shell", b"shell", "stdin", b"stdin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "by_name", b"by_name", "cwd", b"cwd", "env", b"env", "keepalive", b"keepalive", "name", b"name", "sandbox_id", b"sandbox_id", "shell", b"shell", "stdin", b"stdin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

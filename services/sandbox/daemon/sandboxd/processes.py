@@ -615,6 +615,13 @@ class Processes:
         name = opt_str(req, "name") or ""
         keepalive = opt_bool(req, "keepalive", False)
         with_stdin = opt_bool(req, "stdin", False)
+        if opt_bool(req, "by_name", False):
+            if not name:
+                raise OpError("invalid_argument", "by_name needs a name")
+            for existing in self.processes.values():
+                if existing.name == name:
+                    # Started before (a caller whose answer was lost): no second run.
+                    return existing.describe()
         process_id = "proc_" + secrets.token_hex(8)
         try:
             child = self._spawn(req, process_id, with_stdin)
