@@ -1,6 +1,7 @@
 """The subagents of a session (``sessions.subagents``): each is read from
 the Session service, and its items and turns are those of its child
-session."""
+session (its turns say they belong to the root session, which owns the
+subagent)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from gateway.state import SessionStubDep
 __all__ = ["router"]
 
 router = v1_router()
+
+
+def _turn(turn: Any, session_id: str) -> dict[str, Any]:
+    """A subagent's turn, owned (as the subagent is) by the root session."""
+    out = render.turn(turn)
+    out["session_id"] = session_id
+    return out
 
 
 async def _subagent(stub: SessionStubDep, session_id: str, subagent_id: str) -> Any:
@@ -45,14 +53,14 @@ async def list_subagent_items(session_id: str, subagent_id: str, stub: SessionSt
 async def list_subagent_turns(session_id: str, subagent_id: str, stub: SessionStubDep, page: PageDep) -> dict[str, Any]:
     child = (await _subagent(stub, session_id, subagent_id)).child_session_id
     response = await stub.ListTurns(pb.ListTurnsRequest(session_id=child, page=page.to_proto()))
-    return render.cursor_page([render.turn(t) for t in response.turns], response.has_more)
+    return render.cursor_page([_turn(t, session_id) for t in response.turns], response.has_more)
 
 
 @router.get("/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}")
 async def retrieve_subagent_turn(session_id: str, subagent_id: str, turn_id: str, stub: SessionStubDep) -> dict[str, Any]:
     child = (await _subagent(stub, session_id, subagent_id)).child_session_id
     response = await stub.GetTurn(pb.GetTurnRequest(session_id=child, turn_id=require_id(turn_id, "turn")))
-    return render.turn(response.turn)
+    return _turn(response.turn, session_id)
 
 
 @router.get("/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}/items")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import openai
-from e2e_stack import Stack
+from e2e_stack import Stack, start_stack
 from e2e_support import api_error, environment_of, run_script
 from openai.types.beta.agents.sessions.turn import Turn
 from openai.types.beta.subagent import Subagent
@@ -87,8 +88,9 @@ async def test_a_subagent_tree_runs_is_listed_and_is_deleted_with_its_session(st
     # The parent waited: its children had answered before it finished.
     (alpha_turn,) = await _turns(client, session.id, alpha.id)
     assert (alpha_turn.status, alpha_turn.subagent_id, alpha_turn.agent_id) == ("completed", alpha.id, alpha.id)
+    assert alpha_turn.session_id == session.id
     retrieved = await client.beta.agents.sessions.subagents.turns.retrieve(alpha_turn.id, session_id=session.id, subagent_id=alpha.id)
-    assert retrieved.id == alpha_turn.id
+    assert (retrieved.id, retrieved.session_id) == (alpha_turn.id, session.id)
     alpha_items = await _items(client, session.id, alpha.id)
     assert [i.type for i in alpha_items] == ["message", "create_subagent_call", "wait_for_subagents_call", "message"]
     assert alpha_items[-1].content[0].text == "alpha answer"
@@ -125,8 +127,18 @@ async def test_a_subagent_tree_runs_is_listed_and_is_deleted_with_its_session(st
     assert (await api_error(client.beta.agents.sessions.subagents.list(session.id))).status_code == 404
 
 
-async def test_subagents_beyond_max_concurrent_subagents_are_refused_to_the_model(stack: Stack) -> None:
-    client = strict_client(stack)
+async def test_subagents_beyond_max_concurrent_subagents_are_refused_to_the_model(
+    tmp_path: Path, database_url: str, bwrap_available: None
+) -> None:
+    # The bound is counted under a lock of the root's row: on both databases.
+    stack, stop = await start_stack(tmp_path / "berth", session_database_url=database_url)
+    try:
+        await _bounded(strict_client(stack))
+    finally:
+        await stop()
+
+
+async def _bounded(client: openai.AsyncOpenAI) -> None:
     agent: Any = {"model": "scripted", "multi_agent": {"enabled": True, "max_concurrent_subagents": 1}}
     script = "subagent a: one\nsubagent b: two\nsubagent close a\nsubagent resume a\nsubagent c: three\nfinished"
     session = await client.beta.agents.sessions.create(agent=agent, environment=NO_ENVIRONMENT, input=script)
