@@ -140,7 +140,10 @@ async def test_subagents_beyond_max_concurrent_subagents_are_refused_to_the_mode
 
 async def _bounded(client: openai.AsyncOpenAI) -> None:
     agent: Any = {"model": "scripted", "multi_agent": {"enabled": True, "max_concurrent_subagents": 1}}
-    script = "subagent a: one\nsubagent b: two\nsubagent close a\nsubagent resume a\nsubagent c: three\nfinished"
+    script = (
+        "subagent a: one\nsubagent b: two\nsubagent close a\nsubagent send a: late\nsubagent close a\n"
+        "subagent resume a\nsubagent c: three\nsubagent wait nobody\nfinished"
+    )
     session = await client.beta.agents.sessions.create(agent=agent, environment=NO_ENVIRONMENT, input=script)
     turn = await turn_status(client, session.id, await new_turn(client, session.id, []), DONE)
     assert turn.status == "completed"
@@ -149,8 +152,13 @@ async def _bounded(client: openai.AsyncOpenAI) -> None:
         ("create_subagent_call", "completed"),
         ("create_subagent_call", "failed"),
         ("close_subagent_call", "completed"),
+        # A closed subagent takes no input and cannot be closed again.
+        ("send_subagent_input_call", "failed"),
+        ("close_subagent_call", "failed"),
         ("resume_subagent_call", "completed"),
         ("create_subagent_call", "failed"),
+        # An unknown subagent cannot be waited for.
+        ("wait_for_subagents_call", "failed"),
     ]
     subagents = await _subagents(client, session.id)
     assert [(s.name, s.status) for s in subagents] == [("a", "active")]
