@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 from e2e_stack import Stack, start_stack
-from e2e_support import api_error, environment_of, run_script
+from e2e_support import api_error, delete_environment, environment_of, run_script
 from openai.types.beta.agents.sessions.turn import Turn
 from openai.types.beta.subagent import Subagent
 from turns_support import CANCEL, NO_ENVIRONMENT, message, new_turn, strict_client, submit, turn_status
@@ -204,8 +204,10 @@ async def test_a_subagent_shares_the_environment_and_writes_to_its_own_output_di
     (child_command,) = [i for i in await _items(client, session.id, writer.id) if i.type == "command_execution"]
     output_dir = child_command.output.strip()
     assert output_dir.startswith("/workspace/outputs/sessions/sess_") and session.id not in output_dir
-    environment_id = environment_of(await client.beta.agents.sessions.retrieve(session.id))
-    assert environment_id == environment_of(session)
+    environment_id = environment_of(session)
+    # Shared by the reference, the environment outlives the sessions until deleted.
+    await client.beta.agents.sessions.delete(session.id)
+    assert (await delete_environment(client, environment_id))["deleted"] is True
 
 
 async def test_another_organizations_subagents_are_not_found(stack: Stack) -> None:
