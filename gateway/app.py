@@ -30,7 +30,7 @@ from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
 from gateway.errors import install_error_handlers
 from gateway.keys import open_gateway_database
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from gateway.routes import agents, environments, files, ops, session_resources, sessions, vaults
+from gateway.routes import agents, environments, files, ops, session_resources, sessions, subagents, vaults
 from gateway.state import GatewayState
 from services.core.context import PeerCredentials
 from services.core.db import Database
@@ -92,7 +92,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     install_error_handlers(app)
 
     # Literal segments (environments, sessions) before /agents/{agent_id}.
-    for module in (environments, sessions, session_resources, files, agents, vaults, ops):
+    for module in (environments, sessions, session_resources, subagents, files, agents, vaults, ops):
         app.include_router(module.router)
 
     # The last added middleware is the outermost: metrics see every response,

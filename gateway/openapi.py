@@ -44,6 +44,7 @@ from openai.types.beta.agents.vault import Vault
 from openai.types.beta.agents.vault_deleted import VaultDeleted
 from openai.types.beta.agents.vaults.credential import Credential
 from openai.types.beta.agents.vaults.credential_deleted import CredentialDeleted
+from openai.types.beta.subagent import Subagent
 from openai.types.file_deleted import FileDeleted
 from openai.types.file_object import FileObject
 from openai.types.shared.error_object import ErrorObject
@@ -171,6 +172,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}/items"): Operation(
         "List a turn's items", SyncConversationCursorPage[AgentSessionItem]
+    ),
+    ("GET", "/v1/agents/sessions/{session_id}/subagents"): Operation("List subagents", SyncCursorPage[Subagent]),
+    ("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}"): Operation("Retrieve a subagent", Subagent),
+    ("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/items"): Operation(
+        "List a subagent's items", SyncCursorPage[AgentSessionItem]
+    ),
+    ("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns"): Operation(
+        "List a subagent's turns", SyncCursorPage[Turn]
+    ),
+    ("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}"): Operation(
+        "Retrieve a subagent's turn", Turn
+    ),
+    ("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}/items"): Operation(
+        "List a subagent turn's items", SyncCursorPage[AgentSessionItem]
     ),
     ("GET", "/v1/agents/sessions/{session_id}/artifacts"): Operation("List artifacts", SyncCursorPage[SessionArtifact]),
     ("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}"): Operation(

@@ -318,6 +318,11 @@ def item(i: session_pb2.Item) -> dict[str, Any]:
     return to_wire(i)
 
 
+def subagent(s: session_pb2.Subagent) -> dict[str, Any]:
+    """``Subagent`` (object ``agent.session.subagent``)."""
+    return to_wire(s)
+
+
 SESSION_STATUS_PAYLOADS = frozenset(
     {"session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed"}
 )

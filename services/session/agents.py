@@ -3,7 +3,7 @@ and the mapping between the contract's ``AgentConfig`` and the stored form.
 
 The gateway validates the shape of every body; this module keeps only the
 rules the service owns: the tool names the harness reserves, unique function
-names and server labels, no multi-agent execution, and no credentials in
+names and server labels, the subagent bound's default, and no credentials in
 saved agents.
 
 A configuration is stored as one normalized dict with every default filled
@@ -27,7 +27,9 @@ from services.core.structs import from_struct, to_struct, to_value
 __all__ = [
     "AgentConfig",
     "CONFIG_FIELDS",
+    "DEFAULT_MAX_CONCURRENT_SUBAGENTS",
     "ENVIRONMENT_TOOL_NAMES",
+    "SUBAGENT_TOOL_NAMES",
     "new_config",
     "apply_config",
     "config_message",
@@ -39,6 +41,22 @@ AgentConfig = dict[str, Any]
 # Names the harness reserves for environment tools.
 ENVIRONMENT_TOOL_NAMES = frozenset(
     {"exec_command", "read_file", "write_file", "apply_patch", "start_process", "write_stdin", "kill_process"}
+)
+
+# Subagents running at once when multi_agent is enabled without a bound
+# (the SDK's documented default).
+DEFAULT_MAX_CONCURRENT_SUBAGENTS = 6
+
+# Names the harness reserves for the subagent tools (multi_agent).
+SUBAGENT_TOOL_NAMES = frozenset(
+    {
+        "create_subagent",
+        "send_subagent_input",
+        "wait_for_subagents",
+        "interrupt_subagent",
+        "resume_subagent",
+        "close_subagent",
+    }
 )
 
 # The top-level fields of AgentConfig, as the contract declares them.
@@ -98,8 +116,8 @@ def _tools(tools: Collection[pb.Tool], param: str, *, persisted: bool) -> list[d
         p = f"{param}[{i}]"
         if tool["type"] == "function":
             name = tool["name"]
-            if name in ENVIRONMENT_TOOL_NAMES:
-                raise _fail(f"{p}.name", f"{name} is reserved for the environment tool of the same name")
+            if name in ENVIRONMENT_TOOL_NAMES or name in SUBAGENT_TOOL_NAMES:
+                raise _fail(f"{p}.name", f"{name} is reserved for the harness tool of the same name")
             if name in seen_functions:
                 raise _fail(f"{p}.name", f"duplicate function name {name!r}")
             seen_functions.add(name)
@@ -138,11 +156,12 @@ def apply_config(
     if "instructions" in paths:
         out["instructions"] = config.instructions if config.HasField("instructions") else None
     if "multi_agent" in paths:
-        if config.multi_agent.enabled:
-            # Native multi-agent orchestration is not implemented; accepting the
-            # flag would promise subagent tools the harness cannot provide.
-            raise _fail(f"{p}multi_agent.enabled", "multi-agent execution is not supported")
-        out["multi_agent"] = {"enabled": False, "max_concurrent_subagents": None}
+        m = config.multi_agent
+        if m.HasField("max_concurrent_subagents") and m.max_concurrent_subagents < 1:
+            raise _fail(f"{p}multi_agent.max_concurrent_subagents", "max_concurrent_subagents must be at least 1")
+        bound = m.max_concurrent_subagents if m.HasField("max_concurrent_subagents") else DEFAULT_MAX_CONCURRENT_SUBAGENTS
+        # The bound is null when disabled, as the SDK's resolved config says.
+        out["multi_agent"] = {"enabled": m.enabled, "max_concurrent_subagents": bound if m.enabled else None}
     if "reasoning" in paths:
         r = config.reasoning
         out["reasoning"] = {
@@ -228,7 +247,10 @@ def config_message(config: AgentConfig) -> pb.AgentConfig:
     """The stored configuration as the contract's message, without credentials."""
     out = pb.AgentConfig(
         model=config["model"],
-        multi_agent=pb.MultiAgentConfig(enabled=bool(config["multi_agent"]["enabled"])),
+        multi_agent=pb.MultiAgentConfig(
+            enabled=bool(config["multi_agent"]["enabled"]),
+            max_concurrent_subagents=config["multi_agent"].get("max_concurrent_subagents"),
+        ),
         service_tier=config["service_tier"],
         tools=[_tool_message(t) for t in config["tools"]],
     )

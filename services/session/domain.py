@@ -1,5 +1,5 @@
 """The Session service's logic, one class per job: saved agents, sessions,
-input, history (turns, items, artifacts) and the event stream. Plain async
+input, history (turns, items, artifacts), the event stream and subagents. Plain async
 methods, testable without gRPC; every method scopes by the caller's
 organization (``current_org()``), and another organization's resource is
 ``NotFound``.
@@ -17,6 +17,7 @@ from services.session.saved_agents import SavedAgents
 from services.session.session_input import SessionInput
 from services.session.sessions import Sessions
 from services.session.store import Store
+from services.session.subagents import Subagents
 
 __all__ = ["SessionDomain"]
 
@@ -39,3 +40,5 @@ class SessionDomain:
         self.input = SessionInput(store, runner)
         self.history = SessionHistory(store, blobs)
         self.events = EventStream(store, poll_s=poll_s)
+        self.subagents = Subagents(store, self.sessions, self.input)
+        runner.subagents = self.subagents

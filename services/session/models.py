@@ -20,6 +20,7 @@ __all__ = [
     "EventRow",
     "ArtifactRow",
     "PublishedOutputRow",
+    "SubagentRow",
 ]
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
@@ -67,6 +68,9 @@ class SessionRow(Base):
     event_seq: Mapped[int] = mapped_column(BigInteger)
     # The one turn that may run (in_progress or waiting); the per-session mutex.
     active_turn_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The subagent this (child) session runs for; None for a session an
+    # application created. Child sessions are not listed as sessions.
+    subagent_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
 
 
 class TurnRow(Base):
@@ -92,6 +96,8 @@ class TurnRow(Base):
     # Output items the turn produced: the next output_index. The worker running
     # the turn counts in memory and records the total when the turn ends.
     next_output_index: Mapped[int] = mapped_column(Integer)
+    # The subagent that ran the turn (its session's subagent); None for root turns.
+    subagent_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
 
 
 class ItemRow(Base):
@@ -166,3 +172,26 @@ class PublishedOutputRow(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     mtime: Mapped[float] = mapped_column(Float)
+
+
+class SubagentRow(Base):
+    """A subagent a model created: a child session on the parent's
+    environment. The root session (the one an application created) owns
+    every subagent of its tree."""
+
+    __tablename__ = "subagents"
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    root_session_id: Mapped[str] = mapped_column(String(64), index=True)
+    # The session whose model created it (the root or another child).
+    parent_session_id: Mapped[str] = mapped_column(String(64), index=True)
+    parent_agent_id: Mapped[str] = mapped_column(String(64))
+    child_session_id: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The initial task, as output_text content parts.
+    instructions_json: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # active | closed
+    opened_at: Mapped[float] = mapped_column(Float)
+    closed_at: Mapped[float | None] = mapped_column(Float, nullable=True)

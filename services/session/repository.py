@@ -20,6 +20,7 @@ from services.session.models import (
     ItemRow,
     PublishedOutputRow,
     SessionRow,
+    SubagentRow,
     TurnRow,
 )
 from services.session.states import SessionStatus, TurnStatus
@@ -35,9 +36,10 @@ __all__ = [
     "queued_turn",
     "events_after",
     "delete_session_rows",
+    "descendant_sessions",
 ]
 
-Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
+Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, SubagentRow)
 
 # Core tables for the statements on a turn's path.
 _SESSIONS = cast(Table, SessionRow.__table__)
@@ -274,8 +276,25 @@ async def delete_session_rows(s: AsyncSession, session_id: str) -> list[str]:
     ]
     for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow):
         await s.execute(delete(model).where(model.session_id == session_id))
+    await s.execute(delete(SubagentRow).where(SubagentRow.child_session_id == session_id))
     await s.execute(delete(SessionRow).where(SessionRow.id == session_id))
     return shas
+
+
+async def descendant_sessions(s: AsyncSession, session_id: str) -> list[str]:
+    """The child sessions of the session's subagents, theirs, and so on,
+    parents before children."""
+    out: list[str] = []
+    frontier = [session_id]
+    while frontier:
+        found = (
+            await s.execute(
+                select(SubagentRow.child_session_id).where(SubagentRow.parent_session_id.in_(frontier)).order_by(SubagentRow.pk)
+            )
+        ).scalars()
+        frontier = [str(c) for c in found]
+        out.extend(frontier)
+    return out
 
 
 async def unreferenced_blobs(s: AsyncSession, shas: list[str]) -> list[str]:

@@ -41,7 +41,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import structlog
 from sqlalchemy import Table, bindparam, insert, select, update
@@ -65,6 +65,7 @@ from services.session.harness.io import ItemHandle, TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry, ToolCall
+from services.session.harness.subagents import SubagentPort
 from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
@@ -81,6 +82,15 @@ _ITEMS = cast(Table, ItemRow.__table__)
 # Built once (see services/session/repository.py on prepared statements).
 _HISTORY = select(_ITEMS.c.id, _ITEMS.c.model_json).where(_ITEMS.c.session_id == bindparam("session_id")).order_by(_ITEMS.c.pk)
 _INSERT_ITEMS = insert(_ITEMS)
+
+
+class SubagentHost(Protocol):
+    """The subagents of sessions (``services/session/subagents.py``), as the
+    runner uses them."""
+
+    def port(self, org: str, session_id: str, agent_id: str) -> SubagentPort: ...
+
+    async def interrupt_children(self, org: str, session_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,9 @@ class TurnRunner:
         self._started: dict[str, ClaimedTurn] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
+        # Set by the composition root once the subagents are built (they use
+        # the sessions, which use this runner).
+        self.subagents: SubagentHost | None = None
 
     # ----- lifecycle --------------------------------------------------------------
     async def start(self) -> None:
@@ -402,6 +415,11 @@ class TurnRunner:
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
             usage=claimed.turn_usage,
+            subagents=(
+                self.subagents.port(claimed.org_id, claimed.session_id, json.loads(claimed.agent_config_json)["id"])
+                if self.subagents is not None and claimed.agent_config_json
+                else None
+            ),
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
@@ -439,7 +457,14 @@ class TurnRunner:
             outcome = Outcome(TurnStatus.FAILED, "internal_error", "an internal error ended the turn")
         else:
             outcome = Outcome(TurnStatus.COMPLETED)
-        return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
+        more = await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
+        if outcome.status == TurnStatus.CANCELLED and self.subagents is not None:
+            # Cancelling a turn interrupts the subagents its model created.
+            try:
+                await asyncio.shield(self.subagents.interrupt_children(claimed.org_id, claimed.session_id))
+            except BerthError:
+                log.warning("subagent_interrupt_failed", session_id=claimed.session_id, exc_info=True)
+        return more
 
     async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn) -> None:
         """The agent loop, after finishing the commands a resumed turn's

@@ -16,6 +16,7 @@ from services.session import views, wire
 from services.session.agents import config_message
 from services.session.domain import SessionDomain
 from services.session.saved_agents import AgentView
+from services.session.subagents import subagent_message
 from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
 
@@ -176,3 +177,12 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     async def DeleteArtifact(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         artifact_id = await self.domain.history.delete_artifact(current_org(), request.session_id, request.artifact_id)
         return session_service_pb2.DeleteArtifactResponse(artifact_id=artifact_id)
+
+    # subagents
+    async def ListSubagents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        rows, more = await self.domain.subagents.list_subagents(current_org(), request.session_id, _page(request.page))
+        return session_service_pb2.ListSubagentsResponse(subagents=[subagent_message(r) for r in rows], has_more=more)
+
+    async def GetSubagent(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        row = await self.domain.subagents.get_subagent(current_org(), request.session_id, request.subagent_id)
+        return session_service_pb2.GetSubagentResponse(subagent=subagent_message(row))

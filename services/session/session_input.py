@@ -93,6 +93,7 @@ async def enqueue_turn(u: Unit, row: SessionRow, messages: list[list[dict[str, A
         "lease_expires_at": 0.0,
         "input_json": json.dumps(messages),
         "next_output_index": 0,
+        "subagent_id": row.subagent_id,
     }
     # A Core insert: the ORM's unit of work costs more than the statement.
     await u.session.execute(_INSERT_TURN, values)

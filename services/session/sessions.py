@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -19,7 +21,7 @@ from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
-from services.session.agents import apply_config, new_config
+from services.session.agents import AgentConfig, apply_config, new_config
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
@@ -100,17 +102,42 @@ class Sessions:
         else:
             agent_id = new_id("agent")
             config = new_config(request.agent, prefix="agent", persisted=False)
-        metadata = dict(request.metadata)
-        vault_ids = list(request.vault_ids)
-        messages = input_messages(request.input)
+        return await self.create_with_config(
+            org,
+            agent_id=agent_id,
+            name=name,
+            config=config,
+            environment=request.environment,
+            messages=input_messages(request.input),
+            metadata=dict(request.metadata),
+            vault_ids=list(request.vault_ids),
+        )
 
-        session_id = new_id("sess")
-        if vault_ids and request.environment.WhichOneof("environment") != "inline":
+    async def create_with_config(
+        self,
+        org: str,
+        *,
+        agent_id: str,
+        name: str | None,
+        config: AgentConfig,
+        environment: svc_pb.SessionEnvironment,
+        messages: list[list[dict[str, Any]]],
+        metadata: dict[str, str],
+        vault_ids: list[str],
+        session_id: str = "",
+        subagent_id: str | None = None,
+        also: Callable[[Unit], Awaitable[None]] | None = None,
+    ) -> CreatedSession:
+        """Creates a session with a resolved configuration and binds its
+        environment; ``also`` runs in the inserting transaction (a subagent's
+        row and event go with its child session)."""
+        session_id = session_id or new_id("sess")
+        if vault_ids and environment.WhichOneof("environment") != "inline":
             # An inline environment checks them itself (they become its selection).
             if self.env is None:
                 raise FailedPrecondition("vaults need the environment service, which is not configured", param="vault_ids")
             await self.env.check_vaults(vault_ids)
-        kind, environment_id, environment = await self._bind_environment(request.environment, session_id, vault_ids)
+        kind, environment_id, env = await self._bind_environment(environment, session_id, vault_ids)
         now = time.time()
         row = SessionRow(
             id=session_id,
@@ -128,15 +155,18 @@ class Sessions:
             last_active_at=now,
             event_seq=0,
             active_turn_id=None,
+            subagent_id=subagent_id,
         )
 
         async def insert(u: Unit) -> tuple[views.SessionView, int, str]:
             u.session.add(row)
             await u.session.flush()
             # An environment whose setup already failed shows on the new session at once.
-            view = await views.session_view(u.session, row, environment)
+            view = await views.session_view(u.session, row, env)
             (created,) = await u.emit(session_id, wire.session_event("agent.session.created", view.message))
             turn_id = await enqueue_turn(u, row, messages) if messages else ""
+            if also is not None:
+                await also(u)
             return view, created.sequence, turn_id
 
         try:
@@ -163,7 +193,8 @@ class Sessions:
         return await self.store.query(lambda s: views.session_view(s, row, environment))
 
     async def list_sessions(self, org: str, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
-        scope = [SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING]
+        # A subagent's child session is listed as a subagent, not as a session.
+        scope = [SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING, SessionRow.subagent_id.is_(None)]
         if agent_id:
             scope.append(SessionRow.agent_id == agent_id)
         rows, more = await self.store.query(lambda s: repo.paginate(s, SessionRow, scope, page))
@@ -193,28 +224,47 @@ class Sessions:
         return await self.get_session(org, session_id)
 
     async def delete_session(self, org: str, session_id: str) -> str:
-        """Refuses while a turn is queued or running. Detaches the environment
-        (a never-shared private one is deleted with its sandbox by the
-        Environment service; a shared one closes the upstream of every HTTP
-        MCP label the session used, even though peers share it), closes the
-        session's own MCP connections, then deletes turns, items, events and
-        artifacts. Stdio MCP servers keep running."""
+        """Refuses while a turn of the session, or of one of its subagents,
+        is queued or running. Deletes the subagents' child sessions first,
+        then the session. For each: detaches the environment (a never-shared
+        private one is deleted with its sandbox by the Environment service; a
+        shared one closes the upstream of every HTTP MCP label the session
+        used, even though peers share it), closes the session's own MCP
+        connections, then deletes turns, items, events and artifacts. Stdio
+        MCP servers keep running."""
 
-        async def mark(u: Unit) -> tuple[SessionRow, str]:
+        async def mark(u: Unit) -> list[tuple[SessionRow, str]]:
             row = await repo.get_session(u.session, org, session_id)
+            tree = [row]
+            for child_id in await repo.descendant_sessions(u.session, session_id):
+                child = (await u.session.execute(select(SessionRow).where(SessionRow.id == child_id))).scalar_one_or_none()
+                if child is not None:
+                    tree.append(child)
+            ids = [r.id for r in tree]
             busy = (
                 await u.session.execute(
-                    select(exists().where(TurnRow.session_id == session_id, TurnRow.status.in_(ACTIVE_TURN_STATUSES)))
+                    select(exists().where(TurnRow.session_id.in_(ids), TurnRow.status.in_(ACTIVE_TURN_STATUSES)))
                 )
             ).scalar()
-            if busy or row.active_turn_id is not None:
-                raise SessionActive(f"session {session_id} has a turn in progress; cancel it first", param="session_id")
-            previous = row.status
-            # New input is refused from here on (the session reads as absent).
-            row.status = SessionStatus.DELETING
-            return row, previous
+            if busy or any(r.active_turn_id is not None for r in tree):
+                raise SessionActive(
+                    f"session {session_id} or one of its subagents has a turn in progress; cancel it first",
+                    param="session_id",
+                )
+            marked = [(r, r.status) for r in tree]
+            for r in tree:
+                # New input is refused from here on (the session reads as absent).
+                r.status = SessionStatus.DELETING
+            return marked
 
-        row, previous_status = await self.store.transact(mark)
+        marked = await self.store.transact(mark)
+        # Children first: the deepest were found last.
+        for row, previous_status in reversed(marked):
+            await self._remove(row, previous_status)
+        return session_id
+
+    async def _remove(self, row: SessionRow, previous_status: str) -> None:
+        session_id = row.id
         if row.environment_kind == "hosted" and self.env is not None:
             try:
                 await self.env.detach_session(row.environment_id, session_id)
@@ -239,4 +289,3 @@ class Sessions:
 
         self.blobs.delete(await self.store.transact(remove))
         log.info("session_deleted", session_id=session_id)
-        return session_id

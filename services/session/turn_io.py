@@ -16,6 +16,7 @@ from services.session.environment_client import EnvironmentClient
 from services.session.function_call_gate import FunctionCallGate
 from services.session.harness.io import FunctionResult, ItemHandle, McpClient, TurnFailure
 from services.session.harness.models.base import Entry, Usage
+from services.session.harness.subagents import SubagentPort
 from services.session.mcp_connections import McpConnections
 from services.session.store import Store, Unit
 from services.session.turn_environment import TurnEnvironment, sandbox_failure
@@ -45,6 +46,7 @@ class DbTurnIO:
         dependency_retry_s: float = 0.0,
         worker_id: str = "",
         usage: dict[str, Any] | None = None,
+        subagents: SubagentPort | None = None,
     ) -> None:
         self.session_id = session_id
         self.turn_id = turn_id
@@ -81,6 +83,7 @@ class DbTurnIO:
             vault_ids=vault_ids or [],
         )
         self._on_ending = on_ending
+        self._subagents = subagents
 
     # ----- what the runner reads when the turn ends --------------------------------
     @property
@@ -112,6 +115,10 @@ class DbTurnIO:
         await self.writer.close_open_items(u)
 
     # ----- TurnIO -------------------------------------------------------------------
+    @property
+    def subagents(self) -> SubagentPort | None:
+        return self._subagents
+
     async def agent_config(self) -> AgentConfig:
         return await self.writer.agent_config()
 

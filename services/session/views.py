@@ -141,5 +141,6 @@ def turn_json(row: TurnRow) -> dict[str, Any]:
         error_code=row.error_code,
         error_message=row.error_message,
         usage_json=row.usage_json,
+        subagent_id=row.subagent_id,
     )
 

@@ -70,6 +70,7 @@ def render_turn(
     error_code: str,
     error_message: str,
     usage_json: str,
+    subagent_id: str | None = None,
 ) -> dict[str, Any]:
     """`Turn` (object: "agent.session.turn"); root turns have subagent_id null."""
     return {
@@ -82,7 +83,7 @@ def render_turn(
         "started_at": int(started_at) if started_at is not None else None,
         "completed_at": int(completed_at) if completed_at is not None else None,
         "error": {"code": error_code, "message": error_message} if error_code else None,
-        "subagent_id": None,
+        "subagent_id": subagent_id,
         "usage": parse_usage(usage_json),
     }
 

@@ -15,7 +15,7 @@ from openai.types.beta.agent_session_event import AgentSessionEvent
 from turns_support import idle_after_turn, open_events
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
-from gateway.routes import agents, environments, files, session_resources, sessions, vaults
+from gateway.routes import agents, environments, files, session_resources, sessions, subagents, vaults
 
 # Route -> the SDK model of its JSON body; None: no JSON body (202, bytes,
 # SSE). The OpenAPI document's table is the one home of that claim; this
@@ -45,7 +45,7 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 def _public_routes() -> set[tuple[str, str]]:
     routes: set[tuple[str, str]] = set()
-    for module in (agents, environments, files, sessions, session_resources, vaults):
+    for module in (agents, environments, files, sessions, session_resources, subagents, vaults):
         for route in module.router.routes:
             for method in getattr(route, "methods", ()):
                 routes.add((method, str(getattr(route, "path"))))
@@ -97,6 +97,46 @@ class Api:
         body = response.json()
         _parse_strictly(model, body, f"{method} {template}")
         return body
+
+
+async def _subagent_routes(api: Api, http: httpx.AsyncClient) -> None:
+    """A turn that makes each of the six subagent calls, then every
+    ``sessions.subagents`` route."""
+    script = "subagent a: hi\nsubagent wait\nsubagent close a\nsubagent resume a\nsubagent interrupt a\nsubagent send a: again\nsubagent wait\nok"
+    session = await api.call(
+        "POST",
+        "/v1/agents/sessions",
+        json={"agent": {"model": "scripted", "multi_agent": {"enabled": True}}, "environment": {"type": "none"}, "input": script},
+    )
+    async with open_events(http, session["id"], last_event_id="0") as reader:
+        async with asyncio.timeout(60):
+            started = await reader.until(lambda e: e.type == "agent.session.turn.created")
+            turn_id = str(started[-1].data["turn"]["id"])
+            frames = await reader.until(idle_after_turn(turn_id))
+    for frame in frames:
+        parsed = EVENT_ADAPTER.validate_python(frame.data, strict=True)
+        assert not _unknown_fields(parsed, set()), frame.type
+    kinds = {f.type for f in frames}
+    assert {"agent.session.subagent.created", "agent.session.subagent.closed", "agent.session.subagent.active"} <= kinds
+    items = await api.call("GET", "/v1/agents/sessions/{session_id}/items", session_id=session["id"])
+    assert {i["type"] for i in items["data"]} >= {
+        "create_subagent_call",
+        "send_subagent_input_call",
+        "wait_for_subagents_call",
+        "interrupt_subagent_call",
+        "resume_subagent_call",
+        "close_subagent_call",
+    }
+    ids = {"session_id": session["id"]}
+    (sub,) = (await api.call("GET", "/v1/agents/sessions/{session_id}/subagents", **ids))["data"]
+    ids["subagent_id"] = sub["id"]
+    await api.call("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}", **ids)
+    await api.call("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/items", **ids)
+    turns = await api.call("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns", **ids)
+    assert {t["subagent_id"] for t in turns["data"]} == {sub["id"]}
+    ids["turn_id"] = turns["data"][0]["id"]
+    await api.call("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}", **ids)
+    await api.call("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}/items", **ids)
 
 
 async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Stack) -> None:
@@ -218,6 +258,8 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         content = await api.call("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}/content", **ids)
         assert content.content == b"shapes\n"
         await api.call("DELETE", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}", **ids)
+
+        await _subagent_routes(api, http)
 
         await api.call("DELETE", "/v1/agents/sessions/{session_id}", session_id=session_id)
         await api.call("DELETE", "/v1/agents/environments/{environment_id}", environment_id=env["id"])

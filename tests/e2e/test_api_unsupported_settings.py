@@ -24,7 +24,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("a deferred function", {"tools": [{**FUNCTION, "defer_loading": True}]}, "tools.0.defer_loading"),
     ("an asynchronous function", {"tools": [{**FUNCTION, "async": True}]}, "tools.0.async"),
     ("an unknown tool key", {"tools": [{**FUNCTION, "strict": True}]}, "tools.0.strict"),
-    ("multi_agent", {"multi_agent": {"enabled": True}}, "multi_agent.enabled"),
+    ("an unknown multi_agent key", {"multi_agent": {"enabled": True, "depth": 2}}, "multi_agent.depth"),
     ("blocking compaction", {"compaction": {}}, "compaction"),
     ("async compaction", {"compaction": {"async": True}}, "compaction"),
     ("an unknown reasoning key", {"reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget"),

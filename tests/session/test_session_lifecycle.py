@@ -105,7 +105,18 @@ async def test_agent_configs_break_no_service_invariant(client: Client) -> None:
             ),
             "tools[1].name",
         ),
-        (session_pb2.AgentConfig(model="m", multi_agent=session_pb2.MultiAgentConfig(enabled=True)), "multi_agent.enabled"),
+        (
+            session_pb2.AgentConfig(
+                model="m", multi_agent=session_pb2.MultiAgentConfig(enabled=True, max_concurrent_subagents=0)
+            ),
+            "multi_agent.max_concurrent_subagents",
+        ),
+        (
+            session_pb2.AgentConfig(
+                model="m", tools=[session_pb2.Tool(function=session_pb2.FunctionTool(name="create_subagent"))]
+            ),
+            "tools[0].name",
+        ),
         (
             session_pb2.AgentConfig(
                 model="m",

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mcp_types
 
 from services.session.agents import AgentConfig
 from services.session.harness.environment import EnvironmentPort
 from services.session.harness.models.base import Entry, Usage
+
+if TYPE_CHECKING:
+    from services.session.harness.subagents import SubagentPort
 
 __all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure", "McpUnavailable", "McpClient"]
 
@@ -71,6 +74,11 @@ class TurnIO(Protocol):
     @property
     def env(self) -> EnvironmentPort | None:
         """The session's environment; None when it has none."""
+        ...
+
+    @property
+    def subagents(self) -> SubagentPort | None:
+        """The session's subagents; None when the service offers none."""
         ...
 
     async def agent_config(self) -> AgentConfig:

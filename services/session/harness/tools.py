@@ -8,6 +8,7 @@
 - Application function tools (``agent.tools`` of type ``function``): the call
   becomes a pending function call; the turn waits for the tool result.
 - MCP tools (``LABEL.TOOL``): see ``harness/mcp_tools.py``.
+- Subagent tools (with ``multi_agent`` enabled): see ``harness/subagents.py``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from services.core.errors import BerthError
-from services.session.agents import AgentConfig, function_tools
+from services.session.agents import SUBAGENT_TOOL_NAMES, AgentConfig, function_tools
 from services.session.harness.coding_tools import CODING_TOOL_NAMES, CODING_TOOLS, run_coding_tool
 from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable, model_fault
 from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.models.base import ToolCall, ToolSpec
+from services.session.harness.subagents import SUBAGENT_TOOLS, run_subagent_tool
 from services.session.harness.tool_output import MAX_ITEM_OUTPUT, MAX_MODEL_OUTPUT
 from services.session.harness.tool_output import call_entries as _call_entries
 from services.session.harness.tool_output import clip_for_model as _clip_for_model
@@ -89,9 +91,15 @@ _ENV_TOOL_NAMES = {t.name for t in _ENV_TOOLS}
 
 def tool_specs(config: AgentConfig, *, has_environment: bool) -> list[ToolSpec]:
     specs = [*_ENV_TOOLS, *CODING_TOOLS] if has_environment else []
+    if _multi_agent(config):
+        specs.extend(SUBAGENT_TOOLS)
     for tool in function_tools(config):
         specs.append(ToolSpec(tool["name"], tool.get("description") or "", tool.get("parameters") or {"type": "object"}))
     return specs
+
+
+def _multi_agent(config: AgentConfig) -> bool:
+    return bool((config.get("multi_agent") or {}).get("enabled"))
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,9 @@ async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> 
         return None
     if call.name in CODING_TOOL_NAMES:
         await run_coding_tool(io, call)
+        return None
+    if call.name in SUBAGENT_TOOL_NAMES and _multi_agent(config):
+        await run_subagent_tool(io, io.subagents, call)
         return None
     if call.name in functions:
         return PendingCall(await io.add_function_call(call.name, call.arguments, call.id))

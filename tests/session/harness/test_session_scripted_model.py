@@ -124,3 +124,43 @@ async def test_the_last_process_is_the_one_the_latest_start_reported() -> None:
     request = ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[])
     (call,) = (await model.complete(request)).tool_calls
     assert (call.name, json.loads(call.arguments)) == ("write_stdin", {"process_id": "proc_new", "chars": "hi\n"})
+
+
+def test_subagent_lines_are_calls_of_the_subagent_tools_and_other_subagent_text_is_echoed() -> None:
+    script = (
+        "subagent a: $ echo one\\n$ echo two\n"
+        "subagent send a: more\n"
+        "subagent wait\n"
+        "subagent wait a b\n"
+        "subagent interrupt a\nsubagent resume a\nsubagent close a\n"
+        "subagent agents are helpers"
+    )
+    actions, text = parse_script(script)
+    assert [(a.tool, a.arguments) for a in actions] == [
+        ("create_subagent", {"name": "a", "task": "$ echo one\n$ echo two"}),
+        ("send_subagent_input", {"subagent_id": "@subagent:a", "message": "more"}),
+        ("wait_for_subagents", {"subagent_ids": "@subagents"}),
+        ("wait_for_subagents", {"subagent_ids": ["@subagent:a", "@subagent:b"]}),
+        ("interrupt_subagent", {"subagent_id": "@subagent:a"}),
+        ("resume_subagent", {"subagent_id": "@subagent:a"}),
+        ("close_subagent", {"subagent_id": "@subagent:a"}),
+    ]
+    assert text == "subagent agents are helpers"
+
+
+async def test_subagent_names_resolve_to_the_ids_their_creations_reported() -> None:
+    create = {"id": "c1", "name": "create_subagent", "arguments": json.dumps({"name": "a", "task": "x"})}
+    transcript: list[dict[str, Any]] = [
+        {"role": "user", "text": "subagent a: x\nsubagent send a: hi\nsubagent wait"},
+        {"role": "assistant", "tool_calls": [create]},
+        {"role": "tool", "call_id": "c1", "output": "subagent_id: subagent_1"},
+    ]
+    model = ScriptedProvider()
+    send = await model.complete(ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[]))
+    assert [json.loads(c.arguments) for c in send.tool_calls] == [{"subagent_id": "subagent_1", "message": "hi"}]
+    transcript += [
+        {"role": "assistant", "tool_calls": [{"id": "c2", "name": "send_subagent_input", "arguments": "{}"}]},
+        {"role": "tool", "call_id": "c2", "output": "sent"},
+    ]
+    wait = await model.complete(ModelRequest(model="scripted", instructions=None, transcript=transcript, tools=[]))
+    assert [json.loads(c.arguments) for c in wait.tool_calls] == [{"subagent_ids": ["subagent_1"]}]

@@ -121,6 +121,30 @@ TURN_STATUS_CANCELLED: TurnStatus.ValueType  # 6
 """Cancelled by input.cancel."""
 Global___TurnStatus: _TypeAlias = TurnStatus  # noqa: Y015
 
+class _SubagentStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SubagentStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SubagentStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SUBAGENT_STATUS_UNSPECIFIED: _SubagentStatus.ValueType  # 0
+    """Not set."""
+    SUBAGENT_STATUS_ACTIVE: _SubagentStatus.ValueType  # 1
+    """Open, running or idle between turns."""
+    SUBAGENT_STATUS_CLOSED: _SubagentStatus.ValueType  # 2
+    """Closed; a resume reopens it."""
+
+class SubagentStatus(_SubagentStatus, metaclass=_SubagentStatusEnumTypeWrapper):
+    """SubagentStatus is a subagent's lifecycle."""
+
+SUBAGENT_STATUS_UNSPECIFIED: SubagentStatus.ValueType  # 0
+"""Not set."""
+SUBAGENT_STATUS_ACTIVE: SubagentStatus.ValueType  # 1
+"""Open, running or idle between turns."""
+SUBAGENT_STATUS_CLOSED: SubagentStatus.ValueType  # 2
+"""Closed; a resume reopens it."""
+Global___SubagentStatus: _TypeAlias = SubagentStatus  # noqa: Y015
+
 @_typing.final
 class AgentConfig(_message.Message):
     """AgentConfig is an agent's normalized configuration: what a saved agent
@@ -194,7 +218,7 @@ Global___AgentConfig: _TypeAlias = AgentConfig  # noqa: Y015
 
 @_typing.final
 class MultiAgentConfig(_message.Message):
-    """MultiAgentConfig configures subagents (not supported: never enabled)."""
+    """MultiAgentConfig configures subagents."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1355,6 +1379,12 @@ class Item(_message.Message):
     COMMAND_EXECUTION_FIELD_NUMBER: _builtins.int
     MCP_CALL_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    CREATE_SUBAGENT_CALL_FIELD_NUMBER: _builtins.int
+    SEND_SUBAGENT_INPUT_CALL_FIELD_NUMBER: _builtins.int
+    RESUME_SUBAGENT_CALL_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_SUBAGENTS_CALL_FIELD_NUMBER: _builtins.int
+    INTERRUPT_SUBAGENT_CALL_FIELD_NUMBER: _builtins.int
+    CLOSE_SUBAGENT_CALL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("item_...")."""
     session_id: _builtins.str
@@ -1387,6 +1417,30 @@ class Item(_message.Message):
     def reasoning(self) -> Global___ReasoningItem:
         """Reasoning the model produced (its summary)."""
 
+    @_builtins.property
+    def create_subagent_call(self) -> Global___CreateSubagentCallItem:
+        """A request to spawn a subagent."""
+
+    @_builtins.property
+    def send_subagent_input_call(self) -> Global___SendSubagentInputCallItem:
+        """Input sent to a subagent."""
+
+    @_builtins.property
+    def resume_subagent_call(self) -> Global___SubagentCallItem:
+        """A request to resume a closed subagent."""
+
+    @_builtins.property
+    def wait_for_subagents_call(self) -> Global___WaitForSubagentsCallItem:
+        """A request to wait for one or more subagents."""
+
+    @_builtins.property
+    def interrupt_subagent_call(self) -> Global___SubagentCallItem:
+        """A request to interrupt a subagent's running turn."""
+
+    @_builtins.property
+    def close_subagent_call(self) -> Global___SubagentCallItem:
+        """A request to close a subagent."""
+
     def __init__(
         self,
         *,
@@ -1400,16 +1454,234 @@ class Item(_message.Message):
         command_execution: Global___CommandExecutionItem | None = ...,
         mcp_call: Global___McpCallItem | None = ...,
         reasoning: Global___ReasoningItem | None = ...,
+        create_subagent_call: Global___CreateSubagentCallItem | None = ...,
+        send_subagent_input_call: Global___SendSubagentInputCallItem | None = ...,
+        resume_subagent_call: Global___SubagentCallItem | None = ...,
+        wait_for_subagents_call: Global___WaitForSubagentsCallItem | None = ...,
+        interrupt_subagent_call: Global___SubagentCallItem | None = ...,
+        close_subagent_call: Global___SubagentCallItem | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "reasoning", b"reasoning"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["close_subagent_call", b"close_subagent_call", "command_execution", b"command_execution", "create_subagent_call", b"create_subagent_call", "function_call", b"function_call", "function_call_output", b"function_call_output", "interrupt_subagent_call", b"interrupt_subagent_call", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "reasoning", b"reasoning", "resume_subagent_call", b"resume_subagent_call", "send_subagent_input_call", b"send_subagent_input_call", "wait_for_subagents_call", b"wait_for_subagents_call"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution", b"command_execution", "function_call", b"function_call", "function_call_output", b"function_call_output", "id", b"id", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "reasoning", b"reasoning", "session_id", b"session_id", "turn_id", b"turn_id", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close_subagent_call", b"close_subagent_call", "command_execution", b"command_execution", "create_subagent_call", b"create_subagent_call", "function_call", b"function_call", "function_call_output", b"function_call_output", "id", b"id", "interrupt_subagent_call", b"interrupt_subagent_call", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "reasoning", b"reasoning", "resume_subagent_call", b"resume_subagent_call", "send_subagent_input_call", b"send_subagent_input_call", "session_id", b"session_id", "turn_id", b"turn_id", "type", b"type", "wait_for_subagents_call", b"wait_for_subagents_call"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "function_call", "function_call_output", "command_execution", "mcp_call", "reasoning"]  # noqa: Y015
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "function_call", "function_call_output", "command_execution", "mcp_call", "reasoning", "create_subagent_call", "send_subagent_input_call", "resume_subagent_call", "wait_for_subagents_call", "interrupt_subagent_call", "close_subagent_call"]  # noqa: Y015
     _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
 Global___Item: _TypeAlias = Item  # noqa: Y015
+
+@_typing.final
+class CreateSubagentCallItem(_message.Message):
+    """CreateSubagentCallItem is a request to spawn a subagent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    REASONING_EFFORT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """The agent that requested the subagent."""
+    model: _builtins.str
+    """The model requested for the spawned agent; unset means the parent's."""
+    reasoning_effort: _builtins.str
+    """The reasoning effort requested for the spawned agent; unset means the parent's."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """The task given to the spawned agent."""
+
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        content: _abc.Iterable[Global___ContentPart] | None = ...,
+        model: _builtins.str | None = ...,
+        reasoning_effort: _builtins.str | None = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_model", b"_model", "_reasoning_effort", b"_reasoning_effort", "model", b"model", "reasoning_effort", b"reasoning_effort"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model", b"_model", "_reasoning_effort", b"_reasoning_effort", "agent_id", b"agent_id", "content", b"content", "model", b"model", "reasoning_effort", b"reasoning_effort", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__model: _TypeAlias = _typing.Literal["model"]  # noqa: Y015
+    _WhichOneofArgType__model: _TypeAlias = _typing.Literal["_model", b"_model"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_effort: _TypeAlias = _typing.Literal["reasoning_effort"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_effort: _TypeAlias = _typing.Literal["_reasoning_effort", b"_reasoning_effort"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__model) -> _WhichOneofReturnType__model | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_effort) -> _WhichOneofReturnType__reasoning_effort | None: ...
+
+Global___CreateSubagentCallItem: _TypeAlias = CreateSubagentCallItem  # noqa: Y015
+
+@_typing.final
+class SendSubagentInputCallItem(_message.Message):
+    """SendSubagentInputCallItem sends input to a subagent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECIPIENT_AGENT_ID_FIELD_NUMBER: _builtins.int
+    SENDER_AGENT_ID_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    recipient_agent_id: _builtins.str
+    """The subagent addressed."""
+    sender_agent_id: _builtins.str
+    """The agent that made the call."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    @_builtins.property
+    def content(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """The input sent."""
+
+    def __init__(
+        self,
+        *,
+        recipient_agent_id: _builtins.str = ...,
+        sender_agent_id: _builtins.str = ...,
+        content: _abc.Iterable[Global___ContentPart] | None = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "recipient_agent_id", b"recipient_agent_id", "sender_agent_id", b"sender_agent_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendSubagentInputCallItem: _TypeAlias = SendSubagentInputCallItem  # noqa: Y015
+
+@_typing.final
+class SubagentCallItem(_message.Message):
+    """SubagentCallItem is a call that addresses one subagent: resuming,
+    interrupting or closing it (the item's type says which).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECIPIENT_AGENT_ID_FIELD_NUMBER: _builtins.int
+    SENDER_AGENT_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    recipient_agent_id: _builtins.str
+    """The subagent addressed."""
+    sender_agent_id: _builtins.str
+    """The agent that made the call."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    def __init__(
+        self,
+        *,
+        recipient_agent_id: _builtins.str = ...,
+        sender_agent_id: _builtins.str = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recipient_agent_id", b"recipient_agent_id", "sender_agent_id", b"sender_agent_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubagentCallItem: _TypeAlias = SubagentCallItem  # noqa: Y015
+
+@_typing.final
+class WaitForSubagentsCallItem(_message.Message):
+    """WaitForSubagentsCallItem is a request to wait for one or more subagents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECIPIENT_AGENT_IDS_FIELD_NUMBER: _builtins.int
+    SENDER_AGENT_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    sender_agent_id: _builtins.str
+    """The agent waiting."""
+    status: _builtins.str
+    """"in_progress", "completed", "failed" or "incomplete"."""
+    @_builtins.property
+    def recipient_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The subagents waited for."""
+
+    def __init__(
+        self,
+        *,
+        recipient_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
+        sender_agent_id: _builtins.str = ...,
+        status: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recipient_agent_ids", b"recipient_agent_ids", "sender_agent_id", b"sender_agent_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitForSubagentsCallItem: _TypeAlias = WaitForSubagentsCallItem  # noqa: Y015
+
+@_typing.final
+class Subagent(_message.Message):
+    """Subagent is an agent a session's model created (the SDK's `Subagent`); it
+    runs as a child session on the same environment.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PARENT_AGENT_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    INSTRUCTIONS_FIELD_NUMBER: _builtins.int
+    OPENED_AT_FIELD_NUMBER: _builtins.int
+    CLOSED_AT_FIELD_NUMBER: _builtins.int
+    CHILD_SESSION_ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Public ID ("subagent_..."); also the agent ID of its turns."""
+    session_id: _builtins.str
+    """The root session that owns the subagent."""
+    parent_agent_id: _builtins.str
+    """The agent that created it: the root session's agent or another subagent."""
+    status: Global___SubagentStatus.ValueType
+    """Status."""
+    name: _builtins.str
+    """The runner-assigned nickname; unset when none."""
+    opened_at: _builtins.int
+    """When it was first opened, Unix seconds."""
+    closed_at: _builtins.int
+    """When it was closed, Unix seconds; unset while active."""
+    child_session_id: _builtins.str
+    """The child session that holds its history and turns (contract-only)."""
+    @_builtins.property
+    def instructions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContentPart]:
+        """The initial task."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        parent_agent_id: _builtins.str = ...,
+        status: Global___SubagentStatus.ValueType = ...,
+        name: _builtins.str | None = ...,
+        instructions: _abc.Iterable[Global___ContentPart] | None = ...,
+        opened_at: _builtins.int = ...,
+        closed_at: _builtins.int | None = ...,
+        child_session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_closed_at", b"_closed_at", "_name", b"_name", "closed_at", b"closed_at", "name", b"name"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_closed_at", b"_closed_at", "_name", b"_name", "child_session_id", b"child_session_id", "closed_at", b"closed_at", "id", b"id", "instructions", b"instructions", "name", b"name", "opened_at", b"opened_at", "parent_agent_id", b"parent_agent_id", "session_id", b"session_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__closed_at: _TypeAlias = _typing.Literal["closed_at"]  # noqa: Y015
+    _WhichOneofArgType__closed_at: _TypeAlias = _typing.Literal["_closed_at", b"_closed_at"]  # noqa: Y015
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__closed_at) -> _WhichOneofReturnType__closed_at | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+
+Global___Subagent: _TypeAlias = Subagent  # noqa: Y015
 
 @_typing.final
 class ReasoningItem(_message.Message):
@@ -1829,6 +2101,9 @@ class SessionEvent(_message.Message):
     ENVIRONMENT_FAILED_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_DISCONNECTED_FIELD_NUMBER: _builtins.int
     ENVIRONMENT_CONNECTED_FIELD_NUMBER: _builtins.int
+    SUBAGENT_CREATED_FIELD_NUMBER: _builtins.int
+    SUBAGENT_ACTIVE_FIELD_NUMBER: _builtins.int
+    SUBAGENT_CLOSED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Per-session sequence number, starting at 1, without gaps (the SSE id)."""
@@ -1943,6 +2218,18 @@ class SessionEvent(_message.Message):
         """agent.session.environment.connected: the service answered again."""
 
     @_builtins.property
+    def subagent_created(self) -> Global___SubagentEvent:
+        """agent.session.subagent.created."""
+
+    @_builtins.property
+    def subagent_active(self) -> Global___SubagentEvent:
+        """agent.session.subagent.active: a closed subagent was resumed."""
+
+    @_builtins.property
+    def subagent_closed(self) -> Global___SubagentEvent:
+        """agent.session.subagent.closed."""
+
+    @_builtins.property
     def error(self) -> Global___ErrorEvent:
         """error: a turn or stream failure."""
 
@@ -1978,17 +2265,44 @@ class SessionEvent(_message.Message):
         environment_failed: Global___EnvironmentEvent | None = ...,
         environment_disconnected: Global___EnvironmentEvent | None = ...,
         environment_connected: Global___EnvironmentEvent | None = ...,
+        subagent_created: Global___SubagentEvent | None = ...,
+        subagent_active: Global___SubagentEvent | None = ...,
+        subagent_closed: Global___SubagentEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "subagent_active", b"subagent_active", "subagent_closed", b"subagent_closed", "subagent_created", b"subagent_created", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "subagent_active", b"subagent_active", "subagent_closed", b"subagent_closed", "subagent_created", b"subagent_created", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "reasoning_summary_part_added", "reasoning_summary_part_done", "reasoning_summary_text_delta", "reasoning_summary_text_done", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "error"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "reasoning_summary_part_added", "reasoning_summary_part_done", "reasoning_summary_text_delta", "reasoning_summary_text_done", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "subagent_created", "subagent_active", "subagent_closed", "error"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___SessionEvent: _TypeAlias = SessionEvent  # noqa: Y015
+
+@_typing.final
+class SubagentEvent(_message.Message):
+    """SubagentEvent announces a subagent's change, with the subagent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBAGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def subagent(self) -> Global___Subagent:
+        """The subagent when the event was written."""
+
+    def __init__(
+        self,
+        *,
+        subagent: Global___Subagent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subagent", b"subagent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["subagent", b"subagent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubagentEvent: _TypeAlias = SubagentEvent  # noqa: Y015
 
 @_typing.final
 class SessionStatusEvent(_message.Message):

@@ -1513,3 +1513,109 @@ class DeleteArtifactResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteArtifactResponse: _TypeAlias = DeleteArtifactResponse  # noqa: Y015
+
+@_typing.final
+class ListSubagentsRequest(_message.Message):
+    """ListSubagentsRequest names the owning session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The root session."""
+    @_builtins.property
+    def page(self) -> Global___PageRequest:
+        """The page."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        page: Global___PageRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page", b"page", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSubagentsRequest: _TypeAlias = ListSubagentsRequest  # noqa: Y015
+
+@_typing.final
+class ListSubagentsResponse(_message.Message):
+    """ListSubagentsResponse is one page of subagents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBAGENTS_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """Whether more follow."""
+    @_builtins.property
+    def subagents(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.Subagent]:
+        """The subagents."""
+
+    def __init__(
+        self,
+        *,
+        subagents: _abc.Iterable[_session_pb2.Subagent] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_more", b"has_more", "subagents", b"subagents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSubagentsResponse: _TypeAlias = ListSubagentsResponse  # noqa: Y015
+
+@_typing.final
+class GetSubagentRequest(_message.Message):
+    """GetSubagentRequest names one subagent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SUBAGENT_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The root session."""
+    subagent_id: _builtins.str
+    """The subagent."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        subagent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "subagent_id", b"subagent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSubagentRequest: _TypeAlias = GetSubagentRequest  # noqa: Y015
+
+@_typing.final
+class GetSubagentResponse(_message.Message):
+    """GetSubagentResponse carries the subagent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBAGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def subagent(self) -> _session_pb2.Subagent:
+        """The subagent."""
+
+    def __init__(
+        self,
+        *,
+        subagent: _session_pb2.Subagent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["subagent", b"subagent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["subagent", b"subagent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSubagentResponse: _TypeAlias = GetSubagentResponse  # noqa: Y015

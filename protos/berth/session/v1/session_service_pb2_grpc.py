@@ -130,6 +130,16 @@ class SessionServiceStub:
                 request_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.DeleteArtifactRequest.SerializeToString,
                 response_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.DeleteArtifactResponse.FromString,
                 _registered_method=True)
+        self.ListSubagents = channel.unary_unary(
+                '/berth.session.v1.SessionService/ListSubagents',
+                request_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListSubagentsRequest.SerializeToString,
+                response_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListSubagentsResponse.FromString,
+                _registered_method=True)
+        self.GetSubagent = channel.unary_unary(
+                '/berth.session.v1.SessionService/GetSubagent',
+                request_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentRequest.SerializeToString,
+                response_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -270,6 +280,21 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSubagents(self, request, context):
+        """ListSubagents lists the subagents a session's models created (the whole
+        tree under a root session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSubagent(self, request, context):
+        """GetSubagent returns one subagent of a session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -367,6 +392,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.DeleteArtifact,
                     request_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.DeleteArtifactRequest.FromString,
                     response_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.DeleteArtifactResponse.SerializeToString,
+            ),
+            'ListSubagents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSubagents,
+                    request_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListSubagentsRequest.FromString,
+                    response_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListSubagentsResponse.SerializeToString,
+            ),
+            'GetSubagent': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSubagent,
+                    request_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentRequest.FromString,
+                    response_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -883,6 +918,60 @@ class SessionService:
             '/berth.session.v1.SessionService/DeleteArtifact',
             berth_dot_session_dot_v1_dot_session__service__pb2.DeleteArtifactRequest.SerializeToString,
             berth_dot_session_dot_v1_dot_session__service__pb2.DeleteArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSubagents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.session.v1.SessionService/ListSubagents',
+            berth_dot_session_dot_v1_dot_session__service__pb2.ListSubagentsRequest.SerializeToString,
+            berth_dot_session_dot_v1_dot_session__service__pb2.ListSubagentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSubagent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.session.v1.SessionService/GetSubagent',
+            berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentRequest.SerializeToString,
+            berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,12 @@ class SessionServiceStub:
     """Streams an artifact's content."""
     DeleteArtifact: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.DeleteArtifactRequest, _session_service_pb2.DeleteArtifactResponse]
     """Deletes an artifact."""
+    ListSubagents: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.ListSubagentsRequest, _session_service_pb2.ListSubagentsResponse]
+    """ListSubagents lists the subagents a session's models created (the whole
+    tree under a root session).
+    """
+    GetSubagent: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.GetSubagentRequest, _session_service_pb2.GetSubagentResponse]
+    """GetSubagent returns one subagent of a session."""
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -122,6 +128,12 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """Streams an artifact's content."""
     DeleteArtifact: _aio.UnaryUnaryMultiCallable[_session_service_pb2.DeleteArtifactRequest, _session_service_pb2.DeleteArtifactResponse]  # type: ignore[assignment]
     """Deletes an artifact."""
+    ListSubagents: _aio.UnaryUnaryMultiCallable[_session_service_pb2.ListSubagentsRequest, _session_service_pb2.ListSubagentsResponse]  # type: ignore[assignment]
+    """ListSubagents lists the subagents a session's models created (the whole
+    tree under a root session).
+    """
+    GetSubagent: _aio.UnaryUnaryMultiCallable[_session_service_pb2.GetSubagentRequest, _session_service_pb2.GetSubagentResponse]  # type: ignore[assignment]
+    """GetSubagent returns one subagent of a session."""
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     """SessionService is the Agents API's session surface."""
@@ -279,5 +291,23 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.DeleteArtifactResponse, _abc.Awaitable[_session_service_pb2.DeleteArtifactResponse]]:
         """Deletes an artifact."""
+
+    @_abc_1.abstractmethod
+    def ListSubagents(
+        self,
+        request: _session_service_pb2.ListSubagentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.ListSubagentsResponse, _abc.Awaitable[_session_service_pb2.ListSubagentsResponse]]:
+        """ListSubagents lists the subagents a session's models created (the whole
+        tree under a root session).
+        """
+
+    @_abc_1.abstractmethod
+    def GetSubagent(
+        self,
+        request: _session_service_pb2.GetSubagentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.GetSubagentResponse, _abc.Awaitable[_session_service_pb2.GetSubagentResponse]]:
+        """GetSubagent returns one subagent of a session."""
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -36,6 +36,17 @@ backticks, the content, and a closing line of three backticks)
     Close that process's stdin, then read its output.
 ``kill``
     Kill that process (``kill_process``).
+``subagent NAME: TASK``
+    Create a subagent nicknamed NAME (one word) with TASK as its first
+    message (``create_subagent``); ``\\n`` in TASK stands for a line break,
+    so a scripted subagent can run a script of several lines.
+``subagent send NAME: TEXT``
+    Send TEXT to subagent NAME (``send_subagent_input``).
+``subagent wait [NAME ...]``
+    Wait for the named subagents, or for every subagent this session
+    created when none is named (``wait_for_subagents``).
+``subagent interrupt NAME`` / ``subagent resume NAME`` / ``subagent close NAME``
+    Interrupt, resume or close subagent NAME.
 ``& ACTION``
     Any action line prefixed with ``& `` is issued in the same model response
     as the action before it (parallel tool calls).
@@ -45,7 +56,9 @@ any other line
 
 "The last process" is resolved when the call is issued: the
 ``process_id`` in the output of the latest ``start_process`` call in the
-session's transcript, in this turn or an earlier one.
+session's transcript, in this turn or an earlier one. A subagent NAME is
+resolved the same way, to the ``subagent_id`` the latest ``create_subagent``
+call with that name reported.
 
 Actions run one step per model call, in order (a step is an action plus the
 ``&`` actions after it): the model counts the tool calls it already made
@@ -87,6 +100,39 @@ class ScriptAction:
 # Stands for the process_id of the last process started, until a call is issued.
 LAST_PROCESS = "@last"
 _PROCESS_ID = re.compile(r"^process_id: (\S+)$", re.MULTILINE)
+# Stands for the ID of the subagent of a name (``@subagent:NAME``), or of
+# every subagent created (``@subagents``), until a call is issued.
+_SUBAGENT = "@subagent:"
+_ALL_SUBAGENTS = "@subagents"
+_SUBAGENT_ID = re.compile(r"^subagent_id: (\S+)$", re.MULTILINE)
+_SUBAGENT_VERBS = {
+    "send": "send_subagent_input",
+    "wait": "wait_for_subagents",
+    "interrupt": "interrupt_subagent",
+    "resume": "resume_subagent",
+    "close": "close_subagent",
+}
+
+
+def _subagent_action(rest: str) -> ScriptAction | None:
+    """The action of a ``subagent ...`` line, or None when it is not one."""
+    verb, _, tail = rest.partition(" ")
+    tail = tail.strip()
+    if verb == "wait":
+        names = tail.split()
+        ids: Any = [_SUBAGENT + n for n in names] if names else _ALL_SUBAGENTS
+        return ScriptAction("wait_for_subagents", {"subagent_ids": ids})
+    if verb == "send":
+        name, sep, text = tail.partition(":")
+        if not sep or not name.strip():
+            return None
+        return ScriptAction("send_subagent_input", {"subagent_id": _SUBAGENT + name.strip(), "message": text.strip().replace("\\n", "\n")})
+    if verb in _SUBAGENT_VERBS:
+        return ScriptAction(_SUBAGENT_VERBS[verb], {"subagent_id": _SUBAGENT + tail}) if tail else None
+    name, sep, task = rest.partition(":")
+    if not sep or not name.strip() or " " in name.strip():
+        return None
+    return ScriptAction("create_subagent", {"name": name.strip(), "task": task.strip().replace("\\n", "\n")})
 
 
 def _yield_option(rest: str) -> tuple[dict[str, Any], str]:
@@ -164,6 +210,8 @@ def parse_script(script: str) -> tuple[list[ScriptAction], str]:
             actions.append(ScriptAction("write_stdin", arguments))
         elif stripped == "kill":
             actions.append(ScriptAction("kill_process", {"process_id": LAST_PROCESS}))
+        elif stripped.startswith("subagent ") and (subagent := _subagent_action(stripped[len("subagent ") :].strip())):
+            actions.append(subagent)
         elif stripped.startswith("mcp "):
             target, _, rest = stripped[len("mcp ") :].strip().partition(" ")
             label, _, tool = target.partition(".")
@@ -230,9 +278,45 @@ def _entry_text(entry: Entry) -> str:
     return "".join(parts)
 
 
+def _subagent_ids(transcript: list[Entry]) -> dict[str, str]:
+    """The subagent IDs the session's create_subagent calls reported, by
+    name, in creation order (a later one of a name replaces the earlier)."""
+    names: dict[str, str] = {}
+    for e in transcript:
+        for c in e.get("tool_calls") or ():
+            if c.get("name") == "create_subagent":
+                names[str(c.get("id"))] = str(_json_object(str(c.get("arguments") or "")).get("name") or "")
+    out: dict[str, str] = {}
+    for entry in transcript:
+        if entry.get("role") == "tool" and entry.get("call_id") in names:
+            found = _SUBAGENT_ID.search(str(entry.get("output") or ""))
+            if found:
+                out[names[str(entry["call_id"])]] = found.group(1)
+    return out
+
+
+def _resolve_subagents(arguments: dict[str, Any], transcript: list[Entry]) -> dict[str, Any]:
+    ids = _subagent_ids(transcript)
+
+    def one(value: str) -> str:
+        return ids.get(value[len(_SUBAGENT) :], value) if value.startswith(_SUBAGENT) else value
+
+    out = dict(arguments)
+    if "subagent_id" in out:
+        out["subagent_id"] = one(str(out["subagent_id"]))
+    if out.get("subagent_ids") == _ALL_SUBAGENTS:
+        out["subagent_ids"] = list(ids.values())
+    elif isinstance(out.get("subagent_ids"), list):
+        out["subagent_ids"] = [one(str(v)) for v in out["subagent_ids"]]
+    return out
+
+
 def _resolve(arguments: dict[str, Any], transcript: list[Entry]) -> dict[str, Any]:
     """``arguments`` with LAST_PROCESS replaced by the process_id the latest
-    start_process call reported (left as is when there is none)."""
+    start_process call reported (left as is when there is none), and
+    subagent names by their IDs."""
+    if "subagent_id" in arguments or "subagent_ids" in arguments:
+        return _resolve_subagents(arguments, transcript)
     if arguments.get("process_id") != LAST_PROCESS:
         return arguments
     started = {
