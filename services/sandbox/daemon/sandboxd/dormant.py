@@ -1,0 +1,74 @@
+"""Dormancy: an idle daemon that costs almost nothing.
+
+An idle sandboxd holds asyncio and every op's module, about 10 MiB of heap
+that nothing inside the sandbox can share. When it has been idle for
+``--dormant-after`` seconds (no request in flight, no child process, no MCP
+broker, relay or tunnel), the daemon replaces itself (``execv``, so it stays
+PID 1 and keeps every descriptor) with this module: a bare interpreter that
+imports nothing but ``os``, ``sys`` and ``select``, waiting for the listening
+socket or one of the open connections to become readable. It then
+``execv``s the full daemon back with ``--resume-fds``, which adopts the
+socket and the connections as they were (already past their ``hello``), so
+the client only sees its next request take the daemon's start-up time.
+
+Nothing crosses this state but descriptors: the daemon goes dormant only
+when no frame is half read or half written, and the environment is read
+again from ``--env-file`` on waking, as ``env.reload`` would.
+
+Keep this module's imports to the three above: each further one is paid by
+every dormant sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+
+DORMANT_FLAG = "--dormant"
+RESUME_FLAG = "--resume-fds"
+
+
+def daemon_argv(argv: list[str], fds: list[int]) -> list[str]:
+    """The full daemon's command line: ``argv`` (its original one, flags of
+    the interpreter included) with ``--resume-fds`` replaced by ``fds``."""
+    out = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == RESUME_FLAG:
+            skip = True
+            continue
+        out.append(arg)
+    return out + [RESUME_FLAG, ",".join(str(fd) for fd in fds)]
+
+
+def dormant_argv(fds: list[int]) -> list[str]:
+    """The command line that makes this (full) daemon dormant, keeping
+    ``fds``; it becomes this daemon again on waking."""
+    original = [sys.executable] + list(getattr(sys, "orig_argv", [""] + sys.argv)[1:])
+    return [sys.executable, "-I", "-S", sys.argv[0], DORMANT_FLAG, ",".join(str(fd) for fd in fds)] + original
+
+
+def wait(argv: list[str]) -> None:
+    """``argv`` is ``[--dormant, fds, original command line...]``: waits
+    until a descriptor is readable (or hung up), then becomes the daemon;
+    it never returns."""
+    fds = [int(fd) for fd in argv[1].split(",") if fd]
+    command = argv[2:]
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    while True:
+        try:
+            if poller.poll():
+                break
+        except InterruptedError:
+            continue
+    os.execv(command[0], daemon_argv(command, fds))
+
+
+if __name__ == "__main__":
+    wait(sys.argv[1:])
