@@ -252,6 +252,7 @@ class LocalBackend(SandboxBackend):
         extra_ro_mounts: Mapping[str | Path, str] | None = None,
         allow_cidrs: Sequence[str] = (),
         ca_bundle: Path | None = None,
+        dormant_after_s: float = 0.0,
     ) -> None:
         """``python`` is the interpreter that runs sandboxd: ``python3`` from
         the sandbox's PATH under bubblewrap, this interpreter when unconfined.
@@ -260,7 +261,9 @@ class LocalBackend(SandboxBackend):
         servers); unconfined sandboxes see the host's paths and ignore it.
         ``allow_cidrs`` are destinations an ``enabled`` sandbox may reach
         despite the private-range rule; ``ca_bundle`` becomes the sandbox's
-        ``/etc/ssl/certs/ca-certificates.crt`` (default: the host's)."""
+        ``/etc/ssl/certs/ca-certificates.crt`` (default: the host's).
+        ``dormant_after_s`` > 0 lets an idle daemon go dormant
+        (``sandboxd/dormant.py``)."""
         self._data_dir = Path(data_dir).resolve()
         self._isolation: Isolation = isolation
         self._extra_env = dict(extra_env or {})
@@ -270,6 +273,7 @@ class LocalBackend(SandboxBackend):
         self._extra_ro_mounts = _check_mounts(extra_ro_mounts or {})
         self._allow = parse_cidrs(allow_cidrs)
         self._ca_bundle = ca_bundle if ca_bundle is not None else Path("/etc/ssl/certs/ca-certificates.crt")
+        self._dormant_after_s = dormant_after_s
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._assets: _Assets | None = None
@@ -616,7 +620,7 @@ class LocalBackend(SandboxBackend):
             "--seccomp", str(seccomp_fd),
             "--chdir", "/workspace",
             "--setenv", "HOME", "/workspace",
-            self._python, _DAEMON_IN_SANDBOX,
+            *self._daemon_command(_DAEMON_IN_SANDBOX),
             "--socket", f"{_RUN_IN_SANDBOX}/sandboxd.sock",
             "--workspace", "/workspace",
             "--state-dir", f"{_RUN_IN_SANDBOX}/state",
@@ -625,10 +629,14 @@ class LocalBackend(SandboxBackend):
         ]  # fmt: skip
         return argv
 
+    def _daemon_command(self, archive: str) -> list[str]:
+        # -I -S: no site-packages, user site or PYTHON* variables; sandboxd
+        # needs only the standard library, and every import is memory.
+        return [self._python, "-I", "-S", archive, "--dormant-after", str(self._dormant_after_s)]
+
     def _unconfined_argv(self, paths: _Paths) -> list[str]:
         return [
-            self._python,
-            str(bundle.build(self._data_dir / "isolation")),
+            *self._daemon_command(str(bundle.build(self._data_dir / "isolation"))),
             "--socket", str(paths.socket),
             "--workspace", str(paths.workspace),
             "--state-dir", str(paths.mounted / "state"),

@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == [DORMANT_FLAG]:
         wait(args)
+    # The daemon speaks TLS to nothing, and OpenSSL's start-up would cost
+    # every sandbox about 1 MiB (asyncio only imports ssl if it can).
+    sys.modules["ssl"] = None  # type: ignore[assignment]
     from .cli import run
 
     return run(args)
