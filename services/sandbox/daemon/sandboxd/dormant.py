@@ -29,26 +29,29 @@ DORMANT_FLAG = "--dormant"
 RESUME_FLAG = "--resume-fds"
 
 
-def daemon_argv(argv: list[str], fds: list[int]) -> list[str]:
-    """The full daemon's command line: ``argv`` (its original one, flags of
-    the interpreter included) with ``--resume-fds`` replaced by ``fds``."""
-    out = []
+DORMANT_AFTER_FLAG = "--dormant-after"
+
+
+def with_option(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with every ``flag <value>`` pair replaced by one at the end."""
+    out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
-            continue
-        if arg == RESUME_FLAG:
+        elif arg == flag:
             skip = True
-            continue
-        out.append(arg)
-    return out + [RESUME_FLAG, ",".join(str(fd) for fd in fds)]
+        else:
+            out.append(arg)
+    return out + [flag, value]
 
 
-def dormant_argv(fds: list[int]) -> list[str]:
+def dormant_argv(fds: list[int], dormant_after_s: float) -> list[str]:
     """The command line that makes this (full) daemon dormant, keeping
-    ``fds``; it becomes this daemon again on waking."""
+    ``fds``; on waking it becomes this daemon again, with the same idle
+    period (which ``env.reload`` may have changed since it started)."""
     original = [sys.executable] + list(getattr(sys, "orig_argv", [""] + sys.argv)[1:])
+    original = with_option(original, DORMANT_AFTER_FLAG, repr(dormant_after_s))
     return [sys.executable, "-I", "-S", sys.argv[0], DORMANT_FLAG, ",".join(str(fd) for fd in fds)] + original
 
 
@@ -67,7 +70,7 @@ def wait(argv: list[str]) -> None:
                 break
         except InterruptedError:
             continue
-    os.execv(command[0], daemon_argv(command, fds))
+    os.execv(command[0], with_option(command, RESUME_FLAG, ",".join(str(fd) for fd in fds)))
 
 
 if __name__ == "__main__":

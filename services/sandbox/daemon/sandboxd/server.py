@@ -17,7 +17,18 @@ from .dormant import dormant_argv
 from .files import Files
 from .mcp import Mcp
 from .processes import Processes, Reaper
-from .protocol import PROTOCOL_VERSION, Handler, Json, OpError, ProtocolError, Sender, encode_frame, log, read_frame
+from .protocol import (
+    PROTOCOL_VERSION,
+    Handler,
+    Json,
+    OpError,
+    ProtocolError,
+    Sender,
+    encode_frame,
+    log,
+    opt_non_negative_float,
+    read_frame,
+)
 from .relay import Relays, tunnel
 from .workspace import VIRTUAL_ROOT, Workspace
 
@@ -216,6 +227,7 @@ class Daemon:
         self.resume_fds = resume_fds
         self._last_active = time.monotonic()
         self._listener: Optional[socket.socket] = None
+        self._watcher: "Optional[asyncio.Task[None]]" = None
         self.handlers: Dict[str, Handler] = {
             "ping": self._op_ping,
             "shutdown": self._op_shutdown,
@@ -245,7 +257,7 @@ class Daemon:
         for fd in (self.resume_fds or [])[1:]:
             reader, writer = await asyncio.open_unix_connection(sock=_adopt_socket(fd), limit=_READ_LIMIT)
             asyncio.ensure_future(self._serve_connection(Connection(self, reader, writer), resumed=True))
-        watcher = asyncio.ensure_future(self._watch_idle()) if self.dormant_after_s > 0 else None
+        self.set_dormant_after(self.dormant_after_s)
         pid_file = os.path.join(self.state_dir, "sandboxd.pid")
         with open(pid_file, "w") as handle:
             handle.write("%d\n" % os.getpid())
@@ -254,8 +266,8 @@ class Daemon:
         try:
             await self._stop.wait()
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            if self._watcher is not None:
+                self._watcher.cancel()
             server.close()
             self.relays.close()
             self._kill_all()
@@ -300,6 +312,15 @@ class Daemon:
         except OSError:
             return False
 
+    def set_dormant_after(self, seconds: float) -> None:
+        """Goes dormant after ``seconds`` idle from now on (0: never)."""
+        self.dormant_after_s = seconds
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if seconds > 0:
+            self._watcher = asyncio.ensure_future(self._watch_idle())
+
     async def _watch_idle(self) -> None:
         interval = min(max(self.dormant_after_s / 4, 0.01), 5.0)
         while True:
@@ -315,7 +336,7 @@ class Daemon:
         for fd in fds:
             os.set_inheritable(fd, True)
         sys.stderr.flush()
-        argv = dormant_argv(fds)
+        argv = dormant_argv(fds, self.dormant_after_s)
         try:
             os.execv(argv[0], argv)
         except OSError as exc:  # the daemon stays as it is, only heavier
@@ -333,7 +354,12 @@ class Daemon:
         return {"ok": True, "pid": os.getpid(), "processes": self.processes.running()}
 
     async def _op_env_reload(self, conn: Sender, rid: int, req: Json) -> Json:
-        return {"ok": True, "variables": self.workspace.reload()}
+        # A warm pool's daemon learns its sandbox's idle period here too.
+        dormant_after = opt_non_negative_float(req, "dormant_after_s")
+        variables = self.workspace.reload()
+        if dormant_after is not None:
+            self.set_dormant_after(dormant_after)
+        return {"ok": True, "variables": variables}
 
     async def _op_shutdown(self, conn: Sender, rid: int, req: Json) -> Json:
         self._kill_all()
