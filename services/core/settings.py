@@ -110,6 +110,15 @@ class Settings(BaseSettings):
             "start again. 0 keeps it whole."
         ),
     )
+    sandbox_pool_size: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Started local sandboxes kept ready per (container size, network policy) in use, so creating a "
+            "sandbox skips bubblewrap, the workspace filesystem, the cgroups and the network; 0 disables the pool. "
+            "A key is kept warm from its first sandbox on."
+        ),
+    )
     docker_image: str = "berth-sandbox:latest"
     docker_start_timeout_s: float = Field(default=30.0, gt=0, description="Bound on a sandbox container's daemon becoming ready.")
     docker_pool_size: int = Field(
