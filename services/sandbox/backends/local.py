@@ -44,6 +44,28 @@ sandbox outlives a restart of the Sandbox service; ``adopt`` finds it again
 through ``handle.json``. The daemon is the sandbox's PID 1 (``--as-pid-1``):
 when it exits the kernel kills everything left in the sandbox.
 
+An idle daemon goes dormant after ``dormant_after_s`` (``sandboxd/dormant.py``):
+the sandbox keeps its PID 1, socket and connections at a fraction of the
+memory, and the next request wakes it.
+
+Warm pool
+---------
+With ``pool_size`` > 0 the backend keeps that many sandboxes started per
+key (container size, network policy), under ``<data_dir>/pool/<slot>/``,
+laid out as above: bubblewrap, cgroups, workspace quota, namespaces and the
+``enabled`` network's slirp4netns and filter are all in place, and so the
+sandbox's uid (from its slot). ``create`` of a new sandbox takes the oldest
+ready one of its key (without an await, so no two creates share one),
+renames its directory to the sandbox's (the bind and loop mounts hold the
+directories, not their paths, so the running sandbox keeps them), rewrites
+``env.json`` with the spec's variables and has sandboxd re-read it and take
+up the idle period. Nothing ever ran in a pooled sandbox and it is claimed
+once, so a claimant sees nothing of anyone else. A key fills after its first
+create and is topped up after each one, one sandbox at a time; ``close()``
+destroys the unclaimed ones and ``start()`` what an earlier process left.
+A pooled daemon never goes dormant before its claim, so a claim never waits
+for one to wake. Isolation ``none`` has no pool.
+
 Pause freezes the sandbox's cgroup (cgroup v2 ``cgroup.freeze`` or the cgroup
 v1 freezer). Isolation ``none`` (development only, set explicitly) runs the
 daemon unconfined on the host's network as the service's user, freezes with
