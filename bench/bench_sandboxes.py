@@ -86,7 +86,7 @@ def _dormant(handle: BackendHandle) -> bool:
                 argv = cmdline.read().split(b"\0")
         except OSError:
             continue
-        if b"--dormant" in argv and b"python" in argv[0]:
+        if (b"--dormant" in argv or b"--start-dormant" in argv) and b"python" in argv[0]:
             return True
     return False
 

@@ -4,11 +4,14 @@ request, with nothing lost."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from sandbox_support import Sandbox, SandboxFactory
 from waiting import wait_until
 
-from services.sandbox.backends.local import _process_tree
+from services.sandbox.backends.base import SandboxSpec
+from services.sandbox.backends.local import LocalBackend, _process_tree
 from services.sandbox.daemon_client import DaemonClient
 
 _IDLE_S = 0.2
@@ -27,7 +30,8 @@ def _daemon_command(sandbox: Sandbox) -> list[str]:
 
 
 def _dormant(sandbox: Sandbox) -> bool:
-    return "--dormant" in _daemon_command(sandbox)
+    # Gone dormant, or started so and not woken yet.
+    return not {"--dormant", "--start-dormant"}.isdisjoint(_daemon_command(sandbox))
 
 
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
@@ -46,6 +50,21 @@ async def test_idle_daemon_goes_dormant_and_its_next_command_runs_on_the_same_co
     assert not _dormant(sandbox)
     # The same process (PID 1 of the sandbox) woke up; nothing was restarted.
     assert (await sandbox.client.ping())["pid"] == daemon_pid
+
+
+async def test_sandbox_with_an_idle_period_starts_dormant_and_its_first_connection_wakes_it(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "data", "bwrap", dormant_after_s=600)
+    handle = await backend.create(SandboxSpec(sandbox_id="untouched", env={"GREETING": "first"}))
+    try:
+        started = Sandbox(backend, handle, DaemonClient(backend.socket_path(handle)))
+        assert _dormant(started)
+
+        result = await started.client.run(shell='echo "$GREETING"')
+        assert result.stdout == b"first\n"
+        assert not _dormant(started)
+        await started.client.close()
+    finally:
+        await backend.destroy(handle)
 
 
 async def test_dormant_daemon_wakes_for_a_new_connection(make_sandbox: SandboxFactory) -> None:

@@ -678,7 +678,7 @@ class LocalBackend(SandboxBackend):
         try:
             if confined:
                 handle = await self._start_network(handle, popen, spec)
-            await self._wait_ready(handle, popen)
+            await self._wait_ready(handle, popen, awake=dormant_after_s == 0)
         except BaseException:
             await self._abandon_start(handle)
             raise
@@ -799,7 +799,10 @@ class LocalBackend(SandboxBackend):
     def _daemon_command(self, archive: str, dormant_after_s: float) -> list[str]:
         # -I -S: no site-packages, user site or PYTHON* variables; sandboxd
         # needs only the standard library, and every import is memory.
-        return [self._python, "-I", "-S", archive, "--dormant-after", repr(dormant_after_s)]
+        # A daemon that may go dormant starts so: a sandbox costs its full
+        # daemon only once something connects.
+        dormant = ["--start-dormant"] if dormant_after_s > 0 else []
+        return [self._python, "-I", "-S", archive, "--dormant-after", repr(dormant_after_s), *dormant]
 
     def _unconfined_argv(self, paths: _Paths, dormant_after_s: float) -> list[str]:
         return [
@@ -852,7 +855,10 @@ class LocalBackend(SandboxBackend):
         tmp.replace(run / "handle.json")
         (run / "bwrap.pid").write_text(f"{handle.private['pid']}\n")
 
-    async def _wait_ready(self, handle: BackendHandle, popen: subprocess.Popen[bytes]) -> None:
+    async def _wait_ready(self, handle: BackendHandle, popen: subprocess.Popen[bytes], *, awake: bool) -> None:
+        """Until the daemon listens: an ``awake`` one answers a ping; one
+        that starts dormant is only waited for until its socket exists
+        (``sandboxd/listen.py``), since a connection would wake it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._start_timeout_s
         last_error: Exception | None = None
@@ -862,7 +868,12 @@ class LocalBackend(SandboxBackend):
                 raise SandboxStartError(
                     f"sandbox {handle.sandbox_id} exited with status {code} while starting: {self._log_tail(handle)}"
                 )
-            last_error = await probe(handle.socket_path)
+            if awake:
+                last_error = await probe(handle.socket_path)
+            elif os.path.exists(handle.socket_path):
+                last_error = None
+            else:
+                last_error = DaemonUnavailable(f"no socket at {handle.socket_path}")
             if last_error is None:
                 return
             await asyncio.sleep(_POLL_S)

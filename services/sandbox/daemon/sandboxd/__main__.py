@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import sys
 
-from .dormant import DORMANT_FLAG, wait
+from .dormant import DORMANT_FLAG, START_DORMANT_FLAG, start, wait
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == [DORMANT_FLAG]:
         wait(args)
+    if START_DORMANT_FLAG in args:
+        start(args)
     # The daemon speaks TLS to nothing, and OpenSSL's start-up would cost
     # every sandbox about 1 MiB (asyncio only imports ssl if it can).
     sys.modules["ssl"] = None  # type: ignore[assignment]

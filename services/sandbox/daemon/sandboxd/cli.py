@@ -10,7 +10,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from .dormant import DORMANT_AFTER_FLAG, RESUME_FLAG
+from .dormant import DORMANT_AFTER_FLAG, RESUME_FLAG, START_DORMANT_FLAG
 from .processes import DEFAULT_RING_BYTES, PIPE_READ_SIZE
 from .server import Daemon
 from .workspace import VIRTUAL_ROOT
@@ -28,6 +28,7 @@ def _parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument(
         DORMANT_AFTER_FLAG, type=float, default=0.0, metavar="SECONDS", help="go dormant after this long idle (0: never)"
     )
+    parser.add_argument(START_DORMANT_FLAG, action="store_true", help="start dormant: bind the socket, load the rest on the first connection")
     parser.add_argument(RESUME_FLAG, help="the listening socket and open connections to adopt (set by dormancy)")
     return parser.parse_args(argv)
 

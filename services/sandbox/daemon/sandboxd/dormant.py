@@ -11,6 +11,10 @@ socket or one of the open connections to become readable. It then
 socket and the connections as they were (already past their ``hello``), so
 the client only sees its next request take the daemon's start-up time.
 
+A daemon started with ``--start-dormant`` is dormant from the start: it binds
+its socket (``listen``) and waits, so a sandbox nobody uses yet never pays for
+the full daemon, and creating many is cheaper.
+
 Nothing crosses this state but descriptors: the daemon goes dormant only
 when no frame is half read or half written, and the environment is read
 again from ``--env-file`` on waking, as ``env.reload`` would.
@@ -26,6 +30,7 @@ import select
 import sys
 
 DORMANT_FLAG = "--dormant"
+START_DORMANT_FLAG = "--start-dormant"
 RESUME_FLAG = "--resume-fds"
 
 
@@ -53,6 +58,19 @@ def dormant_argv(fds: list[int], dormant_after_s: float) -> list[str]:
     original = [sys.executable] + list(getattr(sys, "orig_argv", [""] + sys.argv)[1:])
     original = with_option(original, DORMANT_AFTER_FLAG, repr(dormant_after_s))
     return [sys.executable, "-I", "-S", sys.argv[0], DORMANT_FLAG, ",".join(str(fd) for fd in fds)] + original
+
+
+def start(argv: list[str]) -> None:
+    """Starts dormant: binds the socket of the command line ``argv`` (the
+    daemon's own, ``--start-dormant`` in it) and waits for its first
+    connection to become the daemon; it never returns."""
+    from .listen import bind_unix_socket
+
+    command = [sys.executable] + list(getattr(sys, "orig_argv", [""] + sys.argv)[1:])
+    command = [arg for arg in command if arg != START_DORMANT_FLAG]
+    fd = bind_unix_socket(argv[argv.index("--socket") + 1])
+    os.set_inheritable(fd, True)
+    wait([DORMANT_FLAG, str(fd)] + command)
 
 
 def wait(argv: list[str]) -> None:

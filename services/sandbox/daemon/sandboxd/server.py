@@ -8,13 +8,13 @@ import functools
 import os
 import signal
 import socket
-import stat
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from .dormant import dormant_argv
 from .files import Files
+from .listen import bind_unix_socket
 from .mcp import Mcp
 from .processes import Processes, Reaper
 from .protocol import (
@@ -251,7 +251,7 @@ class Daemon:
         if self.resume_fds:
             sock = _adopt_socket(self.resume_fds[0])
         else:
-            sock = _bind_unix_socket(self.socket_path)
+            sock = _adopt_socket(bind_unix_socket(self.socket_path))
         self._listener = sock
         server = await asyncio.start_unix_server(self._on_connection, sock=sock, limit=_READ_LIMIT)
         for fd in (self.resume_fds or [])[1:]:
@@ -376,33 +376,5 @@ def _adopt_socket(fd: int) -> socket.socket:
     """A socket handed over by a dormant daemon; commands never inherit it."""
     os.set_inheritable(fd, False)
     sock = socket.socket(fileno=fd)
-    sock.setblocking(False)
-    return sock
-
-
-def _bind_unix_socket(path: str) -> socket.socket:
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    dir_fd: Optional[int] = None
-    bind_path = path
-    if len(os.fsencode(path)) > 100:
-        # sun_path holds about 108 bytes; a long host path is reached through
-        # a short /proc/self/fd alias of its directory.
-        dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        bind_path = "/proc/self/fd/%d/%s" % (dir_fd, os.path.basename(path))
-    old_umask = os.umask(0o177)
-    try:
-        sock.bind(bind_path)
-    finally:
-        os.umask(old_umask)
-        if dir_fd is not None:
-            os.close(dir_fd)
-    os.chmod(path, 0o600)
-    sock.listen(128)
     sock.setblocking(False)
     return sock
