@@ -135,17 +135,21 @@ async def _density(tmp: Path, count: int, concurrency: int) -> list[Figure]:
     try:
         handles, elapsed = await _create_all(backend, count, concurrency)
         samples = max(1, min(_LATENCY_SAMPLES, count // 2))
-        # A live connection each, as the Sandbox service holds.
-        clients = [DaemonClient(backend.socket_path(h)) for h in handles]
-        awake: list[float] = []
+        # A live connection each, as the Sandbox service holds; each
+        # connection wakes its daemon, so a few at a time.
+        clients = [DaemonClient(backend.socket_path(h), connect_timeout_s=60, request_timeout_s=60) for h in handles]
+        gate = asyncio.Semaphore(4)
+
+        async def connect(client: DaemonClient) -> None:
+            async with gate:
+                await client.connect()
+
+        await asyncio.gather(*(connect(c) for c in clients))
+        # Awake: the samples, woken and measured before they can sleep again.
         for client in clients[:samples]:
-            await client.connect()
             await _first_command_ms(client)
-            awake.append(await _first_command_ms(client))
-        await asyncio.gather(*(c.connect() for c in clients[samples:]))
-        # Every daemon woken at once, and measured before it can sleep again.
-        await asyncio.gather(*(_first_command_ms(c) for c in clients))
-        awake_pss = _pss_per_sandbox_mib(handles)
+        awake = [await _first_command_ms(c) for c in clients[:samples]]
+        awake_pss = _pss_per_sandbox_mib(handles[:samples])
         dormant = await _wait_dormant(handles, 60 + count * 0.2)
         idle_pss = _pss_per_sandbox_mib(handles)
         idle = [await _first_command_ms(client) for client in clients[:samples]]
