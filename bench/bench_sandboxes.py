@@ -145,11 +145,14 @@ async def _density(tmp: Path, count: int, concurrency: int) -> list[Figure]:
                 await client.connect()
 
         await asyncio.gather(*(connect(c) for c in clients))
-        # Awake: the samples, woken and measured before they can sleep again.
-        for client in clients[:samples]:
+        # Awake: each sample woken, then measured before it can sleep again.
+        awake: list[float] = []
+        awake_mib: list[float] = []
+        for handle, client in zip(handles[:samples], clients[:samples]):
             await _first_command_ms(client)
-        awake = [await _first_command_ms(c) for c in clients[:samples]]
-        awake_pss = _pss_per_sandbox_mib(handles[:samples])
+            awake.append(await _first_command_ms(client))
+            awake_mib.append(_pss_per_sandbox_mib([handle]))
+        awake_pss = statistics.mean(awake_mib)
         dormant = await _wait_dormant(handles, 60 + count * 0.2)
         idle_pss = _pss_per_sandbox_mib(handles)
         idle = [await _first_command_ms(client) for client in clients[:samples]]
