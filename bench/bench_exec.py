@@ -35,12 +35,12 @@ class _WarmExec:
     via_daemon_ms: list[float]
 
 
-async def _raw_spawn(argv: list[str]) -> None:
+async def raw_spawn(argv: list[str]) -> None:
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     await proc.wait()
 
 
-async def _via_service(tmp: Path, **overrides: object) -> list[float]:
+async def via_service(tmp: Path, **overrides: object) -> list[float]:
     settings = Settings(data_dir=tmp, sandbox_idle_pause_s=0, internal_token=INTERNAL_TOKEN, **overrides)  # type: ignore[arg-type]
     service = await start_sandbox_service(settings, address="127.0.0.1:0")
     channel = internal_channel(service.address, "environment")
@@ -85,7 +85,7 @@ async def _via_daemon(tmp: Path, **overrides: object) -> list[float]:
 
 async def _warm_exec(tmp: Path, **overrides: object) -> _WarmExec:
     return _WarmExec(
-        via_service_ms=await _via_service(tmp / "service", **overrides),
+        via_service_ms=await via_service(tmp / "service", **overrides),
         via_daemon_ms=await _via_daemon(tmp / "daemon", **overrides),
     )
 
@@ -94,7 +94,7 @@ async def run(tmp: Path) -> list[Result]:
     true = shutil.which("true") or "/bin/true"
     isolated = await _warm_exec(tmp / "isolated")
     unconfined = await _warm_exec(tmp / "unconfined", sandbox_isolation="none")
-    fork_ms = await measure(lambda: _raw_spawn([true]), runs=RUNS)
+    fork_ms = await measure(lambda: raw_spawn([true]), runs=RUNS)
     results = [
         summarize("sandbox Exec(true), warm (isolated)", isolated.via_service_ms, "raw fork+exec true", fork_ms, "p50 < 2x"),
         summarize("sandbox Exec(true), warm (no isolation)", unconfined.via_service_ms, "raw fork+exec true", fork_ms),
@@ -104,6 +104,6 @@ async def run(tmp: Path) -> list[Result]:
     if shutil.which("bwrap"):
         bwrap = ["bwrap", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
                  "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-pid", true]
-        bwrap_ms = await measure(lambda: _raw_spawn(bwrap), runs=100)
+        bwrap_ms = await measure(lambda: raw_spawn(bwrap), runs=100)
         results.append(summarize("sandbox Exec(true), warm (isolated)", isolated.via_service_ms, "raw bwrap true (fresh)", bwrap_ms))
     return results

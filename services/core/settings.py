@@ -117,6 +117,24 @@ class Settings(BaseSettings):
     sandbox_backend: Literal["local", "docker"] = "local"
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"
     sandbox_idle_pause_s: float = Field(default=300.0, ge=0)
+    sandbox_dormant_after_s: float = Field(
+        default=60.0,
+        ge=0,
+        description=(
+            "Idle seconds after which a local sandbox's daemon, if nothing runs in the sandbox, shrinks to a bare "
+            "interpreter holding its socket (about 2.5 MiB instead of 13); its next request waits for it to "
+            "start again. 0 keeps it whole."
+        ),
+    )
+    sandbox_pool_size: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Started local sandboxes kept ready per (container size, network policy) in use, so creating a "
+            "sandbox skips bubblewrap, the workspace filesystem, the cgroups and the network; 0 disables the pool. "
+            "A key is kept warm from its first sandbox on."
+        ),
+    )
     docker_image: str = "berth-sandbox:latest"
     docker_start_timeout_s: float = Field(default=30.0, gt=0, description="Bound on a sandbox container's daemon becoming ready.")
     docker_pool_size: int = Field(

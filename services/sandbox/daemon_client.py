@@ -490,10 +490,12 @@ class DaemonClient:
         await self._request("shutdown")
         await self.close()
 
-    async def reload_env(self) -> int:
+    async def reload_env(self, *, dormant_after_s: float | None = None) -> int:
         """Makes the daemon re-read its environment file for the commands it
-        starts from now on; returns how many extra variables it holds."""
-        frame = await self._request("env.reload")
+        starts from now on (and, if given, go dormant after
+        ``dormant_after_s`` idle from now on, 0 never); returns how many
+        extra variables it holds."""
+        frame = await self._request("env.reload", {} if dormant_after_s is None else {"dormant_after_s": dormant_after_s})
         return int(frame.get("variables", 0))
 
     async def start_egress_relay(self, port: int, socket_path: str) -> int:

@@ -47,6 +47,8 @@ def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
         extra_ro_mounts=dict(settings.sandbox_extra_ro_mounts.items()),
         allow_cidrs=settings.sandbox_allow_cidrs,
         ca_bundle=Path(settings.sandbox_ca_bundle) if settings.sandbox_ca_bundle.strip() else None,
+        dormant_after_s=settings.sandbox_dormant_after_s,
+        pool_size=settings.sandbox_pool_size,
     )
     if settings.sandbox_isolation == "none":
         log.warning("sandbox_isolation_disabled", detail="BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host")

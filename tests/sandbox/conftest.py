@@ -32,8 +32,15 @@ async def make_sandbox(tmp_path: Path) -> AsyncIterator[SandboxFactory]:
         env: dict[str, str] | None = None,
         size: ContainerSize = DEFAULT_SIZE,
         allow_cidrs: tuple[str, ...] = (),
+        dormant_after_s: float = 0.0,
     ) -> Sandbox:
-        backend = LocalBackend(tmp_path / "data", isolation, freezer=freezer, allow_cidrs=allow_cidrs)  # type: ignore[arg-type]
+        backend = LocalBackend(
+            tmp_path / "data",
+            isolation,
+            freezer=freezer,  # type: ignore[arg-type]
+            allow_cidrs=allow_cidrs,
+            dormant_after_s=dormant_after_s,
+        )
         handle = await backend.create(SandboxSpec(sandbox_id=sandbox_id, network=network, env=env or {}, size=size))
         client = DaemonClient(backend.socket_path(handle))
         await client.connect()

@@ -48,14 +48,29 @@ def test_a_changed_source_builds_under_a_new_name(tmp_path: Path, monkeypatch: p
     assert b"# changed\n" in after.read_bytes()
 
 
-def test_the_archive_holds_the_package_sources_and_runs_with_a_plain_python(tmp_path: Path) -> None:
+def test_the_archive_holds_the_package_sources_and_their_bytecode_and_runs_with_a_plain_python(tmp_path: Path) -> None:
     built = bundle.build(tmp_path)
     with zipfile.ZipFile(built) as archive:
         names = archive.namelist()
     expected = {f"sandboxd/{p.relative_to(bundle.PACKAGE).as_posix()}" for p in bundle.PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
 
-    assert set(names) == expected | {"__main__.py"}
+    sources = expected | {"__main__.py"}
+    assert set(names) == sources | {name + "c" for name in sources}
     # -I: nothing but the archive itself on the path, as in a sandbox image.
     result = subprocess.run([sys.executable, "-I", str(built), "--help"], capture_output=True, timeout=30)
+    assert result.returncode == 0
+    assert result.stdout.startswith(b"usage: sandboxd")
+
+
+def test_a_python_of_another_version_ignores_the_bytecode_and_runs_the_sources(tmp_path: Path) -> None:
+    built = bundle.build(tmp_path)
+    stale = tmp_path / "stale.pyz"
+    with zipfile.ZipFile(built) as archive, zipfile.ZipFile(stale, "w") as copy:
+        for info in archive.infolist():
+            data = archive.read(info)
+            # Another interpreter's magic number: zipimport must fall back to the source.
+            copy.writestr(info, b"\x00\x00" + data[2:] if info.filename.endswith(".pyc") else data)
+
+    result = subprocess.run([sys.executable, "-I", str(stale), "--help"], capture_output=True, timeout=30)
     assert result.returncode == 0
     assert result.stdout.startswith(b"usage: sandboxd")

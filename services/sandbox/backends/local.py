@@ -44,6 +44,28 @@ sandbox outlives a restart of the Sandbox service; ``adopt`` finds it again
 through ``handle.json``. The daemon is the sandbox's PID 1 (``--as-pid-1``):
 when it exits the kernel kills everything left in the sandbox.
 
+An idle daemon goes dormant after ``dormant_after_s`` (``sandboxd/dormant.py``):
+the sandbox keeps its PID 1, socket and connections at a fraction of the
+memory, and the next request wakes it.
+
+Warm pool
+---------
+With ``pool_size`` > 0 the backend keeps that many sandboxes started per
+key (container size, network policy), under ``<data_dir>/pool/<slot>/``,
+laid out as above: bubblewrap, cgroups, workspace quota, namespaces and the
+``enabled`` network's slirp4netns and filter are all in place, and so the
+sandbox's uid (from its slot). ``create`` of a new sandbox takes the oldest
+ready one of its key (without an await, so no two creates share one),
+renames its directory to the sandbox's (the bind and loop mounts hold the
+directories, not their paths, so the running sandbox keeps them), rewrites
+``env.json`` with the spec's variables and has sandboxd re-read it and take
+up the idle period. Nothing ever ran in a pooled sandbox and it is claimed
+once, so a claimant sees nothing of anyone else. A key fills after its first
+create and is topped up after each one, one sandbox at a time; ``close()``
+destroys the unclaimed ones and ``start()`` what an earlier process left.
+A pooled daemon never goes dormant before its claim, so a claim never waits
+for one to wake. Isolation ``none`` has no pool.
+
 Pause freezes the sandbox's cgroup (cgroup v2 ``cgroup.freeze`` or the cgroup
 v1 freezer). Isolation ``none`` (development only, set explicitly) runs the
 daemon unconfined on the host's network as the service's user, freezes with
@@ -58,6 +80,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -69,6 +92,7 @@ from typing import Literal, cast
 
 import structlog
 
+from services.sandbox.backends._warm_pool import WarmPool
 from services.sandbox.backends.base import (
     BackendError,
     BackendHandle,
@@ -77,6 +101,7 @@ from services.sandbox.backends.base import (
     SandboxGone,
     SandboxSpec,
     SandboxStartError,
+    NetworkPolicy,
     egress_env,
 )
 from services.sandbox.daemon import bundle
@@ -96,6 +121,7 @@ from services.sandbox.isolation.network import (
 )
 from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_under, unmount_workspace
 from services.sandbox.isolation.seccomp import SeccompUnavailable, write_filter
+from services.sandbox.isolation.sizes import SIZES
 
 __all__ = ["LocalBackend", "Isolation", "FreezerKind", "detect_freezers"]
 
@@ -121,6 +147,11 @@ _POLL_S = 0.01
 _START_ATTEMPTS = 4
 # Where the staging bwrap puts the mount sources (its own tmpfs, never the host's /tmp).
 _STAGE = "/tmp/berth-stage"
+# A warm pool sandbox: (container_size name, network policy). Both are fixed
+# when bubblewrap starts (cgroup limits, /tmp, workspace image, namespace
+# and its filter), so a claimant gets a pooled sandbox only of its own key.
+_PoolKey = tuple[str, NetworkPolicy]
+_POOL_DIR = "pool"
 
 
 @dataclass(frozen=True)
@@ -169,6 +200,10 @@ def _stop_user_network(handle: BackendHandle) -> None:
     user_network = UserNetwork.from_private(handle.private.get("user_network"))
     if user_network is not None:
         user_network.stop()
+
+
+def _pool_key(spec: SandboxSpec) -> _PoolKey:
+    return (spec.size.name, spec.network)
 
 
 def detect_freezers() -> list[FreezerKind]:
@@ -252,6 +287,8 @@ class LocalBackend(SandboxBackend):
         extra_ro_mounts: Mapping[str | Path, str] | None = None,
         allow_cidrs: Sequence[str] = (),
         ca_bundle: Path | None = None,
+        dormant_after_s: float = 0.0,
+        pool_size: int = 0,
     ) -> None:
         """``python`` is the interpreter that runs sandboxd: ``python3`` from
         the sandbox's PATH under bubblewrap, this interpreter when unconfined.
@@ -260,7 +297,10 @@ class LocalBackend(SandboxBackend):
         servers); unconfined sandboxes see the host's paths and ignore it.
         ``allow_cidrs`` are destinations an ``enabled`` sandbox may reach
         despite the private-range rule; ``ca_bundle`` becomes the sandbox's
-        ``/etc/ssl/certs/ca-certificates.crt`` (default: the host's)."""
+        ``/etc/ssl/certs/ca-certificates.crt`` (default: the host's).
+        ``dormant_after_s`` > 0 lets an idle daemon go dormant
+        (``sandboxd/dormant.py``). ``pool_size`` sandboxes per key are kept
+        started ahead (confined isolation only; see "Warm pool")."""
         self._data_dir = Path(data_dir).resolve()
         self._isolation: Isolation = isolation
         self._extra_env = dict(extra_env or {})
@@ -270,6 +310,10 @@ class LocalBackend(SandboxBackend):
         self._extra_ro_mounts = _check_mounts(extra_ro_mounts or {})
         self._allow = parse_cidrs(allow_cidrs)
         self._ca_bundle = ca_bundle if ca_bundle is not None else Path("/etc/ssl/certs/ca-certificates.crt")
+        self._dormant_after_s = dormant_after_s
+        self._pool: WarmPool[_PoolKey, BackendHandle] = WarmPool(
+            pool_size if isolation == "bwrap" else 0, self._make_pooled, self._discard_pooled, name="local-pool"
+        )
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._assets: _Assets | None = None
@@ -298,18 +342,28 @@ class LocalBackend(SandboxBackend):
                 await self._abandon_start(existing)
             if spec.network == "restricted" and self._isolation == "none":
                 log.warning("sandbox_network_restricted_not_enforced", sandbox_id=spec.sandbox_id, isolation="none")
-            # bwrap's setup of the new namespace's loopback fails now and then
-            # under load (a netlink error it reports with a stale errno);
-            # nothing of the sandbox ran yet, so starting again is safe.
-            for attempt in range(_START_ATTEMPTS):
-                try:
-                    return await self._start(spec)
-                except SandboxStartError as exc:
-                    if "loopback: Failed" not in str(exc) or attempt == _START_ATTEMPTS - 1:
-                        raise
-                    log.warning("sandbox_start_retried", sandbox_id=spec.sandbox_id, attempt=attempt + 1, error=str(exc))
-                    await asyncio.sleep(0.05 * 4**attempt)
-            raise AssertionError("unreachable")
+            try:
+                if existing is None:
+                    pooled = await self._create_from_pool(spec)
+                    if pooled is not None:
+                        return pooled
+                return await self._start_retrying(spec, self._paths(spec.sandbox_id), self._dormant_after_s)
+            finally:
+                self._pool.refill(_pool_key(spec))
+
+    async def _start_retrying(self, spec: SandboxSpec, paths: _Paths, dormant_after_s: float) -> BackendHandle:
+        # bwrap's setup of the new namespace's loopback fails now and then
+        # under load (a netlink error it reports with a stale errno);
+        # nothing of the sandbox ran yet, so starting again is safe.
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                return await self._start(spec, paths, dormant_after_s)
+            except SandboxStartError as exc:
+                if "loopback: Failed" not in str(exc) or attempt == _START_ATTEMPTS - 1:
+                    raise
+                log.warning("sandbox_start_retried", sandbox_id=spec.sandbox_id, attempt=attempt + 1, error=str(exc))
+                await asyncio.sleep(0.05 * 4**attempt)
+        raise AssertionError("unreachable")
 
     async def pause(self, handle: BackendHandle) -> None:
         async with self._lock(handle.sandbox_id):
@@ -394,6 +448,119 @@ class LocalBackend(SandboxBackend):
             return
         await prepare_user_network(self._data_dir / "isolation")
         log.info("sandbox_isolation_ready", data_dir=self._install)
+        await self._remove_leftover_pool()
+        self._pool.start([])
+
+    # ------------------------------------------------------------ warm pool
+
+    def _pool_paths(self, slot: str) -> _Paths:
+        home = self._data_dir / _POOL_DIR / slot
+        return _Paths(home=home, workspace=home / "workspace", run=home / "run", mounted=home / "run" / "berth")
+
+    def pool_ready(self, size: str, network: NetworkPolicy) -> int:
+        """How many pooled sandboxes of this size and network are ready."""
+        return self._pool.ready((size, network))
+
+    async def _make_pooled(self, key: _PoolKey) -> BackendHandle:
+        """A started sandbox of ``key`` in a slot directory of its own. Its
+        daemon stays whole (no idle period) until a claim sets one, so a
+        claim never waits for it to wake."""
+        size, network = key
+        slot = f"pool-{secrets.token_hex(6)}"
+        spec = SandboxSpec(sandbox_id=slot, network=network, size=SIZES[size])
+        async with self._lock(slot):
+            return await self._start_retrying(spec, self._pool_paths(slot), 0.0)
+
+    async def _discard_pooled(self, handle: BackendHandle) -> None:
+        await self.destroy(handle)
+
+    async def _create_from_pool(self, spec: SandboxSpec) -> BackendHandle | None:
+        """``spec``'s sandbox made of a warm pool sandbox of its key, or None
+        when the pool has none. A pooled sandbox is claimed once and never
+        returns to the pool, so no claimant sees another's files, processes
+        or variables. One that fails its claim is destroyed for the next."""
+        paths = self._paths(spec.sandbox_id)
+        if paths.home.exists():
+            return None
+        # take() awaits nothing, so concurrent creates never share one.
+        while (pooled := self._pool.take(_pool_key(spec))) is not None:
+            try:
+                return await self._claim(pooled, spec, paths)
+            except (BackendError, DaemonUnavailable, DaemonError, OSError) as exc:
+                log.warning("pool_sandbox_discarded", sandbox_id=spec.sandbox_id, slot=pooled.sandbox_id, error=str(exc))
+                await self._abandon_claim(pooled, paths)
+        return None
+
+    async def _claim(self, pooled: BackendHandle, spec: SandboxSpec, paths: _Paths) -> BackendHandle:
+        """Makes a pooled sandbox ``spec``'s: its slot directory is renamed
+        to the sandbox's (the bind mounts and the workspace's loop mount hold
+        the directories, not their paths, so the running sandbox keeps them),
+        its env.json becomes the spec's, and sandboxd re-reads it and takes
+        up the idle period (its answer also proves the sandbox alive)."""
+        slot = pooled.sandbox_id
+        if not self._alive(pooled):
+            raise SandboxGone(f"pool sandbox {slot} is not running")
+        paths.home.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(str(pooled.private["home"]), paths.home)
+        handle = BackendHandle(
+            sandbox_id=spec.sandbox_id,
+            socket_path=str(paths.socket),
+            private={
+                **pooled.private,
+                "home": str(paths.home),
+                "workspace_dir": str(paths.workspace),
+                "run_dir": str(paths.run),
+                "labels": dict(spec.labels),
+                "pool_slot": slot,
+            },
+        )
+        self._save_handle(handle)
+        self._write_env(paths, spec, int(str(pooled.private["uid"])))
+        popen = self._children.pop(slot, None)
+        if popen is not None:
+            self._children[spec.sandbox_id] = popen
+        self._locks.pop(slot, None)
+        client = DaemonClient(handle.socket_path, connect_timeout_s=2.0, request_timeout_s=5.0)
+        try:
+            await client.reload_env(dormant_after_s=self._dormant_after_s)
+        finally:
+            await client.close()
+        log.info("sandbox_claimed_from_pool", sandbox_id=spec.sandbox_id, slot=slot, network=spec.network, size=spec.size.name)
+        return handle
+
+    async def _abandon_claim(self, pooled: BackendHandle, paths: _Paths) -> None:
+        """Destroys a pooled sandbox whose claim failed, wherever its
+        directory is now."""
+        home = paths.home if paths.home.exists() and not Path(str(pooled.private["home"])).exists() else None
+        handle = pooled
+        if home is not None:
+            handle = BackendHandle(
+                pooled.sandbox_id,
+                str(paths.socket),
+                {**pooled.private, "home": str(home), "workspace_dir": str(paths.workspace), "run_dir": str(paths.run)},
+            )
+        with contextlib.suppress(BackendError):
+            await self.destroy(handle)
+
+    async def _remove_leftover_pool(self) -> None:
+        """Destroys what an earlier process's pool left behind: a pooled
+        sandbox is never handed over across restarts (it was made under that
+        process's configuration)."""
+        root = self._data_dir / _POOL_DIR
+        if not root.is_dir():
+            return
+        for home in sorted(root.iterdir()):
+            paths = self._pool_paths(home.name)
+            try:
+                handle = BackendHandle.from_json(paths.handle_file.read_text())
+            except (OSError, ValueError, KeyError):
+                await asyncio.to_thread(shutil.rmtree, home, True)
+                continue
+            with contextlib.suppress(BackendError):
+                await self.destroy(handle)
+
+    async def close(self) -> None:
+        await self._pool.close()
 
     # ------------------------------------------------------------ isolation assets
 
@@ -442,10 +609,9 @@ class LocalBackend(SandboxBackend):
         except (OSError, ValueError, KeyError):
             return None
 
-    async def _start(self, spec: SandboxSpec) -> BackendHandle:
+    async def _start(self, spec: SandboxSpec, paths: _Paths, dormant_after_s: float) -> BackendHandle:
         confined = self._isolation == "bwrap"
         assets = self.assets() if confined else None
-        paths = self._paths(spec.sandbox_id)
         uid = host_uid(self._install, spec.sandbox_id) if confined else os.getuid()
         paths.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         paths.run.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -466,11 +632,7 @@ class LocalBackend(SandboxBackend):
                 raise BackendUnavailable(f"the workspace disk quota cannot be applied: {exc}") from exc
         else:
             paths.workspace.mkdir(parents=True, exist_ok=True)
-        env_file = paths.mounted / "env.json"
-        egress = egress_env() if spec.network == "restricted" and confined else {}
-        env_file.write_text(json.dumps({**self._extra_env, **egress, **dict(spec.env)}))
-        env_file.chmod(0o600)
-        os.chown(env_file, uid, uid)
+        self._write_env(paths, spec, uid)
         with contextlib.suppress(FileNotFoundError):
             paths.socket.unlink()
 
@@ -502,9 +664,9 @@ class LocalBackend(SandboxBackend):
             "labels": dict(spec.labels),
         }
         if assets is not None and cgroup is not None:
-            popen = self._spawn_confined(spec, paths, assets, cgroup, uid)
+            popen = self._spawn_confined(spec, paths, assets, cgroup, uid, dormant_after_s)
         else:
-            popen = self._spawn(self._unconfined_argv(paths), paths, env=_HOST_ENV)
+            popen = self._spawn(self._unconfined_argv(paths, dormant_after_s), paths, env=_HOST_ENV)
         self._children[spec.sandbox_id] = popen
         stat = _proc_stat(popen.pid)
         handle = BackendHandle(
@@ -516,12 +678,21 @@ class LocalBackend(SandboxBackend):
         try:
             if confined:
                 handle = await self._start_network(handle, popen, spec)
-            await self._wait_ready(handle, popen)
+            await self._wait_ready(handle, popen, awake=dormant_after_s == 0)
         except BaseException:
             await self._abandon_start(handle)
             raise
         log.info("sandbox_started", sandbox_id=spec.sandbox_id, pid=popen.pid, isolation=self._isolation, uid=uid, freezer=freezer)
         return handle
+
+    def _write_env(self, paths: _Paths, spec: SandboxSpec, uid: int) -> None:
+        """The sandbox's env.json: what every command of it gets."""
+        egress = egress_env() if spec.network == "restricted" and self._isolation == "bwrap" else {}
+        tmp = paths.mounted / "env.json.tmp"
+        tmp.write_text(json.dumps({**self._extra_env, **egress, **dict(spec.env)}))
+        tmp.chmod(0o600)
+        os.chown(tmp, uid, uid)
+        tmp.replace(paths.mounted / "env.json")
 
     async def _abandon_start(self, handle: BackendHandle) -> None:
         """Undoes what a failed start, or a sandbox that died, left running
@@ -554,7 +725,7 @@ class LocalBackend(SandboxBackend):
             )
 
     def _spawn_confined(
-        self, spec: SandboxSpec, paths: _Paths, assets: _Assets, cgroup: SandboxCgroup, uid: int
+        self, spec: SandboxSpec, paths: _Paths, assets: _Assets, cgroup: SandboxCgroup, uid: int, dormant_after_s: float
     ) -> subprocess.Popen[bytes]:
         # The unprivileged uid bwrap runs as cannot (and must not) walk the
         # root-only host directories its mount sources live in. A first bwrap,
@@ -578,14 +749,14 @@ class LocalBackend(SandboxBackend):
                 *staging, "--",
                 "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
                 "--inh-caps=-all", "--bounding-set=-all",
-                *self._bwrap_argv(spec, stage, seccomp_fd),
+                *self._bwrap_argv(spec, stage, seccomp_fd, dormant_after_s),
             ]  # fmt: skip
             env = {**_HOST_ENV, "BERTH_CGROUPS": " ".join(cgroup.procs_files())}
             return self._spawn(argv, paths, env=env, pass_fds=(seccomp_fd,))
         finally:
             os.close(seccomp_fd)
 
-    def _bwrap_argv(self, spec: SandboxSpec, stage: Mapping[str, str], seccomp_fd: int) -> list[str]:
+    def _bwrap_argv(self, spec: SandboxSpec, stage: Mapping[str, str], seccomp_fd: int, dormant_after_s: float) -> list[str]:
         argv = [
             "bwrap",
             "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--disable-userns",
@@ -616,7 +787,7 @@ class LocalBackend(SandboxBackend):
             "--seccomp", str(seccomp_fd),
             "--chdir", "/workspace",
             "--setenv", "HOME", "/workspace",
-            self._python, _DAEMON_IN_SANDBOX,
+            *self._daemon_command(_DAEMON_IN_SANDBOX, dormant_after_s),
             "--socket", f"{_RUN_IN_SANDBOX}/sandboxd.sock",
             "--workspace", "/workspace",
             "--state-dir", f"{_RUN_IN_SANDBOX}/state",
@@ -625,10 +796,17 @@ class LocalBackend(SandboxBackend):
         ]  # fmt: skip
         return argv
 
-    def _unconfined_argv(self, paths: _Paths) -> list[str]:
+    def _daemon_command(self, archive: str, dormant_after_s: float) -> list[str]:
+        # -I -S: no site-packages, user site or PYTHON* variables; sandboxd
+        # needs only the standard library, and every import is memory.
+        # A daemon that may go dormant starts so: a sandbox costs its full
+        # daemon only once something connects.
+        dormant = ["--start-dormant"] if dormant_after_s > 0 else []
+        return [self._python, "-I", "-S", archive, "--dormant-after", repr(dormant_after_s), *dormant]
+
+    def _unconfined_argv(self, paths: _Paths, dormant_after_s: float) -> list[str]:
         return [
-            self._python,
-            str(bundle.build(self._data_dir / "isolation")),
+            *self._daemon_command(str(bundle.build(self._data_dir / "isolation")), dormant_after_s),
             "--socket", str(paths.socket),
             "--workspace", str(paths.workspace),
             "--state-dir", str(paths.mounted / "state"),
@@ -677,7 +855,10 @@ class LocalBackend(SandboxBackend):
         tmp.replace(run / "handle.json")
         (run / "bwrap.pid").write_text(f"{handle.private['pid']}\n")
 
-    async def _wait_ready(self, handle: BackendHandle, popen: subprocess.Popen[bytes]) -> None:
+    async def _wait_ready(self, handle: BackendHandle, popen: subprocess.Popen[bytes], *, awake: bool) -> None:
+        """Until the daemon listens: an ``awake`` one answers a ping; one
+        that starts dormant is only waited for until its socket exists
+        (``sandboxd/listen.py``), since a connection would wake it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._start_timeout_s
         last_error: Exception | None = None
@@ -687,7 +868,12 @@ class LocalBackend(SandboxBackend):
                 raise SandboxStartError(
                     f"sandbox {handle.sandbox_id} exited with status {code} while starting: {self._log_tail(handle)}"
                 )
-            last_error = await probe(handle.socket_path)
+            if awake:
+                last_error = await probe(handle.socket_path)
+            elif os.path.exists(handle.socket_path):
+                last_error = None
+            else:
+                last_error = DaemonUnavailable(f"no socket at {handle.socket_path}")
             if last_error is None:
                 return
             await asyncio.sleep(_POLL_S)

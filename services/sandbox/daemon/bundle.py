@@ -4,7 +4,11 @@ Backends bind-mount a single file into each sandbox and run it with the
 sandbox's own ``python3`` (``python3 sandboxd.pyz --socket ...``). The
 archive is reproducible: its entries are the package's ``.py`` files in
 sorted order, stored uncompressed with a fixed timestamp and mode, so the same
-sources always give the same bytes. ``build`` names the file by its content
+sources always give the same bytes. Beside each ``.py`` is its bytecode for
+this interpreter's version (an unchecked hash-based ``.pyc``, PEP 552), so a
+sandbox running the same Python starts without compiling the daemon (which
+matters every time a dormant daemon wakes); any other version ignores it
+(zipimport rejects its magic number) and compiles the source. ``build`` names the file by its content
 and writes it with an atomic rename, so a file a running sandbox has mounted
 is never rewritten and concurrent builders agree on the result.
 """
@@ -13,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import io
+import marshal
 import os
 import secrets
 import zipapp
@@ -43,14 +49,20 @@ def _entry(name: str) -> zipfile.ZipInfo:
     return info
 
 
+def _bytecode(name: str, source: bytes) -> bytes:
+    code = compile(source, name, "exec", dont_inherit=True)
+    # PEP 552: magic, flags (1: hash-based, source not checked), hash, code.
+    return importlib.util.MAGIC_NUMBER + (1).to_bytes(4, "little") + importlib.util.source_hash(source) + marshal.dumps(code)
+
+
 @functools.lru_cache(maxsize=4)
 def _archive(stamp: tuple[tuple[str, int, int], ...]) -> bytes:
     del stamp  # the cache key: sources unchanged since the last build
     plain = io.BytesIO()
     with zipfile.ZipFile(plain, "w") as bundle:
-        bundle.writestr(_entry("__main__.py"), _MAIN)
-        for name, path in _sources():
-            bundle.writestr(_entry(name), path.read_bytes())
+        for name, source in [("__main__.py", _MAIN)] + [(name, path.read_bytes()) for name, path in _sources()]:
+            bundle.writestr(_entry(name), source)
+            bundle.writestr(_entry(name + "c"), _bytecode(name, source))
     plain.seek(0)
     shebanged = io.BytesIO()
     zipapp.create_archive(plain, shebanged, interpreter=_INTERPRETER)

@@ -58,11 +58,20 @@ connection then carries a TCP stream opened from inside the sandbox),
 ``--env``) for commands started from then on; running commands and MCP
 servers keep theirs. A container started before its sandbox was known (the
 docker backend's warm pool) learns the sandbox's variables this way. A
-malformed file fails the request and keeps the old environment.
+malformed file fails the request and keeps the old environment. An optional
+``dormant_after_s`` sets the daemon's idle period from then on (a local warm
+pool's daemon runs without one until it is claimed).
+
+Dormancy (``--dormant-after``): after that long idle, with nothing running in
+the sandbox, the daemon replaces itself (same PID) with a bare interpreter
+holding its socket and connections, and becomes the daemon again when a
+frame or a connection arrives (see ``dormant``). Clients see no protocol
+change: a connection stays open and past its ``hello``.
 
 Modules: ``protocol`` (frames, errors, request fields, shared with the
 host-side client), ``workspace`` (paths and environment), ``processes``
 (``exec``, ``process.*``), ``files`` (``file.*``), ``mcp`` (``mcp.*``),
 ``relay`` (``egress.relay``, ``net.connect``), ``server`` (connections, ``ping``,
-``shutdown``, ``env.reload``) and ``__main__`` (the command line).
+``shutdown``, ``env.reload``), ``dormant`` (the idle form), ``cli`` (the
+command line) and ``__main__`` (which picks one of the two).
 """

@@ -143,13 +143,24 @@ def opt_int(req: Json, key: str, default: Optional[int]) -> Optional[int]:
     return value
 
 
-def opt_positive_float(req: Json, key: str) -> Optional[float]:
+def _opt_float(req: Json, key: str, minimum: float, inclusive: bool) -> Optional[float]:
     value = req.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise OpError("invalid_argument", "%s must be a positive number" % key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value == float("inf"):
+        raise OpError("invalid_argument", "%s must be a finite number" % key, param=key)
+    if value < minimum or (value == minimum and not inclusive):
+        qualifier = "positive" if not inclusive else "non-negative"
+        raise OpError("invalid_argument", "%s must be a %s number" % (key, qualifier), param=key)
     return float(value)
+
+
+def opt_positive_float(req: Json, key: str) -> Optional[float]:
+    return _opt_float(req, key, 0.0, inclusive=False)
+
+
+def opt_non_negative_float(req: Json, key: str) -> Optional[float]:
+    return _opt_float(req, key, 0.0, inclusive=True)
 
 
 def opt_env(req: Json) -> Dict[str, str]:

@@ -8,13 +8,27 @@ import functools
 import os
 import signal
 import socket
-import stat
-from typing import Any, Callable, Dict, Optional, Set
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Set
 
+from .dormant import dormant_argv
 from .files import Files
+from .listen import bind_unix_socket
 from .mcp import Mcp
 from .processes import Processes, Reaper
-from .protocol import PROTOCOL_VERSION, Handler, Json, OpError, ProtocolError, Sender, encode_frame, log, read_frame
+from .protocol import (
+    PROTOCOL_VERSION,
+    Handler,
+    Json,
+    OpError,
+    ProtocolError,
+    Sender,
+    encode_frame,
+    log,
+    opt_non_negative_float,
+    read_frame,
+)
 from .relay import Relays, tunnel
 from .workspace import VIRTUAL_ROOT, Workspace
 
@@ -27,6 +41,9 @@ class Connection:
         self.reader = reader
         self.writer = writer
         self.tasks: Dict[int, "asyncio.Task[None]"] = {}
+        # Past its hello, and not a tunnel: a dormant daemon may keep it.
+        self.ready = False
+        self.tunnel = False
         # Python 3.9 asserts on concurrent drain() calls, so drains take turns.
         self._drain_lock = asyncio.Lock()
 
@@ -38,9 +55,30 @@ class Connection:
         async with self._drain_lock:
             await self.writer.drain()
 
-    async def serve(self) -> None:
+    def quiescent(self) -> bool:
+        """No request in flight and no frame half read or half written."""
+        # StreamReader has no public view of what it buffered; without one,
+        # the connection never counts as quiescent.
+        buffered = getattr(self.reader, "_buffer", None)
+        transport = self.writer.transport
+        return (
+            self.ready
+            and not self.tunnel
+            and not self.tasks
+            and buffered is not None
+            and len(buffered) == 0
+            and not self.writer.is_closing()
+            and transport.get_write_buffer_size() == 0
+        )
+
+    def fileno(self) -> int:
+        sock = self.writer.get_extra_info("socket")
+        return int(sock.fileno())
+
+    async def serve(self, resumed: bool = False) -> None:
         try:
-            if await self._handshake():
+            if resumed or await self._handshake():
+                self.ready = True
                 await self._read_requests()
         except (ProtocolError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ProtocolError):
@@ -110,16 +148,19 @@ class Connection:
                     await self.send({"id": rid, "final": True, "error": {"code": "invalid_argument", "message": "net.connect must be a connection's first request"}})
                     continue
                 # The connection becomes the tunnel: no frames after the answer.
+                self.tunnel = True
                 await tunnel(rid, frame, self.reader, self.writer)
                 return
             if rid in self.tasks:
                 await self.send({"id": rid, "final": True, "error": {"code": "invalid_argument", "message": "request id %d is in use" % rid}})
                 continue
+            self.daemon.touch()
             task = asyncio.ensure_future(self._run(rid, op, frame))
             self.tasks[rid] = task
             task.add_done_callback(functools.partial(self._forget, rid))
 
     def _forget(self, rid: int, task: "asyncio.Task[None]") -> None:
+        self.daemon.touch()
         if self.tasks.get(rid) is task:
             del self.tasks[rid]
 
@@ -164,7 +205,12 @@ class Daemon:
         extra_env: Dict[str, str],
         ring_bytes: int,
         env_loader: Optional[Callable[[], Dict[str, str]]] = None,
+        dormant_after_s: float = 0.0,
+        resume_fds: Optional[List[int]] = None,
     ) -> None:
+        """``dormant_after_s`` > 0 makes the daemon go dormant (``dormant``)
+        after that long idle; ``resume_fds`` (the listening socket, then
+        the connections) are what a dormant daemon hands back on waking."""
         self.socket_path = socket_path
         self.workspace = Workspace(workspace, extra_env, env_loader)
         self.root = self.workspace.root
@@ -177,6 +223,11 @@ class Daemon:
         self.files = Files(self.workspace)
         self.mcp = Mcp(self.workspace, self.reaper)
         self.relays = Relays()
+        self.dormant_after_s = dormant_after_s
+        self.resume_fds = resume_fds
+        self._last_active = time.monotonic()
+        self._listener: Optional[socket.socket] = None
+        self._watcher: "Optional[asyncio.Task[None]]" = None
         self.handlers: Dict[str, Handler] = {
             "ping": self._op_ping,
             "shutdown": self._op_shutdown,
@@ -197,15 +248,26 @@ class Daemon:
             loop.add_signal_handler(sig, self._stop.set)
         os.makedirs(self.processes.procs_dir, exist_ok=True)
         os.makedirs(self.root, exist_ok=True)
-        sock = _bind_unix_socket(self.socket_path)
-        server = await asyncio.start_unix_server(self._on_connection, sock=sock, limit=1024 * 1024)
+        if self.resume_fds:
+            sock = _adopt_socket(self.resume_fds[0])
+        else:
+            sock = _adopt_socket(bind_unix_socket(self.socket_path))
+        self._listener = sock
+        server = await asyncio.start_unix_server(self._on_connection, sock=sock, limit=_READ_LIMIT)
+        for fd in (self.resume_fds or [])[1:]:
+            reader, writer = await asyncio.open_unix_connection(sock=_adopt_socket(fd), limit=_READ_LIMIT)
+            asyncio.ensure_future(self._serve_connection(Connection(self, reader, writer), resumed=True))
+        self.set_dormant_after(self.dormant_after_s)
         pid_file = os.path.join(self.state_dir, "sandboxd.pid")
         with open(pid_file, "w") as handle:
             handle.write("%d\n" % os.getpid())
-        log("listening on %s (workspace %s, isolation %s)" % (self.socket_path, self.root, self.isolation))
+        if not self.resume_fds:
+            log("listening on %s (workspace %s, isolation %s)" % (self.socket_path, self.root, self.isolation))
         try:
             await self._stop.wait()
         finally:
+            if self._watcher is not None:
+                self._watcher.cancel()
             server.close()
             self.relays.close()
             self._kill_all()
@@ -218,12 +280,69 @@ class Daemon:
                     pass
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(self, reader, writer)
+        await self._serve_connection(Connection(self, reader, writer), resumed=False)
+
+    async def _serve_connection(self, conn: Connection, resumed: bool) -> None:
+        self.touch()
         self.connections.add(conn)
         try:
-            await conn.serve()
+            await conn.serve(resumed)
         finally:
             self.connections.discard(conn)
+            self.touch()
+
+    # ------------------------------------------------------------ dormancy
+
+    def touch(self) -> None:
+        self._last_active = time.monotonic()
+
+    def dormant_ready(self) -> bool:
+        """Nothing would be lost by becoming dormant now: no process (the
+        kernel's list of this process's children, orphans adopted as PID 1
+        included), no MCP broker, relay or tunnel, no record of an exited
+        background process, and every connection quiescent."""
+        if self.processes.processes or self.reaper.live_children() or self.mcp.brokers or self.relays.egress_relay:
+            return False
+        if not all(conn.quiescent() for conn in self.connections):
+            return False
+        pid = os.getpid()
+        try:
+            with open("/proc/%d/task/%d/children" % (pid, pid)) as handle:
+                return not handle.read().strip()
+        except OSError:
+            return False
+
+    def set_dormant_after(self, seconds: float) -> None:
+        """Goes dormant after ``seconds`` idle from now on (0: never)."""
+        self.dormant_after_s = seconds
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if seconds > 0:
+            self._watcher = asyncio.ensure_future(self._watch_idle())
+
+    async def _watch_idle(self) -> None:
+        interval = min(max(self.dormant_after_s / 4, 0.01), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - self._last_active >= self.dormant_after_s and self.dormant_ready():
+                self._go_dormant()
+                return
+
+    def _go_dormant(self) -> None:
+        """Becomes the dormant daemon; returns only if that fails."""
+        assert self._listener is not None
+        fds = [self._listener.fileno()] + [conn.fileno() for conn in self.connections]
+        for fd in fds:
+            os.set_inheritable(fd, True)
+        sys.stderr.flush()
+        argv = dormant_argv(fds, self.dormant_after_s)
+        try:
+            os.execv(argv[0], argv)
+        except OSError as exc:  # the daemon stays as it is, only heavier
+            for fd in fds:
+                os.set_inheritable(fd, False)
+            log("cannot go dormant: %r" % (exc,))
 
     def _kill_all(self) -> None:
         self.mcp.kill_all()
@@ -235,7 +354,12 @@ class Daemon:
         return {"ok": True, "pid": os.getpid(), "processes": self.processes.running()}
 
     async def _op_env_reload(self, conn: Sender, rid: int, req: Json) -> Json:
-        return {"ok": True, "variables": self.workspace.reload()}
+        # A warm pool's daemon learns its sandbox's idle period here too.
+        dormant_after = opt_non_negative_float(req, "dormant_after_s")
+        variables = self.workspace.reload()
+        if dormant_after is not None:
+            self.set_dormant_after(dormant_after)
+        return {"ok": True, "variables": variables}
 
     async def _op_shutdown(self, conn: Sender, rid: int, req: Json) -> Json:
         self._kill_all()
@@ -245,29 +369,12 @@ class Daemon:
         return {"ok": True}
 
 
-def _bind_unix_socket(path: str) -> socket.socket:
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    dir_fd: Optional[int] = None
-    bind_path = path
-    if len(os.fsencode(path)) > 100:
-        # sun_path holds about 108 bytes; a long host path is reached through
-        # a short /proc/self/fd alias of its directory.
-        dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        bind_path = "/proc/self/fd/%d/%s" % (dir_fd, os.path.basename(path))
-    old_umask = os.umask(0o177)
-    try:
-        sock.bind(bind_path)
-    finally:
-        os.umask(old_umask)
-        if dir_fd is not None:
-            os.close(dir_fd)
-    os.chmod(path, 0o600)
-    sock.listen(128)
+_READ_LIMIT = 1024 * 1024
+
+
+def _adopt_socket(fd: int) -> socket.socket:
+    """A socket handed over by a dormant daemon; commands never inherit it."""
+    os.set_inheritable(fd, False)
+    sock = socket.socket(fileno=fd)
     sock.setblocking(False)
     return sock
