@@ -21,6 +21,8 @@ from services.session.models import (
     PublishedOutputRow,
     SessionRow,
     TurnRow,
+    WebhookDeliveryRow,
+    WebhookEndpointRow,
 )
 from services.session.states import SessionStatus, TurnStatus
 
@@ -37,7 +39,7 @@ __all__ = [
     "delete_session_rows",
 ]
 
-Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
+Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, WebhookEndpointRow, WebhookDeliveryRow)
 
 # Core tables for the statements on a turn's path.
 _SESSIONS = cast(Table, SessionRow.__table__)
