@@ -91,21 +91,21 @@ _DELIVERED = (
 )
 _RETRY = update(_DELIVERIES).where(_FENCE).values(next_attempt_at=bindparam("retry_at"), claimed_by="")
 _INSERT_ATTEMPT = insert(_ATTEMPTS)
-_ENDPOINT_OK = update(_ENDPOINTS).where(_ENDPOINTS.c.id == bindparam("endpoint_id")).values(consecutive_failures=0)
+_ENDPOINT_OK = update(_ENDPOINTS).where(_ENDPOINTS.c.id == bindparam("v_endpoint_id")).values(consecutive_failures=0)
 _ENDPOINT_FAILED = (
     update(_ENDPOINTS)
-    .where(_ENDPOINTS.c.id == bindparam("endpoint_id"))
+    .where(_ENDPOINTS.c.id == bindparam("v_endpoint_id"))
     .values(consecutive_failures=_ENDPOINTS.c.consecutive_failures + 1)
     .returning(_ENDPOINTS.c.consecutive_failures)
 )
 _DISABLE = (
     update(_ENDPOINTS)
-    .where(_ENDPOINTS.c.id == bindparam("endpoint_id"), _ENDPOINTS.c.status == _ENABLED)
+    .where(_ENDPOINTS.c.id == bindparam("v_endpoint_id"), _ENDPOINTS.c.status == _ENABLED)
     .values(status=EndpointStatus.DISABLED.value, disabled_reason=bindparam("reason"))
 )
 _GIVE_UP = (
     update(_DELIVERIES)
-    .where(_DELIVERIES.c.endpoint_id == bindparam("endpoint_id"), _DELIVERIES.c.status == _PENDING)
+    .where(_DELIVERIES.c.endpoint_id == bindparam("v_endpoint_id"), _DELIVERIES.c.status == _PENDING)
     .values(status=DeliveryStatus.FAILED.value, claimed_by="")
 )
 
@@ -343,14 +343,14 @@ class WebhookDeliverer:
             ],
         )
         if outcome.success:
-            await s.execute(_ENDPOINT_OK, {"endpoint_id": claimed.endpoint_id})
+            await s.execute(_ENDPOINT_OK, {"v_endpoint_id": claimed.endpoint_id})
             return
-        failures = await _scalar(s, _ENDPOINT_FAILED, {"endpoint_id": claimed.endpoint_id})
+        failures = await _scalar(s, _ENDPOINT_FAILED, {"v_endpoint_id": claimed.endpoint_id})
         if failures is not None and int(failures) >= self.config.disable_after:
             reason = f"{int(failures)} consecutive failed delivery attempts"
-            disabled = await s.execute(_DISABLE, {"endpoint_id": claimed.endpoint_id, "reason": reason})
+            disabled = await s.execute(_DISABLE, {"v_endpoint_id": claimed.endpoint_id, "reason": reason})
             if disabled.rowcount:  # type: ignore[attr-defined]
-                await s.execute(_GIVE_UP, {"endpoint_id": claimed.endpoint_id})
+                await s.execute(_GIVE_UP, {"v_endpoint_id": claimed.endpoint_id})
                 log.warning("webhook_endpoint_disabled", endpoint_id=claimed.endpoint_id, failures=int(failures))
 
 
