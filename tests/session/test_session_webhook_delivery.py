@@ -176,3 +176,27 @@ async def test_a_name_resolving_to_a_refused_address_is_refused_at_delivery() ->
         await DestinationPolicy([]).resolve("https://localhost/h")
     target = await DestinationPolicy(["localhost"]).resolve("http://localhost:1/h")
     assert target.host == "localhost" and target.address in ("127.0.0.1", "::1")
+
+
+async def test_an_artifact_published_with_a_turn_is_announced_in_its_transaction(replicas: list[_Replica]) -> None:
+    from services.session.models import ArtifactRow
+
+    a, _ = replicas
+    endpoints = WebhookEndpoints(a.store, a.deliverer.box, a.deliverer.policy)
+    await endpoints.create(_ORG, name="r", url="http://127.0.0.1:9/h", event_types=["agent.session.artifact.created"])
+
+    async def publish(u: Unit) -> None:
+        await _add_session(u, "sess_art")
+        u.session.add(
+            ArtifactRow(
+                id="art_1", org_id=_ORG, session_id="sess_art", turn_id="turn_1", environment_id="env_1",
+                path="outputs/report.md", size_bytes=5, sha256="0" * 64, created_at=time.time(),
+            )
+        )
+
+    await a.store.transact(publish)
+    (payload,) = await a.store.query(lambda s: _deliveries(s))
+    assert payload["type"] == "agent.session.artifact.created" and payload["object"] == "event"
+    assert payload["data"] == {
+        "id": "art_1", "session_id": "sess_art", "turn_id": "turn_1", "path": "outputs/report.md", "size_bytes": 5
+    }
