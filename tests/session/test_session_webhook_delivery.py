@@ -5,10 +5,12 @@ workers woken by commits rather than polling (their idle poll is an hour)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.fernet import Fernet
@@ -89,13 +91,13 @@ async def test_each_delivery_is_claimed_once_across_replicas_and_none_is_lost_wh
 
         # No worker runs yet: the outbox holds them.
         for n in range(10):
-            await a.store.transact(lambda u, n=n: enqueue_one(u, n))
+            await a.store.transact(functools.partial(enqueue_one, n=n))
         await a.store.transact(lambda u: _add_session(u, "sess_wh"))
         await a.deliverer.start()
         await b.deliverer.start()
         # Enqueued on A while both run: A is woken in process, B by NOTIFY (or not at all on SQLite).
         for n in range(10, 20):
-            await a.store.transact(lambda u, n=n: enqueue_one(u, n))
+            await a.store.transact(functools.partial(enqueue_one, n=n))
 
         async def rows(s: object) -> list[WebhookDeliveryRow]:
             return list((await s.execute(select(WebhookDeliveryRow))).scalars())  # type: ignore[attr-defined]
@@ -137,7 +139,7 @@ async def test_an_event_rolled_back_is_never_delivered(replicas: list[_Replica])
     assert await a.store.query(lambda s: _deliveries(s)) == []
 
 
-async def _deliveries(s: object) -> list[str]:
+async def _deliveries(s: object) -> list[dict[str, Any]]:
     return [json.loads(p) for p in (await s.execute(select(WebhookDeliveryRow.payload_json))).scalars()]  # type: ignore[attr-defined]
 
 
