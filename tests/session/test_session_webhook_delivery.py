@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from cryptography.fernet import Fernet
+from session_support import add_idle_session
 from sqlalchemy import select
 from waiting import wait_until
 from webhook_support import Receiver
@@ -22,7 +23,7 @@ from services.core.db import Database, open_database
 from services.core.errors import InvalidArgument
 from services.core.notify import Notifier, open_notifier
 from services.core.settings import normalize_database_url
-from services.session.models import SessionRow, WebhookAttemptRow, WebhookDeliveryRow
+from services.session.models import WebhookAttemptRow, WebhookDeliveryRow
 from services.session.store import Store, Unit
 from services.session.webhooks import capture, enqueue
 from services.session.webhooks.delivery import DeliveryConfig, WebhookDeliverer, backoff_s
@@ -63,16 +64,7 @@ async def replicas(database_url: str) -> AsyncIterator[list[_Replica]]:
 
 
 async def _add_session(u: Unit, session_id: str) -> None:
-    now = time.time()
-    u.session.add(
-        SessionRow(
-            id=session_id, org_id=_ORG, agent_id="", agent_config_json="{}", environment_kind="none", environment_id="",
-            status="idle", error="", metadata_json="{}", vault_ids_json="[]", usage_json="{}", created_at=now,
-            last_active_at=now, event_seq=0, active_turn_id=None,
-        )
-    )
-    await u.session.flush()
-    await u.emit(session_id, {"type": "agent.session.idle"})
+    await add_idle_session(u, session_id, _ORG)
 
 
 async def test_each_delivery_is_claimed_once_across_replicas_and_none_is_lost_while_no_worker_runs(
