@@ -11,6 +11,8 @@ from fastapi import Request
 
 from berth.session.v1 import webhook_pb2, webhook_service_pb2 as pb
 from gateway import render
+from gateway.errors import ApiError
+from gateway.idempotency import IDEMPOTENCY_HEADER
 from gateway.routes._common import PageDep, read_json, require_id, v1_router
 from gateway.state import WebhookStubDep
 from gateway.validation import (
@@ -85,6 +87,9 @@ def _delivery(d: webhook_pb2.WebhookDelivery) -> dict[str, Any]:
 
 @router.post("/webhook_endpoints")
 async def create_webhook_endpoint(request: Request, stub: WebhookStubDep) -> dict[str, Any]:
+    if IDEMPOTENCY_HEADER in request.headers:
+        # A replay would need the signing secret stored with the response: refused, not ignored.
+        raise ApiError(400, "validation_error", "Idempotency-Key is not supported here.", param="Idempotency-Key")
     body = validate_body(WebhookEndpointCreateBody, (await read_json(request)).data)
     response = await stub.CreateWebhookEndpoint(
         pb.CreateWebhookEndpointRequest(name=body.name, url=body.url, event_types=body.event_types)

@@ -206,6 +206,9 @@ async def test_bad_endpoint_input_is_a_400_naming_the_param_and_writes_nothing(s
     async with stack.http() as http:
         for body, param in _BAD_BODIES:
             assert_error(await http.post("/webhook_endpoints", json=body), 400, "validation_error", param=param)
+        good = {"name": "x", "url": "https://example.com/h", "event_types": ["agent.session.idle"]}
+        response = await http.post("/webhook_endpoints", json=good, headers={"Idempotency-Key": "k1"})
+        assert_error(response, 400, "validation_error", param="Idempotency-Key")
         assert (await http.get("/webhook_endpoints")).json()["data"] == []
 
 
