@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from e2e_stack import Stack, start_stack
+from e2e_stack import Stack, destroy_sandboxes, start_stack
 from e2e_support import assert_error
 from waiting import wait_until
 from webhook_support import Receiver
@@ -133,6 +133,31 @@ async def test_turn_and_status_events_are_delivered_only_for_subscribed_types(st
     idle = await wait_until(lambda: receiver.events("agent.session.idle"), 30, what="the session idles")
     assert idle[0]["data"] == {"id": session_id, "environment_type": "none", "environment_id": None}
     assert receiver.events("agent.session.created") == [] and receiver.unsigned == []
+
+
+async def test_a_published_artifact_is_announced_with_its_turn(
+    stack: Stack, receiver: Receiver, bwrap_available: None
+) -> None:
+    await _register(stack, receiver, ["agent.session.artifact.created", "agent.session.turn.completed"])
+    body = {
+        "agent": {"model": "scripted"},
+        "environment": {"type": "openai_hosted"},
+        "input": "$ echo hooked > $REBYTE_OUTPUT_DIR/report.txt\ndone",
+    }
+    try:
+        async with stack.http() as http:
+            response = await http.post("/agents/sessions", json=body)
+            assert response.status_code == 200, response.text
+            session_id = response.json()["id"]
+            (artifact,) = await wait_until(
+                lambda: receiver.events("agent.session.artifact.created"), 90, what="the artifact's announcement"
+            )
+            listed = (await http.get(f"/agents/sessions/{session_id}/artifacts")).json()["data"]
+        (completed,) = await wait_until(lambda: receiver.events("agent.session.turn.completed"), 30, what="the turn")
+    finally:
+        await destroy_sandboxes(stack.data_dir)
+    assert artifact["data"]["id"] == listed[0]["id"] and artifact["data"]["session_id"] == session_id
+    assert artifact["data"]["turn_id"] == completed["data"]["id"] and artifact["data"]["path"].endswith("report.txt")
 
 
 async def test_endpoint_is_disabled_after_the_failure_bound(tmp_path: Path, receiver: Receiver) -> None:

@@ -25,7 +25,7 @@ from services.core.notify import Notifier, open_notifier
 from services.core.settings import normalize_database_url
 from services.session.models import WebhookAttemptRow, WebhookDeliveryRow
 from services.session.store import Store, Unit
-from services.session.webhooks import capture, enqueue
+from services.session.webhooks import announce_artifacts, capture, enqueue
 from services.session.webhooks.delivery import DeliveryConfig, WebhookDeliverer, backoff_s
 from services.session.webhooks.destinations import DestinationPolicy, DestinationRefused
 from services.session.webhooks.endpoints import WebhookEndpoints
@@ -181,12 +181,12 @@ async def test_an_artifact_published_with_a_turn_is_announced_in_its_transaction
 
     async def publish(u: Unit) -> None:
         await _add_session(u, "sess_art")
-        u.session.add(
-            ArtifactRow(
-                id="art_1", org_id=_ORG, session_id="sess_art", turn_id="turn_1", environment_id="env_1",
-                path="outputs/report.md", size_bytes=5, sha256="0" * 64, created_at=time.time(),
-            )
+        artifact = ArtifactRow(
+            id="art_1", org_id=_ORG, session_id="sess_art", turn_id="turn_1", environment_id="env_1",
+            path="outputs/report.md", size_bytes=5, sha256="0" * 64, created_at=time.time(),
         )
+        u.session.add(artifact)
+        await announce_artifacts(u, _ORG, [artifact])
 
     await a.store.transact(publish)
     (payload,) = await a.store.query(lambda s: _deliveries(s))

@@ -3,6 +3,6 @@ a durable outbox written in the transaction of each event it announces,
 and a worker that delivers it signed (Standard Webhooks)."""
 
 from services.session.webhooks.catalog import EVENT_TYPES
-from services.session.webhooks.outbox import WEBHOOKS_KEY, capture, enqueue
+from services.session.webhooks.outbox import WEBHOOKS_KEY, announce_artifacts, capture, enqueue
 
-__all__ = ["EVENT_TYPES", "WEBHOOKS_KEY", "capture", "enqueue"]
+__all__ = ["EVENT_TYPES", "WEBHOOKS_KEY", "announce_artifacts", "capture", "enqueue"]

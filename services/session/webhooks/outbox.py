@@ -2,10 +2,11 @@
 event they announce, so an event is announced if and only if it commits.
 
 ``capture`` runs inside every ``Store.transact`` unit (services/session/store.py):
-it picks the log events (and new artifacts) that announce a webhook event
-and enqueues them for the subscribed endpoints of the session's
-organization. ``enqueue`` is the same for any other producer (automation
-invocations): call it with the unit that writes the event. Both wake the
+it picks the log events that announce a webhook event and enqueues them for
+the subscribed endpoints of the session's organization. The turn's
+publication calls ``announce_artifacts``; ``enqueue`` is the same for any
+other producer (automation invocations): call it with the unit that writes
+the event. Both wake the
 delivery worker with ``WEBHOOKS_KEY`` (LISTEN/NOTIFY on PostgreSQL).
 """
 
@@ -23,7 +24,7 @@ from services.session.store import Unit
 from services.session.webhooks import catalog
 from services.session.webhooks.states import DeliveryStatus, EndpointStatus
 
-__all__ = ["WEBHOOKS_KEY", "capture", "enqueue"]
+__all__ = ["WEBHOOKS_KEY", "capture", "enqueue", "announce_artifacts"]
 
 # The wake-up key of the delivery workers.
 WEBHOOKS_KEY = "webhooks"
@@ -69,28 +70,49 @@ async def _write(unit: Unit, org: str, endpoints: list[tuple[str, str]], events:
     return len(rows)
 
 
+async def _enabled_endpoints(unit: Unit, org: str) -> list[tuple[str, str]]:
+    result = await unit.session.execute(
+        select(WebhookEndpointRow.id, WebhookEndpointRow.event_types_json).where(
+            WebhookEndpointRow.org_id == org, WebhookEndpointRow.status == EndpointStatus.ENABLED.value
+        )
+    )
+    return [(row[0], row[1]) for row in result.all()]
+
+
 async def enqueue(unit: Unit, org: str, event_type: str, data: dict[str, Any], *, event_id: str = "") -> int:
     """Enqueues one event for the organization's enabled endpoints that
     subscribe to ``event_type``, in ``unit``'s transaction; returns the
     number of deliveries written."""
     if event_type not in catalog.EVENT_TYPES:
         raise ValueError(f"unknown webhook event type {event_type!r}")
-    result = await unit.session.execute(
-        select(WebhookEndpointRow.id, WebhookEndpointRow.event_types_json).where(
-            WebhookEndpointRow.org_id == org, WebhookEndpointRow.status == EndpointStatus.ENABLED.value
+    event = catalog.WebhookEvent(event_id or new_id("evt"), event_type, data)
+    return await _write(unit, org, await _enabled_endpoints(unit, org), [event])
+
+
+async def announce_artifacts(unit: Unit, org: str, artifacts: list[ArtifactRow]) -> int:
+    """Enqueues ``agent.session.artifact.created`` for artifacts published in ``unit``."""
+    if not artifacts:
+        return 0
+    events = [
+        catalog.artifact_created(
+            new_id("evt"),
+            artifact_id=a.id,
+            session_id=a.session_id,
+            turn_id=a.turn_id,
+            path=a.path,
+            size_bytes=a.size_bytes,
         )
-    )
-    endpoints = [(row[0], row[1]) for row in result.all()]
-    return await _write(unit, org, endpoints, [catalog.WebhookEvent(event_id or new_id("evt"), event_type, data)])
+        for a in artifacts
+    ]
+    return await _write(unit, org, await _enabled_endpoints(unit, org), events)
 
 
 async def capture(unit: Unit) -> None:
-    """Enqueues the webhook events of what ``unit`` appended or added."""
+    """Enqueues the webhook events of the log events ``unit`` appended."""
     appended = [(sid, ev) for sid, ev in unit.appended if ev.type in catalog.SESSION_EVENT_TYPES]
-    artifacts = [obj for obj in unit.session.new if isinstance(obj, ArtifactRow)]
-    if not appended and not artifacts:
+    if not appended:
         return
-    session_ids = sorted({sid for sid, _ in appended} | {a.session_id for a in artifacts})
+    session_ids = sorted({sid for sid, _ in appended})
     # One read: each session's facts with its organization's enabled endpoints.
     result = await unit.session.execute(
         select(
@@ -122,17 +144,5 @@ async def capture(unit: Unit) -> None:
             event = catalog.from_session_event(appended_event.event, facts[sid][1])
             if event is not None:
                 by_session.setdefault(sid, []).append(event)
-    for artifact in artifacts:
-        if artifact.session_id in facts:
-            by_session.setdefault(artifact.session_id, []).append(
-                catalog.artifact_created(
-                    new_id("evt"),
-                    artifact_id=artifact.id,
-                    session_id=artifact.session_id,
-                    turn_id=artifact.turn_id,
-                    path=artifact.path,
-                    size_bytes=artifact.size_bytes,
-                )
-            )
     for sid, events in by_session.items():
         await _write(unit, facts[sid][0], endpoints[sid], events)
