@@ -48,6 +48,10 @@ from openai.types.beta.subagent import Subagent
 from openai.types.file_deleted import FileDeleted
 from openai.types.file_object import FileObject
 from openai.types.shared.error_object import ErrorObject
+from openai.types.webhooks.deleted_webhook_endpoint import DeletedWebhookEndpoint
+from openai.types.webhooks.webhook_endpoint import WebhookEndpoint
+from openai.types.webhooks.webhook_endpoint_with_secret import WebhookEndpointWithSecret
+from openai.types.webhooks.webhook_event_type_list import WebhookEventTypeList
 
 from gateway.auth import BETA_HEADER_VALUE, authorize, requires_beta_header
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyDep
@@ -60,6 +64,9 @@ from gateway.validation import (
     EventsCreateBody,
     SessionCreateBody,
     SessionUpdateBody,
+    WebhookEndpointCreateBody,
+    WebhookEndpointUpdateBody,
+    WebhookRotateSecretBody,
 )
 
 __all__ = [
@@ -67,6 +74,7 @@ __all__ = [
     "Operation",
     "OPERATIONS",
     "EnvironmentDeleted",
+    "WebhookDelivery",
     "ErrorResponse",
     "ProbeReport",
     "FileUploadForm",
@@ -86,6 +94,34 @@ class EnvironmentDeleted(pydantic.BaseModel):
     id: str
     object: Literal["agent.environment.deleted"]
     deleted: Literal[True]
+
+
+class WebhookDeliveryAttempt(pydantic.BaseModel):
+    """One attempt of a webhook delivery (a Berth extension)."""
+
+    attempt: int
+    started_at: int
+    duration_ms: float
+    status_code: int | None
+    error: str | None
+    success: bool
+
+
+class WebhookDelivery(pydantic.BaseModel):
+    """``GET /v1/webhook_endpoints/{id}/deliveries``: one event for one
+    endpoint from the outbox, with its attempts (a Berth extension)."""
+
+    id: str
+    object: Literal["webhook_endpoint.delivery"]
+    webhook_endpoint_id: str
+    event_id: str = pydantic.Field(description="Sent as webhook-id on every attempt.")
+    event_type: str
+    status: Literal["pending", "delivered", "failed"]
+    attempt_count: int
+    created_at: int
+    next_attempt_at: int | None
+    delivered_at: int | None
+    attempts: list[WebhookDeliveryAttempt]
 
 
 class ErrorResponse(pydantic.BaseModel):
@@ -213,6 +249,26 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("DELETE", "/v1/vaults/{vault_id}/credentials/{credential_id}"): Operation(
         "Delete a credential", CredentialDeleted
     ),
+    ("POST", "/v1/webhook_endpoints"): Operation(
+        "Create a webhook endpoint (its signing secret is returned this once)",
+        WebhookEndpointWithSecret,
+        WebhookEndpointCreateBody,
+    ),
+    ("GET", "/v1/webhook_endpoints"): Operation("List webhook endpoints", SyncCursorPage[WebhookEndpoint]),
+    ("GET", "/v1/webhook_endpoints/{webhook_endpoint_id}"): Operation("Retrieve a webhook endpoint", WebhookEndpoint),
+    ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}"): Operation(
+        "Update a webhook endpoint", WebhookEndpoint, WebhookEndpointUpdateBody
+    ),
+    ("DELETE", "/v1/webhook_endpoints/{webhook_endpoint_id}"): Operation(
+        "Delete a webhook endpoint", DeletedWebhookEndpoint
+    ),
+    ("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret"): Operation(
+        "Rotate a webhook endpoint's signing secret", WebhookEndpointWithSecret, WebhookRotateSecretBody
+    ),
+    ("GET", "/v1/webhook_endpoints/{webhook_endpoint_id}/deliveries"): Operation(
+        "List a webhook endpoint's deliveries and their attempts", SyncCursorPage[WebhookDelivery]
+    ),
+    ("GET", "/v1/webhook_event_types"): Operation("List webhook event types", WebhookEventTypeList),
     ("GET", "/healthz"): Operation("Liveness: the gateway process answers", ProbeReport),
     ("GET", "/readyz"): Operation(
         "Readiness: the Session and Environment services answer (503 otherwise)", ProbeReport

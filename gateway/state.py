@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc, vault_service_pb2_grpc as vault_grpc
 from berth.session.v1 import session_service_pb2_grpc as session_grpc
+from berth.session.v1 import webhook_service_pb2_grpc as webhook_grpc
 from services.core.db import Database
 from services.core.settings import Settings
 
@@ -22,6 +23,7 @@ __all__ = [
     "get_state",
     "StateDep",
     "SessionStubDep",
+    "WebhookStubDep",
     "EnvironmentStubDep",
     "VaultStubDep",
     "DatabaseDep",
@@ -38,6 +40,8 @@ class GatewayState:
     # On the Environment service's channel, which serves VaultService too.
     vaults: vault_grpc.VaultServiceStub
     session_health: health_pb2_grpc.HealthStub
+    # The Session service's webhook surface, on the session channel.
+    webhooks: webhook_grpc.WebhookServiceStub
     environment_health: health_pb2_grpc.HealthStub
     channels: list[grpc.aio.Channel] = field(default_factory=list)
     # Set when the server is stopping, so open event streams end promptly
@@ -65,6 +69,10 @@ async def _session_stub(state: StateDep) -> session_grpc.SessionServiceStub:
     return state.session
 
 
+async def _webhook_stub(state: StateDep) -> webhook_grpc.WebhookServiceStub:
+    return state.webhooks
+
+
 async def _environment_stub(state: StateDep) -> env_grpc.EnvironmentServiceStub:
     return state.environment
 
@@ -82,6 +90,7 @@ async def _settings(state: StateDep) -> Settings:
 
 
 SessionStubDep = Annotated[session_grpc.SessionServiceStub, Depends(_session_stub)]
+WebhookStubDep = Annotated[webhook_grpc.WebhookServiceStub, Depends(_webhook_stub)]
 EnvironmentStubDep = Annotated[env_grpc.EnvironmentServiceStub, Depends(_environment_stub)]
 VaultStubDep = Annotated[vault_grpc.VaultServiceStub, Depends(_vault_stub)]
 DatabaseDep = Annotated[Database, Depends(_database)]

@@ -34,6 +34,9 @@ from services.core.workspace_limits import path_limit_problem
 
 __all__ = [
     "parse_json_body",
+    "WebhookEndpointCreateBody",
+    "WebhookEndpointUpdateBody",
+    "WebhookRotateSecretBody",
     "check_text",
     "MAX_JSON_DEPTH",
     "validate_body",
@@ -818,3 +821,24 @@ def validate_body(model: type[M], data: Any) -> M:
             f"Invalid '{param}': {message}" if param else str(message),
             param=param,
         ) from exc
+
+
+class WebhookEndpointCreateBody(_Strict):
+    """``POST /v1/webhook_endpoints`` (``client.webhooks.create``). The
+    Session service checks the event types against its catalog and the URL
+    against the destination policy."""
+
+    name: NonBlank
+    url: NonBlank
+    event_types: list[NonBlank] = Field(min_length=1, max_length=64)
+
+
+class WebhookEndpointUpdateBody(_Strict):
+    name: NonBlank | None = None
+    url: NonBlank | None = None
+    event_types: list[NonBlank] | None = Field(default=None, min_length=1, max_length=64)
+
+
+class WebhookRotateSecretBody(_Strict):
+    # Keeping the old secret valid for a while is not implemented: ``true`` is a 400.
+    keep_old_secret_active_for_24_hours: Literal[False] = False

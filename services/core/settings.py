@@ -243,9 +243,37 @@ class Settings(BaseSettings):
     model_timeout_s: float = Field(default=600.0, gt=0, description="Bound on one model request.")
     tool_call_concurrency: int = Field(default=16, ge=1, description="Tool calls of one model response run at most this many at a time.")
 
+    webhook_secret_key: SecretStr = Field(
+        default=SecretStr(""),
+        description=(
+            "Fernet key (urlsafe base64 of 32 bytes) that encrypts webhook signing secrets at rest. Every Session "
+            "replica needs the same one; unset, a key file under data_dir is created on first use."
+        ),
+    )
+    webhook_secret_key_file: str = Field(default="", description="File holding the webhook secret key instead.")
+    webhook_allow_destinations: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "CIDRs or host names (comma-separated) webhooks may be delivered to although they are private, "
+            "loopback, link-local or reserved, which are refused otherwise; listed destinations may also use http."
+        ),
+    )
+    webhook_timeout_s: float = Field(default=10.0, gt=0, description="Bound on one webhook delivery attempt.")
+    webhook_retry_base_s: float = Field(
+        default=5.0, gt=0, description="First webhook retry delay; doubled per failed attempt, with full jitter."
+    )
+    webhook_retry_max_s: float = Field(default=3600.0, gt=0, description="Longest webhook retry delay.")
+    webhook_disable_after: int = Field(
+        default=50, ge=1, description="An endpoint is disabled after this many consecutive failed delivery attempts."
+    )
+    webhook_concurrency: int = Field(default=16, ge=1, description="Deliveries one Session replica attempts at a time.")
+    webhook_claim_s: float = Field(
+        default=60.0, gt=0, description="A claimed delivery whose worker died is attempted again after this long."
+    )
+
     dev_org: str = "dev"
 
-    @field_validator("docker_pool_sizes", "sandbox_allow_cidrs", mode="before")
+    @field_validator("docker_pool_sizes", "sandbox_allow_cidrs", "webhook_allow_destinations", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         """``BERTH_DOCKER_POOL_SIZES=small,medium`` rather than JSON."""

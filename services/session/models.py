@@ -7,7 +7,7 @@ still list in creation order, so cursors resolve to ``pk``.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, Float, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
@@ -21,6 +21,9 @@ __all__ = [
     "ArtifactRow",
     "PublishedOutputRow",
     "SubagentRow",
+    "WebhookEndpointRow",
+    "WebhookDeliveryRow",
+    "WebhookAttemptRow",
 ]
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
@@ -195,3 +198,64 @@ class SubagentRow(Base):
     status: Mapped[str] = mapped_column(String(16))  # active | closed
     opened_at: Mapped[float] = mapped_column(Float)
     closed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class WebhookEndpointRow(Base):
+    """An organization's webhook receiver. The signing secret is stored
+    encrypted (it must be usable to sign); see webhooks/signing.py."""
+
+    __tablename__ = "webhook_endpoints"
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128), index=True)
+    name: Mapped[str] = mapped_column(Text)
+    url: Mapped[str] = mapped_column(Text)
+    event_types_json: Mapped[str] = mapped_column(Text)
+    secret_encrypted: Mapped[str] = mapped_column(Text)
+    secret_hint: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # enabled | disabled
+    disabled_reason: Mapped[str] = mapped_column(Text)
+    consecutive_failures: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class WebhookDeliveryRow(Base):
+    """The durable outbox: one event for one endpoint, written in the
+    transaction of the event it announces. A worker claims it by moving
+    ``next_attempt_at`` past its claim lease (``claimed_by`` fences the
+    result)."""
+
+    __tablename__ = "webhook_deliveries"
+    # The worker's claim scans pending deliveries by due time.
+    __table_args__ = (Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),)
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    endpoint_id: Mapped[str] = mapped_column(String(64), index=True)
+    event_id: Mapped[str] = mapped_column(String(64))
+    event_type: Mapped[str] = mapped_column(String(80))
+    payload_json: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # pending | delivered | failed
+    attempt_count: Mapped[int] = mapped_column(Integer)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    claimed_by: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class WebhookAttemptRow(Base):
+    """One delivery attempt, kept for the deliveries listing."""
+
+    __tablename__ = "webhook_attempts"
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(String(64), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str] = mapped_column(Text)
+    success: Mapped[bool] = mapped_column(Boolean)

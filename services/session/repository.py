@@ -22,6 +22,8 @@ from services.session.models import (
     SessionRow,
     SubagentRow,
     TurnRow,
+    WebhookDeliveryRow,
+    WebhookEndpointRow,
 )
 from services.session.states import SessionStatus, TurnStatus
 
@@ -39,7 +41,9 @@ __all__ = [
     "descendant_sessions",
 ]
 
-Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, SubagentRow)
+Row = TypeVar(
+    "Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, SubagentRow, WebhookEndpointRow, WebhookDeliveryRow
+)
 
 # Core tables for the statements on a turn's path.
 _SESSIONS = cast(Table, SessionRow.__table__)

@@ -72,6 +72,7 @@ from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionR
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit, turn_key
 from services.session.turn_io import DbTurnIO
+from services.session.webhooks import announce_artifacts
 from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
 
 __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
@@ -684,7 +685,7 @@ class TurnRunner:
         if ending.outcome.status != TurnStatus.COMPLETED or not ending.files:
             return
         claimed = ending.claimed
-        await record_publication(
+        artifacts = await record_publication(
             u.session,
             ending.files,
             org_id=claimed.org_id,
@@ -692,6 +693,7 @@ class TurnRunner:
             turn_id=claimed.turn_id,
             environment_id=str(claimed.environment_id),
         )
+        await announce_artifacts(u, claimed.org_id, artifacts)
         ending.recorded = True
 
     async def _release_session(self, u: Unit, ending: _Ending, now: float) -> tuple[SessionRow, bool] | None:

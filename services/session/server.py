@@ -6,7 +6,7 @@ from pathlib import Path
 
 import grpc
 
-from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
+from berth.session.v1 import session_service_pb2, session_service_pb2_grpc, webhook_service_pb2, webhook_service_pb2_grpc
 from services.core.context import PeerCredentials
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
@@ -22,14 +22,24 @@ from services.session.mcp_connections import McpConnections
 from services.session.runner import TurnRunner
 from services.session.servicer import SessionServicer
 from services.session.store import Store
+from services.session.webhook_servicer import WebhookServicer
+from services.session.webhooks import capture
+from services.session.webhooks.delivery import DeliveryConfig, WebhookDeliverer
+from services.session.webhooks.destinations import DestinationPolicy
+from services.session.webhooks.endpoints import WebhookEndpoints
+from services.session.webhooks.signing import open_secret_box
 
 __all__ = ["start_session_service", "SESSION_CALLERS"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
 _SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
+_WEBHOOKS = webhook_service_pb2.DESCRIPTOR.services_by_name["WebhookService"]
 
 # The Session service answers the gateway alone.
-SESSION_CALLERS = allowed_callers(_SERVICE, {"gateway": [method.name for method in _SERVICE.methods]})
+SESSION_CALLERS = {
+    **allowed_callers(_SERVICE, {"gateway": [method.name for method in _SERVICE.methods]}),
+    **allowed_callers(_WEBHOOKS, {"gateway": [method.name for method in _WEBHOOKS.methods]}),
+}
 
 
 async def start_session_service(
@@ -45,7 +55,11 @@ async def start_session_service(
         db, channel="berth_session", safety_poll_s=settings.notify_safety_poll_s, listen=settings.notify_listen
     )
     await notifier.start()
-    store = Store(db, notifier)
+    # Every unit of work writes the webhook deliveries of its events in its own transaction.
+    store = Store(db, notifier, before_commit=capture)
+    secret_box = open_secret_box(settings)
+    destinations = DestinationPolicy(settings.webhook_allow_destinations)
+    deliverer = WebhookDeliverer(db, notifier, secret_box, destinations, DeliveryConfig.from_settings(settings))
     env_client = EnvironmentClient(
         environment_addr or settings.environment_addr,
         credentials=credentials,
@@ -68,22 +82,27 @@ async def start_session_service(
 
     def register(server: grpc.aio.Server) -> list[str]:
         session_service_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(domain), server)
-        return [_SERVICE.full_name]
+        webhook_service_pb2_grpc.add_WebhookServiceServicer_to_server(
+            WebhookServicer(WebhookEndpoints(store, secret_box, destinations)), server
+        )
+        return [_SERVICE.full_name, _WEBHOOKS.full_name]
 
     try:
         running = await start_grpc_server(
             address or settings.session_addr, register, token=credentials.token, callers=SESSION_CALLERS
         )
     except BaseException:
+        await deliverer.close()
         await env_client.close()
         await notifier.close()
         await db.dispose()
         raise
     await runner.start()
+    await deliverer.start()
     # Closed in reverse order: the runner finishes its turns while the MCP
     # connections, the database and the environment channel are still open.
     return ServiceHandle(
         name="session",
         grpc=running,
-        closers=[db.dispose, notifier.close, env_client.close, mcp.close, providers.close, runner.close],
+        closers=[db.dispose, notifier.close, env_client.close, mcp.close, providers.close, runner.close, deliverer.close],
     )

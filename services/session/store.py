@@ -237,10 +237,14 @@ class Store:
     """Runs units of work through ``Database.run``: each transaction runs to
     its end however its caller is cancelled (see services/core/db.py)."""
 
-    def __init__(self, db: Database, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self, db: Database, notifier: Notifier | None = None, *, before_commit: Callable[[Unit], Awaitable[None]] | None = None
+    ) -> None:
         self.db = db
         self.notifier = notifier or Notifier()
         self.feeds = EventFeeds(self.notifier)
+        # Runs at the end of every unit, in its transaction (the webhook outbox).
+        self.before_commit = before_commit
 
     async def transact(self, fn: Callable[[Unit], Awaitable[T]], *, inflight: set[asyncio.Future[Any]] | None = None) -> T:
         """One read-write transaction; events appended by ``fn`` wake local
@@ -252,6 +256,8 @@ class Store:
         async def work(session: AsyncSession) -> tuple[T, Unit]:
             unit = Unit(session)
             result = await fn(unit)
+            if self.before_commit is not None:
+                await self.before_commit(unit)
             await session.flush()
             await unit.write_events()
             if unit.wake:

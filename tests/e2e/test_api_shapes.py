@@ -15,7 +15,7 @@ from openai.types.beta.agent_session_event import AgentSessionEvent
 from turns_support import idle_after_turn, open_events
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
-from gateway.routes import agents, environments, files, session_resources, sessions, subagents, vaults
+from gateway.routes import agents, environments, files, session_resources, sessions, subagents, vaults, webhooks
 
 # Route -> the SDK model of its JSON body; None: no JSON body (202, bytes,
 # SSE). The OpenAPI document's table is the one home of that claim; this
@@ -35,6 +35,8 @@ ADDITIONS: dict[str, frozenset[str]] = {
     "EnvironmentResourceOpenAIHosted": _ENVIRONMENT_ADDITIONS | {"status"},
     "EnvironmentFile": frozenset({"id", "type", "file_id"}),
     "EnvironmentResourceOpenAIHostedNetwork": frozenset({"blocked_domains"}),
+    "WebhookEndpoint": frozenset({"status", "disabled_reason", "consecutive_failures"}),
+    "WebhookEndpointWithSecret": frozenset({"status", "disabled_reason", "consecutive_failures"}),
 }
 
 # The OpenAI list envelope, which the SDK's page classes do not declare.
@@ -45,7 +47,7 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 def _public_routes() -> set[tuple[str, str]]:
     routes: set[tuple[str, str]] = set()
-    for module in (agents, environments, files, sessions, session_resources, subagents, vaults):
+    for module in (agents, environments, files, sessions, session_resources, subagents, vaults, webhooks):
         for route in module.router.routes:
             for method in getattr(route, "methods", ()):
                 routes.add((method, str(getattr(route, "path"))))
@@ -265,6 +267,18 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         await api.call("DELETE", "/v1/agents/environments/{environment_id}", environment_id=env["id"])
         await api.call("DELETE", "/v1/files/{file_id}", file_id=uploaded["id"])
         await api.call("DELETE", "/v1/agents/{agent_id}", agent_id=agent["id"])
+
+        # An event type this test never causes: nothing is delivered anywhere.
+        hook = {"name": "shapes", "url": "https://example.com/hook", "event_types": ["agent.automation.invocation.failed"]}
+        endpoint = await api.call("POST", "/v1/webhook_endpoints", json=hook)
+        ids = {"webhook_endpoint_id": endpoint["id"]}
+        await api.call("GET", "/v1/webhook_endpoints")
+        await api.call("GET", "/v1/webhook_endpoints/{webhook_endpoint_id}", **ids)
+        await api.call("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}", **ids, json={"name": "renamed"})
+        await api.call("POST", "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret", **ids, json={})
+        await api.call("GET", "/v1/webhook_endpoints/{webhook_endpoint_id}/deliveries", **ids)
+        await api.call("GET", "/v1/webhook_event_types")
+        await api.call("DELETE", "/v1/webhook_endpoints/{webhook_endpoint_id}", **ids)
 
     assert _public_routes() - api.covered == set()
     assert set(MODELS) == _public_routes()

@@ -34,7 +34,9 @@ from services.core.service import ServiceHandle
 from services.core.wire_json import to_message, to_wire
 from services.core.settings import Settings
 from services.environment.server import ENVIRONMENT_CALLERS
+from services.session.models import SessionRow
 from services.session.server import start_session_service
+from services.session.store import Unit
 
 ORG = "org_a"
 OTHER_ORG = "org_b"
@@ -452,3 +454,17 @@ def message(text: str) -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "input_text", "text": text}]}
 
 
+
+
+async def add_idle_session(u: Unit, session_id: str, org: str) -> None:
+    """A bare idle session row and its ``agent.session.idle`` event, written in ``u``."""
+    now = time.time()
+    u.session.add(
+        SessionRow(
+            id=session_id, org_id=org, agent_id="", agent_config_json="{}", environment_kind="none", environment_id="",
+            status="idle", error="", metadata_json="{}", vault_ids_json="[]", usage_json="{}", created_at=now,
+            last_active_at=now, event_seq=0, active_turn_id=None,
+        )
+    )
+    await u.session.flush()
+    await u.emit(session_id, {"type": "agent.session.idle"})

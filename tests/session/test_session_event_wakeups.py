@@ -6,15 +6,14 @@ hour, so only a wake-up can deliver an event."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from session_support import add_idle_session
 
 from services.core.db import open_database
 from services.session.event_stream import EventStream
-from services.session.models import SessionRow
 from services.session.store import Store, Unit, events_key
 
 _MIGRATIONS = Path(__file__).parents[2] / "services" / "session" / "migrations" / "versions"
@@ -27,19 +26,7 @@ async def stores(tmp_path: Path) -> AsyncIterator[tuple[Store, Store]]:
     url = f"sqlite+berth:///{tmp_path / 'session.db'}"
     a, b = Store(await open_database(url, "session", _MIGRATIONS)), Store(await open_database(url, "session", _MIGRATIONS))
 
-    async def create(u: Unit) -> None:
-        now = time.time()
-        u.session.add(
-            SessionRow(
-                id=_SESSION, org_id=_ORG, agent_id="", agent_config_json="{}", environment_kind="none", environment_id="",
-                status="idle", error="", metadata_json="{}", vault_ids_json="[]", usage_json="{}", created_at=now,
-                last_active_at=now, event_seq=0, active_turn_id=None,
-            )
-        )
-        await u.session.flush()
-        await u.emit(_SESSION, {"type": "agent.session.idle"})
-
-    await a.transact(create)
+    await a.transact(lambda u: add_idle_session(u, _SESSION, _ORG))
     yield a, b
     await a.db.dispose()
     await b.db.dispose()
