@@ -14,6 +14,8 @@ from services.core.db import set_clause, set_params
 from services.core.errors import InvalidArgument, NotFound
 from services.session.models import (
     AgentRow,
+    AutomationRow,
+    InvocationRow,
     ArtifactRow,
     EventRow,
     FunctionCallRow,
@@ -37,7 +39,7 @@ __all__ = [
     "delete_session_rows",
 ]
 
-Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
+Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, AutomationRow, InvocationRow)
 
 # Core tables for the statements on a turn's path.
 _SESSIONS = cast(Table, SessionRow.__table__)

@@ -57,6 +57,7 @@ from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
+from services.session.automations import Automations
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
 from services.session.harness.io import ItemHandle, TurnFailure
@@ -143,7 +144,9 @@ class TurnRunner:
         poll_s: float = 0.5,
         sweep_s: float | None = None,
         dependency_retry_s: float = 0.0,
+        automations: Automations | None = None,
     ) -> None:
+        self.automations = automations
         self.store = store
         self.env_client = env_client
         self.providers = providers
@@ -381,6 +384,7 @@ class TurnRunner:
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
+            automations=self.automations,
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task

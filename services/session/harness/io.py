@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mcp_types
 
 from services.session.agents import AgentConfig
 from services.session.harness.environment import EnvironmentPort
 from services.session.harness.models.base import Entry, Usage
+
+if TYPE_CHECKING:
+    from services.session.harness.automation_tool import AgentSchedule
 
 __all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure", "McpUnavailable", "McpClient"]
 
@@ -140,3 +143,9 @@ class TurnIO(Protocol):
         ...
 
     def record_usage(self, usage: Usage) -> None: ...
+
+    async def schedule_automation(self, schedule: AgentSchedule, tool_call_id: str) -> str:
+        """Creates an automation that delivers ``schedule`` back to this
+        session (the ``automations`` tool); returns what the model is told.
+        Raises a domain error for a schedule the service refuses."""
+        ...

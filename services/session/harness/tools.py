@@ -23,6 +23,7 @@ from typing import Any
 
 from services.core.errors import BerthError
 from services.session.agents import AgentConfig, function_tools
+from services.session.harness.automation_tool import AUTOMATIONS_TOOL, automations_enabled, run_automations_tool
 from services.session.harness.coding_tools import CODING_TOOL_NAMES, CODING_TOOLS, run_coding_tool
 from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable
 from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
@@ -91,6 +92,8 @@ def tool_specs(config: AgentConfig, *, has_environment: bool) -> list[ToolSpec]:
     specs = [*_ENV_TOOLS, *CODING_TOOLS] if has_environment else []
     for tool in function_tools(config):
         specs.append(ToolSpec(tool["name"], tool.get("description") or "", tool.get("parameters") or {"type": "object"}))
+    if automations_enabled(config):
+        specs.append(AUTOMATIONS_TOOL)
     return specs
 
 
@@ -123,6 +126,9 @@ async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> 
         return None
     if call.name in functions:
         return PendingCall(await io.add_function_call(call.name, call.arguments, call.id))
+    if call.name == AUTOMATIONS_TOOL.name and automations_enabled(config):
+        await run_automations_tool(io, call)
+        return None
     # The model called a tool it was not given; tell it so without a public item.
     await io.add_item(
         {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "failed"},
