@@ -21,11 +21,11 @@ from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from berth.environment.v1 import environment_service_pb2, environment_service_pb2_grpc
-from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
+from berth.session.v1 import automation_service_pb2, automation_service_pb2_grpc, session_service_pb2, session_service_pb2_grpc
 from gateway.errors import install_error_handlers
 from gateway.keys import open_gateway_database
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from gateway.routes import agents, environments, files, ops, session_resources, sessions
+from gateway.routes import agents, automations, environments, files, ops, session_resources, sessions
 from gateway.state import GatewayState
 from services.core.context import PeerCredentials
 from services.core.db import Database
@@ -38,6 +38,7 @@ __all__ = ["create_app", "start_gateway", "GatewayHandle"]
 log = get_logger("berth.gateway")
 
 _SESSION_SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
+_AUTOMATION_SERVICE = automation_service_pb2.DESCRIPTOR.services_by_name["AutomationService"]
 _ENVIRONMENT_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
 _HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
 
@@ -54,7 +55,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
                 session_addr or settings.session_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                services=[_SESSION_SERVICE, _HEALTH_SERVICE],
+                services=[_SESSION_SERVICE, _AUTOMATION_SERVICE, _HEALTH_SERVICE],
             )
             environment_channel = open_channel(
                 environment_addr or settings.environment_addr,
@@ -70,6 +71,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
             db=db,
             session=session_service_pb2_grpc.SessionServiceStub(session_channel),
             environment=environment_service_pb2_grpc.EnvironmentServiceStub(environment_channel),
+            automations=automation_service_pb2_grpc.AutomationServiceStub(session_channel),
             session_health=health_pb2_grpc.HealthStub(session_channel),
             environment_health=health_pb2_grpc.HealthStub(environment_channel),
             channels=[session_channel, environment_channel],
@@ -84,8 +86,8 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     app.state.startup_error = None
     install_error_handlers(app)
 
-    # Literal segments (environments, sessions) before /agents/{agent_id}.
-    for module in (environments, sessions, session_resources, files, agents, ops):
+    # Literal segments (automations, environments, sessions) before /agents/{agent_id}.
+    for module in (automations, environments, sessions, session_resources, files, agents, ops):
         app.include_router(module.router)
 
     # The last added middleware is the outermost: metrics see every response,

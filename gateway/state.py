@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from grpc_health.v1 import health_pb2_grpc
 
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
+from berth.session.v1 import automation_service_pb2_grpc as automation_grpc
 from berth.session.v1 import session_service_pb2_grpc as session_grpc
 from services.core.db import Database
 from services.core.settings import Settings
@@ -23,6 +24,7 @@ __all__ = [
     "StateDep",
     "SessionStubDep",
     "EnvironmentStubDep",
+    "AutomationStubDep",
     "DatabaseDep",
     "SettingsDep",
 ]
@@ -34,6 +36,8 @@ class GatewayState:
     db: Database
     session: session_grpc.SessionServiceStub
     environment: env_grpc.EnvironmentServiceStub
+    # Served by the Session service, over its channel.
+    automations: automation_grpc.AutomationServiceStub
     session_health: health_pb2_grpc.HealthStub
     environment_health: health_pb2_grpc.HealthStub
     channels: list[grpc.aio.Channel] = field(default_factory=list)
@@ -62,6 +66,10 @@ async def _session_stub(state: StateDep) -> session_grpc.SessionServiceStub:
     return state.session
 
 
+async def _automation_stub(state: StateDep) -> automation_grpc.AutomationServiceStub:
+    return state.automations
+
+
 async def _environment_stub(state: StateDep) -> env_grpc.EnvironmentServiceStub:
     return state.environment
 
@@ -75,6 +83,7 @@ async def _settings(state: StateDep) -> Settings:
 
 
 SessionStubDep = Annotated[session_grpc.SessionServiceStub, Depends(_session_stub)]
+AutomationStubDep = Annotated[automation_grpc.AutomationServiceStub, Depends(_automation_stub)]
 EnvironmentStubDep = Annotated[env_grpc.EnvironmentServiceStub, Depends(_environment_stub)]
 DatabaseDep = Annotated[Database, Depends(_database)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
