@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.runner import Result, print_table
 from services.core.logging import configure_logging
 
-BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker", "replicas"]
+BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker", "replicas", "automations"]
 # Run only when named.
 OPTIONAL = ["faults"]
 

@@ -129,6 +129,8 @@ class AutomationScheduler:
 
     async def _loop(self) -> None:
         while True:
+            # Cleared before the pass: a kick that arrives during it is not lost.
+            self._wake.clear()
             try:
                 await self.tick()
                 wait = await self._until_next_due()
@@ -137,7 +139,6 @@ class AutomationScheduler:
             except Exception:
                 log.exception("automation_scheduler_failed")
                 wait = self.poll_s
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)
 
