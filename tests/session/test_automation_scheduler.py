@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from grpc_support import internal_channel
 from session_support import ORG, Client
@@ -187,6 +188,9 @@ async def test_a_restarted_scheduler_fires_the_latest_missed_occurrence_once(
     assert late[0].session_id
     got = await stub.GetAutomation(asvc.GetAutomationRequest(automation_id=once_id), metadata=MD)
     assert got.automation.status == apb.AUTOMATION_STATUS_COMPLETED
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.PauseAutomation(asvc.PauseAutomationRequest(automation_id=once_id), metadata=MD)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
     # The schedule continues with the first occurrence after the restart.
     replicas.clock.now = T0 + 11 * MINUTE
