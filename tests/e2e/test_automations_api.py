@@ -52,9 +52,9 @@ def user(text: str) -> Any:
 async def idle_session(client: openai.AsyncOpenAI, **agent: Any) -> str:
     """A session without a turn. Its environment is never set up: the
     scripted turns here use no environment tool."""
-    session = await client.beta.agents.sessions.create(
-        agent={"model": "scripted", **agent}, environment={"type": "openai_hosted"}
-    )
+    config: Any = {"model": "scripted", **agent}
+    hosted: Any = {"type": "openai_hosted"}
+    session = await client.beta.agents.sessions.create(agent=config, environment=hosted)
     return session.id
 
 
