@@ -162,13 +162,23 @@ class AutomationScheduler:
         """Fires every due occurrence, then delivers the queued invocations
         this replica can take. Returns the invocations it recorded."""
         fired: list[str] = []
-        while True:
+        while await self._any_due():
             batch = await self.store.transact(self._fire_due)
             fired += batch
             if len(batch) < _BATCH:
                 break
         await self.deliver_queued()
         return fired
+
+    async def _any_due(self) -> bool:
+        """A read first: an idle pass takes no write lock (SQLite's is per database)."""
+        now = self.clock()
+        stmt = (
+            select(AutomationRow.id)
+            .where(AutomationRow.status == AutomationStatus.ACTIVE, AutomationRow.next_run_at <= now)
+            .limit(1)
+        )
+        return await self.store.query(lambda s: s.scalar(stmt)) is not None
 
     async def _fire_due(self, u: Unit) -> list[str]:
         now = self.clock()
