@@ -216,14 +216,19 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         await api.call("POST", "/v1/agents/automations/{automation_id}/resume", **ids)
         run = await api.call("POST", "/v1/agents/automations/{automation_id}/invocations", **ids)
         await api.call("GET", "/v1/agents/automations/{automation_id}/invocations", **ids)
+
+        async def delivered() -> bool:
+            response = await http.get(f"/agents/automations/{auto['id']}/invocations/{run['id']}")
+            return bool(response.json()["status"] != "queued")
+
+        await wait_until(delivered, 20.0, what="the manual run delivered")
         await api.call(
             "GET", "/v1/agents/automations/{automation_id}/invocations/{invocation_id}", **ids, invocation_id=run["id"]
         )
         await api.call("DELETE", "/v1/agents/automations/{automation_id}", **ids)
 
         async def settled() -> bool:
-            # The manual run was delivered (or dropped with its automation)
-            # and the turn it queued ended, so the session may be deleted.
+            # The turn the manual run queued ended, so the session may be deleted.
             response = await http.get(f"/agents/sessions/{session_id}/turns")
             return all(t["status"] not in ("queued", "in_progress", "waiting") for t in response.json()["data"])
 
