@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.runner import Result, print_table
 from services.core.logging import configure_logging
 
-BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker", "replicas", "webhooks"]
+BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker", "replicas", "webhooks", "automations"]
 # Run only when named.
 OPTIONAL = ["faults", "sandboxes"]
 

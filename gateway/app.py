@@ -26,11 +26,29 @@ from berth.environment.v1 import (
     vault_service_pb2,
     vault_service_pb2_grpc,
 )
-from berth.session.v1 import session_service_pb2, session_service_pb2_grpc, webhook_service_pb2, webhook_service_pb2_grpc
+from berth.session.v1 import (
+    automation_service_pb2,
+    automation_service_pb2_grpc,
+    session_service_pb2,
+    session_service_pb2_grpc,
+    webhook_service_pb2,
+    webhook_service_pb2_grpc,
+)
 from gateway.errors import install_error_handlers
 from gateway.keys import open_gateway_database
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from gateway.routes import agents, environments, files, ops, session_resources, sessions, subagents, vaults, webhooks
+from gateway.routes import (
+    agents,
+    automations,
+    environments,
+    files,
+    ops,
+    session_resources,
+    sessions,
+    subagents,
+    vaults,
+    webhooks,
+)
 from gateway.state import GatewayState
 from services.core.context import PeerCredentials
 from services.core.db import Database
@@ -44,6 +62,7 @@ log = get_logger("berth.gateway")
 
 _SESSION_SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
 _WEBHOOK_SERVICE = webhook_service_pb2.DESCRIPTOR.services_by_name["WebhookService"]
+_AUTOMATION_SERVICE = automation_service_pb2.DESCRIPTOR.services_by_name["AutomationService"]
 _ENVIRONMENT_SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
 _VAULT_SERVICE = vault_service_pb2.DESCRIPTOR.services_by_name["VaultService"]
 _HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
@@ -61,7 +80,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
                 session_addr or settings.session_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                services=[_SESSION_SERVICE, _WEBHOOK_SERVICE, _HEALTH_SERVICE],
+                services=[_SESSION_SERVICE, _WEBHOOK_SERVICE, _AUTOMATION_SERVICE, _HEALTH_SERVICE],
             )
             environment_channel = open_channel(
                 environment_addr or settings.environment_addr,
@@ -78,6 +97,7 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
             session=session_service_pb2_grpc.SessionServiceStub(session_channel),
             environment=environment_service_pb2_grpc.EnvironmentServiceStub(environment_channel),
             vaults=vault_service_pb2_grpc.VaultServiceStub(environment_channel),
+            automations=automation_service_pb2_grpc.AutomationServiceStub(session_channel),
             session_health=health_pb2_grpc.HealthStub(session_channel),
             webhooks=webhook_service_pb2_grpc.WebhookServiceStub(session_channel),
             environment_health=health_pb2_grpc.HealthStub(environment_channel),
@@ -93,8 +113,8 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     app.state.startup_error = None
     install_error_handlers(app)
 
-    # Literal segments (environments, sessions) before /agents/{agent_id}.
-    for module in (environments, sessions, session_resources, subagents, files, agents, vaults, webhooks, ops):
+    # Literal segments (automations, environments, sessions) before /agents/{agent_id}.
+    for module in (automations, environments, sessions, session_resources, subagents, files, agents, vaults, webhooks, ops):
         app.include_router(module.router)
 
     # The last added middleware is the outermost: metrics see every response,

@@ -35,6 +35,9 @@ from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agent_session_deleted import AgentSessionDeleted
 from openai.types.beta.agent_session_event import AgentSessionEvent
 from openai.types.beta.agent_session_item import AgentSessionItem
+from openai.types.beta.agents.automation import Automation
+from openai.types.beta.agents.automation_deleted import AutomationDeleted
+from openai.types.beta.agents.automations.automation_invocation import AutomationInvocation
 from openai.types.beta.agents.environment_info import EnvironmentInfo
 from openai.types.beta.agents.environments.environment_file import EnvironmentFile
 from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
@@ -53,6 +56,7 @@ from openai.types.webhooks.webhook_endpoint import WebhookEndpoint
 from openai.types.webhooks.webhook_endpoint_with_secret import WebhookEndpointWithSecret
 from openai.types.webhooks.webhook_event_type_list import WebhookEventTypeList
 
+from gateway.automation_requests import AutomationCreateBody, AutomationUpdateBody
 from gateway.auth import BETA_HEADER_VALUE, authorize, requires_beta_header
 from gateway.idempotency import IDEMPOTENCY_HEADER, IdempotencyDep
 from gateway.vault_validation import CredentialCreateBody, CredentialUpdateBody, VaultCreateBody, VaultUpdateBody
@@ -269,6 +273,24 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "List a webhook endpoint's deliveries and their attempts", SyncCursorPage[WebhookDelivery]
     ),
     ("GET", "/v1/webhook_event_types"): Operation("List webhook event types", WebhookEventTypeList),
+    ("POST", "/v1/agents/automations"): Operation("Create an automation", Automation, AutomationCreateBody),
+    ("GET", "/v1/agents/automations"): Operation("List automations", SyncCursorPage[Automation]),
+    ("GET", "/v1/agents/automations/{automation_id}"): Operation("Retrieve an automation", Automation),
+    ("POST", "/v1/agents/automations/{automation_id}"): Operation(
+        "Update an automation", Automation, AutomationUpdateBody
+    ),
+    ("DELETE", "/v1/agents/automations/{automation_id}"): Operation("Delete an automation", AutomationDeleted),
+    ("POST", "/v1/agents/automations/{automation_id}/pause"): Operation("Pause an automation", Automation),
+    ("POST", "/v1/agents/automations/{automation_id}/resume"): Operation("Resume an automation", Automation),
+    ("POST", "/v1/agents/automations/{automation_id}/invocations"): Operation(
+        "Queue a manual invocation", AutomationInvocation
+    ),
+    ("GET", "/v1/agents/automations/{automation_id}/invocations"): Operation(
+        "List an automation's invocations", SyncCursorPage[AutomationInvocation]
+    ),
+    ("GET", "/v1/agents/automations/{automation_id}/invocations/{invocation_id}"): Operation(
+        "Retrieve an invocation", AutomationInvocation
+    ),
     ("GET", "/healthz"): Operation("Liveness: the gateway process answers", ProbeReport),
     ("GET", "/readyz"): Operation(
         "Readiness: the Session and Environment services answer (503 otherwise)", ProbeReport
@@ -299,6 +321,8 @@ def _component_name(model: Any) -> str:
         return "AgentSessionItem"
     if model is AgentSessionEvent:
         return "AgentSessionEvent"
+    if model is Automation:
+        return "Automation"
     origin = _page_origin(model)
     if origin is not None:
         (item,) = model.__pydantic_generic_metadata__["args"]

@@ -13,6 +13,8 @@ from fastapi import Depends, Request
 from grpc_health.v1 import health_pb2_grpc
 
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc, vault_service_pb2_grpc as vault_grpc
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
+from berth.session.v1 import automation_service_pb2_grpc as automation_grpc
 from berth.session.v1 import session_service_pb2_grpc as session_grpc
 from berth.session.v1 import webhook_service_pb2_grpc as webhook_grpc
 from services.core.db import Database
@@ -26,6 +28,7 @@ __all__ = [
     "WebhookStubDep",
     "EnvironmentStubDep",
     "VaultStubDep",
+    "AutomationStubDep",
     "DatabaseDep",
     "SettingsDep",
 ]
@@ -39,6 +42,8 @@ class GatewayState:
     environment: env_grpc.EnvironmentServiceStub
     # On the Environment service's channel, which serves VaultService too.
     vaults: vault_grpc.VaultServiceStub
+    # Served by the Session service, over its channel.
+    automations: automation_grpc.AutomationServiceStub
     session_health: health_pb2_grpc.HealthStub
     # The Session service's webhook surface, on the session channel.
     webhooks: webhook_grpc.WebhookServiceStub
@@ -71,6 +76,8 @@ async def _session_stub(state: StateDep) -> session_grpc.SessionServiceStub:
 
 async def _webhook_stub(state: StateDep) -> webhook_grpc.WebhookServiceStub:
     return state.webhooks
+async def _automation_stub(state: StateDep) -> automation_grpc.AutomationServiceStub:
+    return state.automations
 
 
 async def _environment_stub(state: StateDep) -> env_grpc.EnvironmentServiceStub:
@@ -91,6 +98,7 @@ async def _settings(state: StateDep) -> Settings:
 
 SessionStubDep = Annotated[session_grpc.SessionServiceStub, Depends(_session_stub)]
 WebhookStubDep = Annotated[webhook_grpc.WebhookServiceStub, Depends(_webhook_stub)]
+AutomationStubDep = Annotated[automation_grpc.AutomationServiceStub, Depends(_automation_stub)]
 EnvironmentStubDep = Annotated[env_grpc.EnvironmentServiceStub, Depends(_environment_stub)]
 VaultStubDep = Annotated[vault_grpc.VaultServiceStub, Depends(_vault_stub)]
 DatabaseDep = Annotated[Database, Depends(_database)]

@@ -583,7 +583,6 @@ _UNSUPPORTED_TOOLS: dict[type[BaseModel], str] = {
     ComputerUseTool: "computer_use tools are not supported.",
     ProgrammaticToolCallingTool: "programmatic_tool_calling tools are not supported yet.",
     ToolSearchTool: "tool_search tools are not supported.",
-    AutomationsTool: "automations tools are not supported.",
 }
 
 

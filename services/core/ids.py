@@ -15,7 +15,7 @@ __all__ = ["Prefix", "new_id", "has_prefix"]
 
 Prefix = Literal[
     "env", "sess", "turn", "item", "art", "file", "agent", "sbx", "org", "key", "evt", "call", "proc", "idem", "vault", "vcred",
-    "subagent", "we", "whdel", "whw",
+    "subagent", "we", "whdel", "whw", "auto", "ainv",
 ]
 
 _ALPHABET: Final = "0123456789abcdefghijklmnopqrstuvwxyz"

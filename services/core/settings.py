@@ -192,6 +192,22 @@ class Settings(BaseSettings):
             "another (or the restarted one) resumes the turn once the lease expired."
         ),
     )
+    automation_poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "Longest sleep of a Session service's automation scheduler between looks at the schedule; it wakes "
+            "at the earliest due time it knows, so this bounds the lag only for changes made on another replica."
+        ),
+    )
+    automation_delivery_lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Lease of an automation invocation being delivered; if its replica dies, another delivers it again "
+            "once the lease expired."
+        ),
+    )
     init_lease_s: float = Field(default=60.0, gt=0, description="Lease of an init-once operation; renewed while it runs.")
     environment_reconcile_interval_s: float = Field(
         default=300.0,

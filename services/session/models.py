@@ -7,7 +7,7 @@ still list in creation order, so cursors resolve to ``pk``.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
@@ -24,6 +24,8 @@ __all__ = [
     "WebhookEndpointRow",
     "WebhookDeliveryRow",
     "WebhookAttemptRow",
+    "AutomationRow",
+    "InvocationRow",
 ]
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
@@ -259,3 +261,54 @@ class WebhookAttemptRow(Base):
     status_code: Mapped[int] = mapped_column(Integer)
     error: Mapped[str] = mapped_column(Text)
     success: Mapped[bool] = mapped_column(Boolean)
+
+
+class AutomationRow(Base):
+    __tablename__ = "automations"
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128), index=True)
+    name: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(16))  # AutomationKind
+    expression: Mapped[str] = mapped_column(Text)
+    timezone: Mapped[str] = mapped_column(String(64))
+    run_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    status: Mapped[str] = mapped_column(String(16))  # AutomationStatus
+    pause_reason: Mapped[str] = mapped_column(String(32))
+    creator_session_id: Mapped[str] = mapped_column(String(64))
+    creator_tool_call_id: Mapped[str] = mapped_column(String(128))
+    # The existing session an existing_session target names ("" otherwise), for list filters.
+    target_session_id: Mapped[str] = mapped_column(String(64), index=True)
+    # The serialized berth.session.v1.AutomationTarget.
+    target_pb: Mapped[bytes] = mapped_column(LargeBinary)
+    metadata_json: Mapped[str] = mapped_column(Text)
+    # The next occurrence the scheduler fires; null once none is due (paused, completed).
+    next_run_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    # Bumped by every change: the scheduler's compare-and-set fence.
+    version: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class InvocationRow(Base):
+    __tablename__ = "automation_invocations"
+    # One invocation per scheduled occurrence, whichever replica fires it.
+    __table_args__ = (UniqueConstraint("automation_id", "scheduled_at", name="uq_invocation_occurrence"),)
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    automation_id: Mapped[str] = mapped_column(String(64), index=True)
+    scheduled_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # InvocationStatus
+    session_id: Mapped[str] = mapped_column(String(64))
+    skip_reason: Mapped[str] = mapped_column(String(32))
+    error_code: Mapped[str] = mapped_column(String(64))
+    error_message: Mapped[str] = mapped_column(Text)
+    # The serialized berth.session.v1.Automation when the occurrence fired; null for manual runs.
+    snapshot_pb: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # A replica delivering the invocation holds it until then.
+    lease_until: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)

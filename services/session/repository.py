@@ -14,6 +14,8 @@ from services.core.db import set_clause, set_params
 from services.core.errors import InvalidArgument, NotFound
 from services.session.models import (
     AgentRow,
+    AutomationRow,
+    InvocationRow,
     ArtifactRow,
     EventRow,
     FunctionCallRow,
@@ -42,7 +44,17 @@ __all__ = [
 ]
 
 Row = TypeVar(
-    "Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, SubagentRow, WebhookEndpointRow, WebhookDeliveryRow
+    "Row",
+    AgentRow,
+    SessionRow,
+    TurnRow,
+    ItemRow,
+    ArtifactRow,
+    SubagentRow,
+    WebhookEndpointRow,
+    WebhookDeliveryRow,
+    AutomationRow,
+    InvocationRow,
 )
 
 # Core tables for the statements on a turn's path.

@@ -58,6 +58,7 @@ from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
+from services.session.automations import Automations
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
 from services.session.function_call_gate import PendingFunctionCall
@@ -165,7 +166,9 @@ class TurnRunner:
         poll_s: float = 0.5,
         sweep_s: float | None = None,
         dependency_retry_s: float = 0.0,
+        automations: Automations | None = None,
     ) -> None:
+        self.automations = automations
         self.store = store
         self.env_client = env_client
         self.providers = providers
@@ -421,6 +424,7 @@ class TurnRunner:
                 if self.subagents is not None and claimed.agent_config_json
                 else None
             ),
+            automations=self.automations,
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+import time
 
 import grpc
 
-from berth.session.v1 import session_service_pb2, session_service_pb2_grpc, webhook_service_pb2, webhook_service_pb2_grpc
+from berth.session.v1 import (
+    automation_service_pb2,
+    automation_service_pb2_grpc,
+    session_service_pb2,
+    session_service_pb2_grpc,
+    webhook_service_pb2,
+    webhook_service_pb2_grpc,
+)
 from services.core.context import PeerCredentials
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
@@ -15,6 +24,9 @@ from services.core.notify import open_notifier
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.session.artifacts import BlobStore
+from services.session.automation_scheduler import AutomationNotice, AutomationScheduler, SessionDelivery
+from services.session.automation_servicer import AutomationServicer
+from services.session.automations import Automations
 from services.session.domain import SessionDomain
 from services.session.environment_client import EnvironmentClient
 from services.session.harness.models import ProviderRegistry
@@ -34,20 +46,29 @@ __all__ = ["start_session_service", "SESSION_CALLERS"]
 _MIGRATIONS = Path(__file__).parent / "migrations" / "versions"
 _SERVICE = session_service_pb2.DESCRIPTOR.services_by_name["SessionService"]
 _WEBHOOKS = webhook_service_pb2.DESCRIPTOR.services_by_name["WebhookService"]
+_AUTOMATIONS = automation_service_pb2.DESCRIPTOR.services_by_name["AutomationService"]
 
 # The Session service answers the gateway alone.
 SESSION_CALLERS = {
     **allowed_callers(_SERVICE, {"gateway": [method.name for method in _SERVICE.methods]}),
     **allowed_callers(_WEBHOOKS, {"gateway": [method.name for method in _WEBHOOKS.methods]}),
+    **allowed_callers(_AUTOMATIONS, {"gateway": [method.name for method in _AUTOMATIONS.methods]}),
 }
 
 
 async def start_session_service(
-    settings: Settings, *, address: str | None = None, environment_addr: str | None = None
+    settings: Settings,
+    *,
+    address: str | None = None,
+    environment_addr: str | None = None,
+    clock: Callable[[], float] = time.time,
+    automation_notice: AutomationNotice | None = None,
 ) -> ServiceHandle:
     """Starts the Session service. ``address`` overrides ``settings.session_addr``
     (tests pass ``"127.0.0.1:0"``); ``environment_addr`` overrides the
-    Environment service address the harness and session lifecycle call."""
+    Environment service address the harness and session lifecycle call.
+    ``clock`` is what the automation schedule reads (tests move it);
+    ``automation_notice`` hears each automation invocation's outcome."""
     credentials = PeerCredentials.from_settings(settings, "session")
     db = await open_database(settings.database_url("session"), "session", _MIGRATIONS)
     # Replicas hear each other's commits through it (LISTEN/NOTIFY on PostgreSQL).
@@ -69,6 +90,7 @@ async def start_session_service(
     providers = ProviderRegistry(settings)
     blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
     mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
+    automations = Automations(store, env_client, clock=clock)
     runner = TurnRunner(
         store,
         env_client,
@@ -77,15 +99,26 @@ async def start_session_service(
         mcp=mcp,
         lease_s=settings.turn_lease_s,
         dependency_retry_s=settings.dependency_retry_s,
+        automations=automations,
     )
     domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
+    scheduler = AutomationScheduler(
+        store,
+        SessionDelivery(domain.sessions, domain.input),
+        clock=clock,
+        poll_s=settings.automation_poll_s,
+        lease_s=settings.automation_delivery_lease_s,
+        notify=automation_notice,
+    )
+    automations.on_change = scheduler.kick
 
     def register(server: grpc.aio.Server) -> list[str]:
         session_service_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(domain), server)
         webhook_service_pb2_grpc.add_WebhookServiceServicer_to_server(
             WebhookServicer(WebhookEndpoints(store, secret_box, destinations)), server
         )
-        return [_SERVICE.full_name, _WEBHOOKS.full_name]
+        automation_service_pb2_grpc.add_AutomationServiceServicer_to_server(AutomationServicer(automations), server)
+        return [_SERVICE.full_name, _WEBHOOKS.full_name, _AUTOMATIONS.full_name]
 
     try:
         running = await start_grpc_server(
@@ -99,10 +132,21 @@ async def start_session_service(
         raise
     await runner.start()
     await deliverer.start()
-    # Closed in reverse order: the runner finishes its turns while the MCP
-    # connections, the database and the environment channel are still open.
+    await scheduler.start()
+    # Closed in reverse order: the scheduler stops delivering, then the runner
+    # finishes its turns while the MCP connections, the database and the
+    # environment channel are still open.
     return ServiceHandle(
         name="session",
         grpc=running,
-        closers=[db.dispose, notifier.close, env_client.close, mcp.close, providers.close, runner.close, deliverer.close],
+        closers=[
+            db.dispose,
+            notifier.close,
+            env_client.close,
+            mcp.close,
+            providers.close,
+            runner.close,
+            deliverer.close,
+            scheduler.close,
+        ],
     )

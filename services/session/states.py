@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from berth.session.v1 import session_pb2
+from berth.session.v1 import automation_pb2, session_pb2
 
 __all__ = [
     "SessionStatus",
@@ -21,6 +21,13 @@ __all__ = [
     "RUNNING_TURN_STATUSES",
     "session_status_to_proto",
     "session_status_from_proto",
+    "AutomationKind",
+    "AutomationStatus",
+    "InvocationStatus",
+    "AUTOMATION_KIND_TO_PROTO",
+    "AUTOMATION_KIND_FROM_PROTO",
+    "AUTOMATION_STATUS_TO_PROTO",
+    "INVOCATION_STATUS_TO_PROTO",
 ]
 
 
@@ -69,3 +76,40 @@ def session_status_to_proto(status: str) -> session_pb2.SessionStatus.ValueType:
 def session_status_from_proto(status: session_pb2.SessionStatus.ValueType) -> SessionStatus:
     """Raises ``KeyError`` for ``SESSION_STATUS_UNSPECIFIED``."""
     return _SESSION_FROM_PROTO[status]
+
+
+class AutomationKind(StrEnum):
+    PERIODIC = "periodic"
+    ONCE = "once"
+
+
+class AutomationStatus(StrEnum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    # A one-time automation whose occurrence fired.
+    COMPLETED = "completed"
+
+
+class InvocationStatus(StrEnum):
+    QUEUED = "queued"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+AUTOMATION_KIND_TO_PROTO: dict[AutomationKind, automation_pb2.AutomationKind.ValueType] = {
+    AutomationKind.PERIODIC: automation_pb2.AUTOMATION_KIND_PERIODIC,
+    AutomationKind.ONCE: automation_pb2.AUTOMATION_KIND_ONCE,
+}
+AUTOMATION_KIND_FROM_PROTO = {v: k for k, v in AUTOMATION_KIND_TO_PROTO.items()}
+AUTOMATION_STATUS_TO_PROTO: dict[AutomationStatus, automation_pb2.AutomationStatus.ValueType] = {
+    AutomationStatus.ACTIVE: automation_pb2.AUTOMATION_STATUS_ACTIVE,
+    AutomationStatus.PAUSED: automation_pb2.AUTOMATION_STATUS_PAUSED,
+    AutomationStatus.COMPLETED: automation_pb2.AUTOMATION_STATUS_COMPLETED,
+}
+INVOCATION_STATUS_TO_PROTO: dict[InvocationStatus, automation_pb2.InvocationStatus.ValueType] = {
+    InvocationStatus.QUEUED: automation_pb2.INVOCATION_STATUS_QUEUED,
+    InvocationStatus.COMPLETED: automation_pb2.INVOCATION_STATUS_COMPLETED,
+    InvocationStatus.FAILED: automation_pb2.INVOCATION_STATUS_FAILED,
+    InvocationStatus.SKIPPED: automation_pb2.INVOCATION_STATUS_SKIPPED,
+}

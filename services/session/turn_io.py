@@ -12,8 +12,10 @@ from typing import Any
 
 from berth.environment.v1 import environment_pb2
 from services.session.agents import AgentConfig
+from services.session.automations import Automations
 from services.session.environment_client import EnvironmentClient
 from services.session.function_call_gate import FunctionCallGate
+from services.session.harness.automation_tool import AgentSchedule
 from services.session.harness.io import FunctionResult, ItemHandle, McpClient, TurnFailure
 from services.session.harness.models.base import Entry, Usage
 from services.session.harness.subagents import SubagentPort
@@ -47,7 +49,10 @@ class DbTurnIO:
         worker_id: str = "",
         usage: dict[str, Any] | None = None,
         subagents: SubagentPort | None = None,
+        automations: Automations | None = None,
     ) -> None:
+        self.org_id = org_id
+        self._automations = automations
         self.session_id = session_id
         self.turn_id = turn_id
         self.environment_id = environment_id
@@ -144,6 +149,13 @@ class DbTurnIO:
 
     def record_usage(self, usage: Usage) -> None:
         self.writer.record_usage(usage)
+
+    async def schedule_automation(self, schedule: AgentSchedule, tool_call_id: str) -> str:
+        if self._automations is None:
+            return "error: automations are not available in this deployment"
+        created = await self._automations.create_for_agent(self.org_id, self.session_id, tool_call_id, schedule)
+        when = f"on {created.expression!r} ({created.timezone})" if created.expression else f"once at Unix time {created.run_at}"
+        return f"scheduled automation {created.id} {when}"
 
     async def add_function_call(self, name: str, arguments: str, model_call_id: str) -> str:
         return await self.calls.add_function_call(name, arguments, model_call_id)

@@ -13,9 +13,10 @@ import pydantic
 from e2e_stack import Stack
 from openai.types.beta.agent_session_event import AgentSessionEvent
 from turns_support import idle_after_turn, open_events
+from waiting import wait_until
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
-from gateway.routes import agents, environments, files, session_resources, sessions, subagents, vaults, webhooks
+from gateway.routes import agents, automations, environments, files, session_resources, sessions, subagents, vaults, webhooks
 
 # Route -> the SDK model of its JSON body; None: no JSON body (202, bytes,
 # SSE). The OpenAPI document's table is the one home of that claim; this
@@ -47,7 +48,7 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 def _public_routes() -> set[tuple[str, str]]:
     routes: set[tuple[str, str]] = set()
-    for module in (agents, environments, files, sessions, session_resources, subagents, vaults, webhooks):
+    for module in (agents, automations, environments, files, sessions, session_resources, subagents, vaults, webhooks):
         for route in module.router.routes:
             for method in getattr(route, "methods", ()):
                 routes.add((method, str(getattr(route, "path"))))
@@ -262,6 +263,37 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         await api.call("DELETE", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}", **ids)
 
         await _subagent_routes(api, http)
+        target = {"type": "existing_session", "session_id": session_id, "instructions": "again"}
+        auto = await api.call(
+            "POST",
+            "/v1/agents/automations",
+            json={"type": "periodic", "name": "shapes", "expression": "0 9 * * *", "timezone": "UTC", "target": target},
+        )
+        ids = {"automation_id": auto["id"]}
+        await api.call("GET", "/v1/agents/automations")
+        await api.call("GET", "/v1/agents/automations/{automation_id}", **ids)
+        await api.call("POST", "/v1/agents/automations/{automation_id}", **ids, json={"name": "shapes 2"})
+        await api.call("POST", "/v1/agents/automations/{automation_id}/pause", **ids)
+        await api.call("POST", "/v1/agents/automations/{automation_id}/resume", **ids)
+        run = await api.call("POST", "/v1/agents/automations/{automation_id}/invocations", **ids)
+        await api.call("GET", "/v1/agents/automations/{automation_id}/invocations", **ids)
+
+        async def delivered() -> bool:
+            response = await http.get(f"/agents/automations/{auto['id']}/invocations/{run['id']}")
+            return bool(response.json()["status"] != "queued")
+
+        await wait_until(delivered, 20.0, what="the manual run delivered")
+        await api.call(
+            "GET", "/v1/agents/automations/{automation_id}/invocations/{invocation_id}", **ids, invocation_id=run["id"]
+        )
+        await api.call("DELETE", "/v1/agents/automations/{automation_id}", **ids)
+
+        async def settled() -> bool:
+            # The turn the manual run queued ended, so the session may be deleted.
+            response = await http.get(f"/agents/sessions/{session_id}/turns")
+            return all(t["status"] not in ("queued", "in_progress", "waiting") for t in response.json()["data"])
+
+        await wait_until(settled, 20.0, what="the automation's turn ended")
 
         await api.call("DELETE", "/v1/agents/sessions/{session_id}", session_id=session_id)
         await api.call("DELETE", "/v1/agents/environments/{environment_id}", environment_id=env["id"])

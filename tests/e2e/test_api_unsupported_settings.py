@@ -20,7 +20,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("computer_use", {"tools": [FUNCTION, {"type": "computer_use"}]}, "tools.1.type"),
     ("programmatic_tool_calling", {"tools": [{"type": "programmatic_tool_calling", "enabled": True}]}, "tools.0.type"),
     ("tool_search", {"tools": [{"type": "tool_search"}]}, "tools.0.type"),
-    ("automations", {"tools": [{"type": "automations"}]}, "tools.0.type"),
     ("a deferred function", {"tools": [{**FUNCTION, "defer_loading": True}]}, "tools.0.defer_loading"),
     ("an asynchronous function", {"tools": [{**FUNCTION, "async": True}]}, "tools.0.async"),
     ("an unknown tool key", {"tools": [{**FUNCTION, "strict": True}]}, "tools.0.strict"),

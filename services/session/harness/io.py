@@ -18,6 +18,7 @@ from services.session.harness.models.base import Entry, Usage
 
 if TYPE_CHECKING:
     from services.session.harness.subagents import SubagentPort
+    from services.session.harness.automation_tool import AgentSchedule
 
 __all__ = ["TurnIO", "ItemHandle", "FunctionResult", "TurnFailure", "McpUnavailable", "McpClient"]
 
@@ -148,3 +149,9 @@ class TurnIO(Protocol):
         ...
 
     def record_usage(self, usage: Usage) -> None: ...
+
+    async def schedule_automation(self, schedule: AgentSchedule, tool_call_id: str) -> str:
+        """Creates an automation that delivers ``schedule`` back to this
+        session (the ``automations`` tool); returns what the model is told.
+        Raises a domain error for a schedule the service refuses."""
+        ...

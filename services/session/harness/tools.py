@@ -24,6 +24,7 @@ from typing import Any
 
 from services.core.errors import BerthError
 from services.session.agents import SUBAGENT_TOOL_NAMES, AgentConfig, function_tools
+from services.session.harness.automation_tool import AUTOMATIONS_TOOL, automations_enabled, run_automations_tool
 from services.session.harness.coding_tools import CODING_TOOL_NAMES, CODING_TOOLS, run_coding_tool
 from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, environment_unusable, model_fault
 from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
@@ -95,6 +96,8 @@ def tool_specs(config: AgentConfig, *, has_environment: bool) -> list[ToolSpec]:
         specs.extend(SUBAGENT_TOOLS)
     for tool in function_tools(config):
         specs.append(ToolSpec(tool["name"], tool.get("description") or "", tool.get("parameters") or {"type": "object"}))
+    if automations_enabled(config):
+        specs.append(AUTOMATIONS_TOOL)
     return specs
 
 
@@ -134,6 +137,9 @@ async def execute_tool_call(io: TurnIO, config: AgentConfig, call: ToolCall) -> 
         return None
     if call.name in functions:
         return PendingCall(await io.add_function_call(call.name, call.arguments, call.id))
+    if call.name == AUTOMATIONS_TOOL.name and automations_enabled(config):
+        await run_automations_tool(io, call)
+        return None
     # The model called a tool it was not given; tell it so without a public item.
     await io.add_item(
         {"type": "function_call", "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "failed"},

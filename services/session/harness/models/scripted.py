@@ -19,6 +19,13 @@ backticks, the content, and a closing line of three backticks)
 ``mcp LABEL.TOOL {JSON}``
     Call TOOL of the MCP server LABEL (tool name ``LABEL.TOOL``) with the
     JSON object as its arguments.
+``automation {JSON}``
+    Call the ``automations`` tool (offered when the agent's tools include
+    ``{"type": "automations"}``) with the JSON object as its arguments, e.g.
+    ``automation {"instructions": "check the build", "delay_seconds": 60}``
+    or ``automation {"instructions": "daily report", "expression": "0 9 * * *",
+    "timezone": "Europe/Paris"}``: the instructions come back to this
+    session as a user message at that time.
 ``*** Begin Patch`` … ``*** End Patch``
     The lines from ``*** Begin Patch`` through ``*** End Patch`` are one
     ``apply_patch`` call with that patch (the Codex format, see
@@ -185,6 +192,8 @@ def parse_script(script: str) -> tuple[list[ScriptAction], str]:
             actions.append(ScriptAction("write_file", {"path": path, "content": content}))
         elif stripped.startswith("read "):
             actions.append(ScriptAction("read_file", {"path": stripped[len("read ") :].strip()}))
+        elif stripped.startswith("automation "):
+            actions.append(ScriptAction("automations", _json_object(stripped[len("automation ") :])))
         elif stripped.startswith("call "):
             name, _, rest = stripped[len("call ") :].strip().partition(" ")
             actions.append(ScriptAction(name, _json_object(rest)))

@@ -1,7 +1,7 @@
 """Session service: webhook endpoints, the delivery outbox and its attempts.
 
 Revision ID: session_0005
-Revises: session_0001
+Revises: session_0004
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "session_0005"
-down_revision = "session_0001"
+down_revision = "session_0004"
 branch_labels = None
 depends_on = None
 
