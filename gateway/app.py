@@ -25,7 +25,7 @@ from berth.session.v1 import session_service_pb2, session_service_pb2_grpc
 from gateway.errors import install_error_handlers
 from gateway.keys import open_gateway_database
 from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from gateway.routes import agents, environments, files, ops, session_resources, sessions
+from gateway.routes import agents, environment_templates, environments, files, ops, session_resources, sessions
 from gateway.state import GatewayState
 from services.core.context import PeerCredentials
 from services.core.db import Database
@@ -84,8 +84,9 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     app.state.startup_error = None
     install_error_handlers(app)
 
-    # Literal segments (environments, sessions) before /agents/{agent_id}.
-    for module in (environments, sessions, session_resources, files, agents, ops):
+    # Literal segments (environments, sessions) before /agents/{agent_id},
+    # and environments/templates before /agents/environments/{environment_id}.
+    for module in (environment_templates, environments, sessions, session_resources, files, agents, ops):
         app.include_router(module.router)
 
     # The last added middleware is the outermost: metrics see every response,

@@ -26,6 +26,7 @@ __all__ = [
     "environment_status",
     "environment_info",
     "hosted_environment",
+    "environment_template",
     "environment_file",
     "registered_file",
     "stored_file",
@@ -180,6 +181,33 @@ def hosted_environment(env: environment_pb2.Environment) -> dict[str, Any]:
         "plugins": _plugins(env.config.plugins_json),
         "status": environment_status(env),
         **_berth_fields(env),
+    }
+
+
+def environment_template(t: environment_pb2.EnvironmentTemplate) -> dict[str, Any]:
+    """``EnvironmentTemplate`` (object ``agent.environment.template``): safe
+    metadata only, never file contents, env values or setup commands."""
+    cfg = t.config
+    files: list[dict[str, Any]] = []
+    for f in cfg.files:
+        if f.WhichOneof("source") == "file_id":
+            files.append({"type": "file_id", "file_id": f.file_id, "path": f.path})
+        else:
+            files.append({"type": "inline", "path": f.path, "size_bytes": int(f.size_bytes)})
+    network = _network(cfg.network)
+    return {
+        "id": t.id,
+        "object": "agent.environment.template",
+        "name": t.name if t.HasField("name") else None,
+        "capability_directories": list(cfg.capability_directories),
+        "files": files,
+        "network": network,
+        "packages": _packages(cfg.packages),
+        "plugins": _plugins(cfg.plugins_json),
+        "skills": _skills(cfg.skills_json),
+        "desktop": None,
+        "created_at": seconds(t.create_time),
+        "updated_at": seconds(t.update_time),
     }
 
 

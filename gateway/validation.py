@@ -44,7 +44,9 @@ __all__ = [
     "AgentCreateBody",
     "AgentUpdateBody",
     "EnvironmentCreateBody",
+    "HostedConfigFields",
     "HostedEnvironmentConfig",
+    "TemplateBody",
     "SessionCreateBody",
     "SessionUpdateBody",
     "EventsCreateBody",
@@ -218,21 +220,33 @@ class Desktop(_Strict):
     enabled: bool
 
 
-class HostedEnvironmentConfig(_Strict):
-    """``{"type": "openai_hosted", ...}`` as configuration (no environment_id)."""
+class HostedConfigFields(_Strict):
+    """The hosted configuration an environment and a template share."""
 
-    type: Literal["openai_hosted"]
     capability_directories: list[str] | None = None
-    container_size: Literal["small", "medium", "large"] | None = None
     desktop: Desktop | None = None
     env: dict[str, str] | None = None
-    environment_template_id: str | None = None
     files: list[HostedFile] | None = None
     network: Network | None = None
     packages: Packages | None = None
     plugins: list[InlineCapability] | None = None
     setup_commands: list[SetupCommand] | None = None
     skills: list[HostedSkill] | None = None
+
+
+class HostedEnvironmentConfig(HostedConfigFields):
+    """``{"type": "openai_hosted", ...}`` as configuration (no environment_id)."""
+
+    type: Literal["openai_hosted"]
+    container_size: Literal["small", "medium", "large"] | None = None
+    environment_template_id: str | None = Field(default=None, min_length=1)
+
+
+class TemplateBody(HostedConfigFields):
+    """``environments.templates.create`` and ``.update``: every field optional;
+    on update an omitted field is kept and a null one reset to its default."""
+
+    name: str | None = None
 
 
 class EnvironmentCreateBody(_Strict):
@@ -540,37 +554,31 @@ _INLINE_CONFIG_FIELDS = (
 )
 
 
-def check_hosted_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
-    """Rules between fields of an inline configuration. SDK fields Berth does
-    not implement are rejected, not silently ignored."""
-    if config.environment_template_id is not None:
-        raise ApiError(
-            400,
-            "validation_error",
-            "Environment templates are not supported.",
-            param=f"{param_prefix}.environment_template_id",
-        )
+def check_hosted_config(config: HostedConfigFields, param_prefix: str) -> None:
+    """Rules between fields of an inline configuration or a template. SDK
+    fields Berth does not implement are rejected, not silently ignored."""
+    param_prefix = f"{param_prefix}." if param_prefix else ""
     if config.desktop is not None and config.desktop.enabled:
-        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
+        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}desktop")
     network = config.network
     if network is None:
         return
     if network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
         raise ApiError(
-            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
+            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}network.access"
         )
     if network.allowed_domains and network.blocked_domains:
         raise ApiError(
             400,
             "validation_error",
             "blocked_domains cannot be combined with allowed_domains.",
-            param=f"{param_prefix}.network.blocked_domains",
+            param=f"{param_prefix}network.blocked_domains",
         )
     for field_name in ("allowed_domains", "blocked_domains"):
         for domain in getattr(network, field_name) or []:
             if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
                 raise ApiError(
-                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}.network.{field_name}"
+                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}network.{field_name}"
                 )
 
 

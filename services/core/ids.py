@@ -14,7 +14,7 @@ from typing import Final, Literal
 __all__ = ["Prefix", "new_id", "has_prefix"]
 
 Prefix = Literal[
-    "env", "sess", "turn", "item", "art", "file", "agent", "sbx", "org", "key", "evt", "call", "proc", "idem"
+    "env", "sess", "turn", "item", "art", "file", "agent", "sbx", "org", "key", "evt", "call", "proc", "idem", "envtpl"
 ]
 
 _ALPHABET: Final = "0123456789abcdefghijklmnopqrstuvwxyz"

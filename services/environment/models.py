@@ -20,6 +20,7 @@ __all__ = [
     "McpServerRow",
     "McpServerUseRow",
     "SetupStepRow",
+    "TemplateRow",
     "MCP_ORIGIN_ENVIRONMENT",
     "LIFETIME_PRIVATE",
     "LIFETIME_SHARED",
@@ -166,3 +167,19 @@ class SetupStepRow(Base):
     # The init_version of the owner that recorded it.
     init_version: Mapped[int] = mapped_column(BigInteger)
     done_time: Mapped[float] = mapped_column(Float)
+
+
+class TemplateRow(Base):
+    """A reusable environment configuration (``environments.templates``)."""
+
+    __tablename__ = "environment_templates"
+    __table_args__ = (Index("ix_environment_templates_org_id_id", "org_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    # None when the template has no display name.
+    name: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The serialized EnvironmentConfig, as for environments.
+    config: Mapped[bytes] = mapped_column(LargeBinary)
+    create_time: Mapped[float] = mapped_column(Float)
+    update_time: Mapped[float] = mapped_column(Float)

@@ -26,6 +26,7 @@ from services.environment.sandbox_reconciler import SandboxReconciler
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
+from services.environment.templates import EnvironmentTemplates
 
 __all__ = ["start_environment_service", "ENVIRONMENT_CALLERS"]
 
@@ -39,6 +40,11 @@ ENVIRONMENT_CALLERS = allowed_callers(
     _SERVICE,
     {
         "gateway": (
+            "CreateEnvironmentTemplate",
+            "GetEnvironmentTemplate",
+            "ListEnvironmentTemplates",
+            "UpdateEnvironmentTemplate",
+            "DeleteEnvironmentTemplate",
             "CreateEnvironment",
             "GetEnvironment",
             "ListEnvironments",
@@ -122,7 +128,7 @@ async def start_environment_service(
         guard.start()
         closers.append(guard.close)
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, on_change=gauge.touch)
-        servicer = EnvironmentServicer(domain, file_store)
+        servicer = EnvironmentServicer(domain, file_store, EnvironmentTemplates(db, domain.validated_config))
 
         def register(server: grpc.aio.Server) -> list[str]:
             environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
