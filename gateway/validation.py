@@ -21,7 +21,7 @@ import binascii
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from posixpath import normpath
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -52,6 +52,7 @@ __all__ = [
     "EventsCreateBody",
     "input_events",
     "check_hosted_config",
+    "metadata_query",
     "check_session_create",
     "check_agent_config",
     "check_session_update",
@@ -116,6 +117,29 @@ def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
         if len(v) > 512:
             raise ValueError("metadata values must be at most 512 characters")
     return value
+
+
+_METADATA_QUERY = re.compile(r"^metadata\[(.*)\]$", re.DOTALL)
+
+
+def metadata_query(params: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The ``metadata[key]=value`` pairs of a list's query (the SDK's
+    deepObject form), under the same limits as stored metadata."""
+    pairs: dict[str, str] = {}
+    for name, value in params:
+        match = _METADATA_QUERY.match(name)
+        if match is None:
+            if name == "metadata" or name.startswith("metadata["):
+                raise ApiError(400, "validation_error", "Use metadata[key]=value pairs.", param="metadata")
+            continue
+        if match.group(1) in pairs:
+            raise ApiError(400, "validation_error", "A metadata key is given twice.", param=f"metadata[{match.group(1)}]")
+        pairs[match.group(1)] = value
+    try:
+        _metadata(pairs)
+    except ValueError as exc:
+        raise ApiError(400, "validation_error", str(exc), param="metadata") from None
+    return pairs
 
 
 def _non_blank(value: str) -> str:

@@ -28,7 +28,7 @@ from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import v1_router, PageDep, json_response, read_json, require_id
 from gateway.sse import SSE_HEADERS, CreateStreamBoundary, relay_session_events
 from gateway.state import EnvironmentStubDep, SessionStubDep, StateDep
-from gateway.validation import SessionCreateBody, SessionUpdateBody, check_session_create, validate_body
+from gateway.validation import SessionCreateBody, SessionUpdateBody, check_session_create, metadata_query, validate_body
 
 __all__ = ["router", "render_session", "render_sessions"]
 
@@ -101,12 +101,16 @@ async def create_session(
 
 @router.get("/agents/sessions")
 async def list_sessions(
+    request: Request,
     stub: SessionStubDep,
     env_stub: EnvironmentStubDep,
     page: PageDep,
     agent_id: Annotated[str | None, Query()] = None,
 ) -> dict[str, Any]:
-    response = await stub.ListSessions(pb.ListSessionsRequest(page=page.to_proto(), agent_id=agent_id or ""))
+    metadata = metadata_query(request.query_params.multi_items())
+    response = await stub.ListSessions(
+        pb.ListSessionsRequest(page=page.to_proto(), agent_id=agent_id or "", metadata=metadata)
+    )
     return render.cursor_page(await render_sessions(list(response.sessions), env_stub), response.has_more)
 
 

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2
+from berth.environment.v1.environment_pb2 import EnvironmentConfig as _Config
 from services.core.db import Database
 from services.core.errors import BerthError, InvalidArgument, NotFound
 from services.core.ids import has_prefix, new_id
@@ -39,7 +40,6 @@ log = get_logger(__name__)
 
 ConfigValidator = Callable[[str, environment_pb2.EnvironmentConfig], Awaitable[environment_pb2.EnvironmentConfig]]
 
-_Config = environment_pb2.EnvironmentConfig
 _FIELDS = _Config.DESCRIPTOR.fields_by_name
 # The fields a template holds; the request-only ones are not among them.
 _TEMPLATE_FIELDS = frozenset(_FIELDS) - {"environment_template_id", "template_overrides"}

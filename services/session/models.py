@@ -7,7 +7,7 @@ still list in creation order, so cursors resolve to ``pk``.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, Float, Integer, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "EventRow",
     "ArtifactRow",
     "PublishedOutputRow",
+    "SessionMetadataRow",
 ]
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
@@ -61,6 +62,9 @@ class SessionRow(Base):
     metadata_json: Mapped[str] = mapped_column(Text)
     vault_ids_json: Mapped[str] = mapped_column(Text)
     usage_json: Mapped[str] = mapped_column(Text)
+    # Review and spend control as set on create or update (see controls.py);
+    # empty when none is set.
+    controls_json: Mapped[str] = mapped_column(Text, default="", server_default="")
     created_at: Mapped[float] = mapped_column(Float)
     last_active_at: Mapped[float] = mapped_column(Float)
     # Last allocated event sequence number: the per-session counter row.
@@ -166,3 +170,16 @@ class PublishedOutputRow(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     mtime: Mapped[float] = mapped_column(Float)
+
+
+class SessionMetadataRow(Base):
+    """One metadata pair of a session, kept beside ``metadata_json`` so that
+    ``sessions.list(metadata=...)`` filters in SQL on any database."""
+
+    __tablename__ = "session_metadata"
+    __table_args__ = (Index("ix_session_metadata_org_key_value", "org_id", "key", "value"),)
+
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    value: Mapped[str] = mapped_column(String(512))

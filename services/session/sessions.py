@@ -127,6 +127,7 @@ class Sessions:
 
         async def insert(u: Unit) -> tuple[views.SessionView, int, str]:
             u.session.add(row)
+            await repo.replace_session_metadata(u.session, org, session_id, metadata)
             await u.session.flush()
             # An environment whose setup already failed shows on the new session at once.
             view = await views.session_view(u.session, row, environment)
@@ -157,10 +158,13 @@ class Sessions:
         environment = await self._environment(row)
         return await self.store.query(lambda s: views.session_view(s, row, environment))
 
-    async def list_sessions(self, org: str, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
+    async def list_sessions(
+        self, org: str, page: Page, agent_id: str = "", metadata: dict[str, str] | None = None
+    ) -> tuple[list[views.SessionView], bool]:
         scope = [SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING]
         if agent_id:
             scope.append(SessionRow.agent_id == agent_id)
+        scope.extend(repo.metadata_filter(org, metadata or {}))
         rows, more = await self.store.query(lambda s: repo.paginate(s, SessionRow, scope, page))
         environments = await asyncio.gather(*(self._environment(r) for r in rows))
 
@@ -179,6 +183,7 @@ class Sessions:
             row = await repo.get_session(u.session, org, session_id)
             if "metadata" in paths:
                 row.metadata_json = json.dumps(dict(request.metadata))
+                await repo.replace_session_metadata(u.session, org, session_id, dict(request.metadata))
             if agent_paths:
                 snap = views.snapshot(row)
                 snap["config"] = apply_config(snap["config"], request.agent, agent_paths, prefix="agent", persisted=False)
