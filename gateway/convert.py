@@ -333,6 +333,7 @@ def create_session_request(body: SessionCreateBody) -> svc_pb.CreateSessionReque
         input=_user_messages(body.input),
         metadata=body.metadata or {},
         vault_ids=body.vault_ids or [],
+        controls=_controls(body),
     )
     if body.agent is not None:
         config, paths = _agent_config(body.agent)
@@ -341,10 +342,21 @@ def create_session_request(body: SessionCreateBody) -> svc_pb.CreateSessionReque
     return out
 
 
+def _controls(body: SessionCreateBody | SessionUpdateBody) -> s_pb.SessionControls:
+    """Review and spend control; the Session service checks what it supports."""
+    out = s_pb.SessionControls(review=body.review or "")
+    if body.spend_control is not None:
+        out.spend_limit_cents = body.spend_control.limit
+    return out
+
+
 def update_session_request(session_id: str, body: SessionUpdateBody) -> svc_pb.UpdateSessionRequest:
     check_session_update(body)
     out = svc_pb.UpdateSessionRequest(session_id=session_id, metadata=body.metadata or {})
     paths = ["metadata"] if "metadata" in body.model_fields_set else []
+    # A null review or spend_control resets it (none, no budget).
+    paths += [name for name in ("review", "spend_control") if name in body.model_fields_set]
+    out.controls.CopyFrom(_controls(body))
     if body.agent is not None:
         config, agent_paths = _agent_config(body.agent)
         out.agent.CopyFrom(config)

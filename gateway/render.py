@@ -319,6 +319,11 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "status": _SESSION_STATUS.get(s.status, "idle"),
         "usage": to_wire(s.usage) if s.HasField("usage") else None,
         "vault_ids": list(s.vault_ids),
+        "review": s.controls.review or None,
+        # Berth/SDK 3.51 extension: the per-session budget in USD cents.
+        "spend_control": (
+            {"limit": int(s.controls.spend_limit_cents)} if s.controls.HasField("spend_limit_cents") else None
+        ),
     }
 
 

@@ -490,6 +490,12 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+class SpendControl(_Strict):
+    """Rebyte/SDK 3.51 ``spend_control``: a per-session budget in USD cents."""
+
+    limit: int = Field(ge=1, le=10**12)
+
+
 class SessionCreateBody(_Strict):
     environment: SessionEnvironment
     agent: InlineAgent | None = None
@@ -498,6 +504,7 @@ class SessionCreateBody(_Strict):
     metadata: Metadata = None
     prompt_cache_options: PromptCacheOptions | None = None
     review: Literal["none", "auto_review"] | None = None
+    spend_control: SpendControl | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     vault_ids: list[str] | None = None
@@ -524,6 +531,7 @@ class SessionUpdateBody(_Strict):
     metadata: Metadata = None
     prompt_cache_options: PromptCacheOptions | None = None
     review: Literal["none", "auto_review"] | None = None
+    spend_control: SpendControl | None = None
 
 
 class InputMessageEvent(_Strict):
@@ -677,8 +685,6 @@ def check_session_create(body: SessionCreateBody) -> None:
             check_hosted_config(env, "environment")
     if body.agent is not None:
         check_agent_config(body.agent, "agent.")
-    if body.review == "auto_review":
-        raise ApiError(400, "validation_error", "review 'auto_review' is not supported.", param="review")
     if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
         raise ApiError(
             400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
@@ -702,8 +708,6 @@ def check_session_create(body: SessionCreateBody) -> None:
 def check_session_update(body: SessionUpdateBody) -> None:
     if body.agent is not None:
         check_agent_config(body.agent, "agent.")
-    if body.review == "auto_review":
-        raise ApiError(400, "validation_error", "review 'auto_review' is not supported.", param="review")
     if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
         raise ApiError(
             400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"

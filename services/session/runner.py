@@ -67,6 +67,7 @@ from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
+from services.session.spend_control import PriceTable, SpendBudget
 from services.session.store import Store, Unit, turn_key
 from services.session.turn_io import DbTurnIO
 from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
@@ -105,6 +106,8 @@ class ClaimedTurn:
     usage_json: str = ""
     # The output index the turn's next output item takes (non-zero when resumed).
     next_output_index: int = 0
+    # The session's review mode and spend budget when the turn started.
+    controls_json: str = ""
     # Commands a worker that died left running, to reattach before the loop
     # goes on: (item handle, item, its call, the output already sent).
     reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = field(default_factory=list)
@@ -143,10 +146,12 @@ class TurnRunner:
         poll_s: float = 0.5,
         sweep_s: float | None = None,
         dependency_retry_s: float = 0.0,
+        prices: PriceTable | None = None,
     ) -> None:
         self.store = store
         self.env_client = env_client
         self.providers = providers
+        self.prices = prices or PriceTable()
         self.blobs = blobs
         self.mcp = mcp
         self.environments = EnvironmentCache(env_client)
@@ -344,7 +349,15 @@ class TurnRunner:
             await u.session.execute(_INSERT_ITEMS, rows)
         u.append(session_id, row.event_seq, *events)
         return ClaimedTurn(
-            org_id, session_id, turn.id, environment_id, environment, row.agent_config_json, transcript, row.usage_json
+            org_id,
+            session_id,
+            turn.id,
+            environment_id,
+            environment,
+            row.agent_config_json,
+            transcript,
+            row.usage_json,
+            controls_json=row.controls_json,
         )
 
     # ----- running ----------------------------------------------------------------
@@ -381,6 +394,9 @@ class TurnRunner:
             on_ending=start_collecting,
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
+            budget=SpendBudget.for_turn(
+                claimed.controls_json, claimed.usage_json, claimed.agent_config_json, self.prices
+            ),
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
@@ -856,6 +872,7 @@ class TurnRunner:
             session.usage_json,
             next_output_index=next_output_index,
             reattach=reattach,
+            controls_json=session.controls_json,
         )
 
 

@@ -14,6 +14,7 @@ from services.core.interceptors import allowed_callers
 from services.core.notify import open_notifier
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
+from services.session.spend_control import PriceTable
 from services.session.artifacts import BlobStore
 from services.session.domain import SessionDomain
 from services.session.environment_client import EnvironmentClient
@@ -55,6 +56,7 @@ async def start_session_service(
     providers = ProviderRegistry(settings)
     blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
     mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
+    prices = PriceTable(settings.model_prices)
     runner = TurnRunner(
         store,
         env_client,
@@ -63,6 +65,7 @@ async def start_session_service(
         mcp=mcp,
         lease_s=settings.turn_lease_s,
         dependency_retry_s=settings.dependency_retry_s,
+        prices=prices,
     )
     domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
 

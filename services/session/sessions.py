@@ -19,6 +19,7 @@ from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
+from services.session.spend_control import SessionControls
 from services.session.agents import apply_config, new_config
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
@@ -101,6 +102,8 @@ class Sessions:
             agent_id = new_id("agent")
             config = new_config(request.agent, prefix="agent", persisted=False)
         metadata = dict(request.metadata)
+        controls = SessionControls.from_proto(request.controls)
+        controls.check_priced(self.runner.prices, str(config.get("model") or ""))
         vault_ids = list(request.vault_ids)
         messages = input_messages(request.input)
 
@@ -119,6 +122,7 @@ class Sessions:
             metadata_json=json.dumps(metadata),
             vault_ids_json=json.dumps(vault_ids),
             usage_json="",
+            controls_json=controls.to_json(),
             created_at=now,
             last_active_at=now,
             event_seq=0,
@@ -188,6 +192,10 @@ class Sessions:
                 snap = views.snapshot(row)
                 snap["config"] = apply_config(snap["config"], request.agent, agent_paths, prefix="agent", persisted=False)
                 row.agent_config_json = json.dumps(snap)
+            if paths & {"review", "spend_control"} or agent_paths:
+                controls = SessionControls.from_json(row.controls_json).updated(request.controls, paths)
+                controls.check_priced(self.runner.prices, str(views.snapshot(row)["config"].get("model") or ""))
+                row.controls_json = controls.to_json()
 
         await self.store.transact(update_row)
         return await self.get_session(org, session_id)

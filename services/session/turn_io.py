@@ -17,6 +17,7 @@ from services.session.function_call_gate import FunctionCallGate
 from services.session.harness.io import FunctionResult, ItemHandle, McpClient, TurnFailure
 from services.session.harness.models.base import Entry, Usage
 from services.session.mcp_connections import McpConnections
+from services.session.spend_control import SpendBudget
 from services.session.store import Store, Unit
 from services.session.turn_environment import TurnEnvironment, sandbox_failure
 from services.session.turn_mcp import TurnMcp
@@ -43,8 +44,10 @@ class DbTurnIO:
         on_ending: Callable[[], None] | None = None,
         dependency_retry_s: float = 0.0,
         worker_id: str = "",
+        budget: SpendBudget | None = None,
     ) -> None:
         self.session_id = session_id
+        self._budget = budget
         self.turn_id = turn_id
         self.environment_id = environment_id
         self.writer = TurnWriter(
@@ -103,6 +106,9 @@ class DbTurnIO:
 
     # ----- TurnIO -------------------------------------------------------------------
     async def agent_config(self) -> AgentConfig:
+        # Read before every model call: a session past its budget makes no more.
+        if self._budget is not None:
+            self._budget.check(self.writer.usage)
         return await self.writer.agent_config()
 
     async def transcript(self) -> list[Entry]:
@@ -127,6 +133,9 @@ class DbTurnIO:
 
     def record_usage(self, usage: Usage) -> None:
         self.writer.record_usage(usage)
+        # The call that reaches the budget ends the turn before its tool calls run.
+        if self._budget is not None:
+            self._budget.check(self.writer.usage)
 
     async def add_function_call(self, name: str, arguments: str, model_call_id: str) -> str:
         return await self.calls.add_function_call(name, arguments, model_call_id)

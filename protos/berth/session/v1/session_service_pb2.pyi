@@ -515,6 +515,7 @@ class CreateSessionRequest(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     VAULT_IDS_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The saved agent to snapshot; empty for an inline agent."""
     @_builtins.property
@@ -545,6 +546,10 @@ class CreateSessionRequest(_message.Message):
     def vault_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Vaults the session selects."""
 
+    @_builtins.property
+    def controls(self) -> _session_pb2.SessionControls:
+        """Review mode and spend budget."""
+
     def __init__(
         self,
         *,
@@ -555,10 +560,11 @@ class CreateSessionRequest(_message.Message):
         input: _abc.Iterable[Global___UserMessage] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         vault_ids: _abc.Iterable[_builtins.str] | None = ...,
+        controls: _session_pb2.SessionControls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_mask", b"agent_mask", "environment", b"environment"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_mask", b"agent_mask", "controls", b"controls", "environment", b"environment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "agent_mask", b"agent_mask", "environment", b"environment", "input", b"input", "metadata", b"metadata", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "agent_mask", b"agent_mask", "controls", b"controls", "environment", b"environment", "input", b"input", "metadata", b"metadata", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -754,6 +760,7 @@ class UpdateSessionRequest(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     AGENT_FIELD_NUMBER: _builtins.int
     UPDATE_MASK_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     @_builtins.property
@@ -767,9 +774,13 @@ class UpdateSessionRequest(_message.Message):
     @_builtins.property
     def update_mask(self) -> _field_mask_pb2.FieldMask:
         """The fields to change: "metadata", "agent.model", "agent.reasoning.effort",
-        "agent.service_tier" and "agent.tools". A named field left unset is
-        reset ("agent.model" must be set).
+        "agent.service_tier", "agent.tools", "review" and "spend_control". A
+        named field left unset is reset ("agent.model" must be set).
         """
+
+    @_builtins.property
+    def controls(self) -> _session_pb2.SessionControls:
+        """New review mode and spend budget, for "review" and "spend_control"."""
 
     def __init__(
         self,
@@ -778,10 +789,11 @@ class UpdateSessionRequest(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         agent: _session_pb2.AgentConfig | None = ...,
         update_mask: _field_mask_pb2.FieldMask | None = ...,
+        controls: _session_pb2.SessionControls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "update_mask", b"update_mask"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
