@@ -306,6 +306,10 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
     else:
         rendered_env = {"type": "none"}
     created = seconds(s.create_time)
+    extensions: dict[str, Any] = {}
+    if s.controls.HasField("spend_limit_cents"):
+        # Berth (and SDK 3.51) extension, present only when a budget is set.
+        extensions["spend_control"] = {"limit": int(s.controls.spend_limit_cents)}
     return {
         "id": s.id,
         "object": "agent.session",
@@ -320,10 +324,7 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "usage": to_wire(s.usage) if s.HasField("usage") else None,
         "vault_ids": list(s.vault_ids),
         "review": s.controls.review or None,
-        # Berth/SDK 3.51 extension: the per-session budget in USD cents.
-        "spend_control": (
-            {"limit": int(s.controls.spend_limit_cents)} if s.controls.HasField("spend_limit_cents") else None
-        ),
+        **extensions,
     }
 
 

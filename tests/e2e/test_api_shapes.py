@@ -15,7 +15,7 @@ from openai.types.beta.agent_session_event import AgentSessionEvent
 from turns_support import idle_after_turn, open_events
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
-from gateway.routes import agents, environments, files, session_resources, sessions
+from gateway.routes import agents, environment_templates, environments, files, session_resources, sessions
 
 # Route -> the SDK model of its JSON body; None: no JSON body (202, bytes,
 # SSE). The OpenAPI document's table is the one home of that claim; this
@@ -35,6 +35,9 @@ ADDITIONS: dict[str, frozenset[str]] = {
     "EnvironmentResourceOpenAIHosted": _ENVIRONMENT_ADDITIONS | {"status"},
     "EnvironmentFile": frozenset({"id", "type", "file_id"}),
     "EnvironmentResourceOpenAIHostedNetwork": frozenset({"blocked_domains"}),
+    # EnvironmentTemplate.network
+    "Network": frozenset({"blocked_domains"}),
+    "AgentSession": frozenset({"spend_control"}),
 }
 
 # The OpenAI list envelope, which the SDK's page classes do not declare.
@@ -45,7 +48,7 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 def _public_routes() -> set[tuple[str, str]]:
     routes: set[tuple[str, str]] = set()
-    for module in (agents, environments, files, sessions, session_resources):
+    for module in (agents, environment_templates, environments, files, sessions, session_resources):
         for route in module.router.routes:
             for method in getattr(route, "methods", ()):
                 routes.add((method, str(getattr(route, "path"))))
@@ -126,10 +129,28 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         )
         await api.call("GET", "/v1/agents/environments/{environment_id}/files", environment_id=env["id"])
 
+        template = await api.call(
+            "POST",
+            "/v1/agents/environments/templates",
+            json={"name": "shapes", "files": [{"type": "file_id", "file_id": uploaded["id"], "path": "/workspace/notes.txt"}]},
+        )
+        template_id = {"environment_template_id": template["id"]}
+        await api.call("GET", "/v1/agents/environments/templates")
+        await api.call("GET", "/v1/agents/environments/templates/{environment_template_id}", **template_id)
+        await api.call(
+            "POST", "/v1/agents/environments/templates/{environment_template_id}", **template_id, json={"name": None}
+        )
+        await api.call("DELETE", "/v1/agents/environments/templates/{environment_template_id}", **template_id)
+
         session = await api.call(
             "POST",
             "/v1/agents/sessions",
-            json={"agent_id": agent["id"], "environment": {"type": "reference", "environment_id": env["id"]}},
+            json={
+                "agent_id": agent["id"],
+                "environment": {"type": "reference", "environment_id": env["id"]},
+                "spend_control": {"limit": 100},
+                "review": "none",
+            },
         )
         session_id = session["id"]
         await api.call("GET", "/v1/agents/sessions")

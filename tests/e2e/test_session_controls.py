@@ -104,3 +104,31 @@ async def test_spend_control_and_review_that_berth_cannot_apply_are_refused(stac
     assert (moved.status_code, moved.code) == (400, "validation_error")
     assert (await sessions.retrieve(session.id)).agent.model == "scripted"
     assert [s.id async for s in sessions.list()] == [session.id, *before]
+
+
+async def test_stream_events_carry_obfuscation_padding_unless_the_stream_opts_out(stack: Stack) -> None:
+    client = strict_client(stack)
+    session = await client.beta.agents.sessions.create(agent={"model": "scripted"}, environment={"type": "openai_hosted"})
+    turn = await run_script(client, session.id, "a final answer long enough to stream in several deltas")
+    assert turn.status == "completed"
+
+    async def events(**options: Any) -> list[Any]:
+        seen = []
+        stream = await client.beta.agents.sessions.events.stream(
+            session.id, extra_headers={"Last-Event-ID": "0"}, **options
+        )
+        async with stream:
+            async for event in stream:
+                seen.append(event)
+                if event.type == "agent.session.turn.completed":
+                    return seen
+        raise AssertionError("the stream ended before the turn did")
+
+    padded = await events()
+    assert any(e.type == "agent.session.turn.output_text.delta" for e in padded)
+    for event in padded:
+        padding = getattr(event, "obfuscation", None)
+        assert isinstance(padding, str) and (padding == "" or padding.isalnum()), event
+    assert len({e.obfuscation for e in padded}) > 1  # type: ignore[union-attr]
+    plain = await events(include_obfuscation=False)
+    assert [getattr(e, "obfuscation", None) for e in plain] == [None] * len(padded)
