@@ -9,6 +9,7 @@ template live in ``services/environment/templates.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from fastapi.responses import Response
 from berth.environment.v1 import environment_service_pb2 as pb
 from gateway import render
 from gateway.convert import template_request, update_template_request
-from gateway.idempotency import IdempotencyDep
+from gateway.idempotency import Idempotency, IdempotencyDep
 from gateway.routes._common import PageDep, json_response, read_json, require_id, v1_router
 from gateway.state import EnvironmentStubDep
 from gateway.validation import TemplateBody, check_hosted_config, validate_body
@@ -36,16 +37,22 @@ async def _body(request: Request) -> tuple[TemplateBody, str]:
     return parsed, body.hash
 
 
-@router.post("/agents/environments/templates")
-async def create_template(request: Request, stub: EnvironmentStubDep, idempotency: IdempotencyDep) -> Response:
-    parsed, body_hash = await _body(request)
+async def _stored_once(idempotency: Idempotency, body_hash: str, call: Callable[[], Awaitable[Any]]) -> Response:
+    """The template a create or update returns, replayed for a repeated
+    ``Idempotency-Key`` (``call`` is made only when nothing is replayed)."""
     async with idempotency.begin(body_hash) as idem:
         if idem.replay is not None:
             return idem.replay.to_response()
-        response = await stub.CreateEnvironmentTemplate(template_request(parsed))
+        response = await call()
         content = render.environment_template(response.template)
         await idem.store(200, json.dumps(content))
         return json_response(content)
+
+
+@router.post("/agents/environments/templates")
+async def create_template(request: Request, stub: EnvironmentStubDep, idempotency: IdempotencyDep) -> Response:
+    parsed, body_hash = await _body(request)
+    return await _stored_once(idempotency, body_hash, lambda: stub.CreateEnvironmentTemplate(template_request(parsed)))
 
 
 @router.get("/agents/environments/templates")
@@ -70,13 +77,8 @@ async def update_template(
 ) -> Response:
     require_id(environment_template_id, _PREFIX)
     parsed, body_hash = await _body(request)
-    async with idempotency.begin(body_hash) as idem:
-        if idem.replay is not None:
-            return idem.replay.to_response()
-        response = await stub.UpdateEnvironmentTemplate(update_template_request(environment_template_id, parsed))
-        content = render.environment_template(response.template)
-        await idem.store(200, json.dumps(content))
-        return json_response(content)
+    message = update_template_request(environment_template_id, parsed)
+    return await _stored_once(idempotency, body_hash, lambda: stub.UpdateEnvironmentTemplate(message))
 
 
 @router.delete("/agents/environments/templates/{environment_template_id}")

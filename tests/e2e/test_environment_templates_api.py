@@ -218,3 +218,14 @@ async def test_another_orgs_template_is_404_everywhere_and_writes_need_the_write
     survivor = await owner.beta.agents.environments.templates.retrieve(template.id)
     assert survivor.name == "mine"
     assert json.dumps(survivor.model_dump()).count("m.txt") == 1
+
+
+async def test_a_repeated_idempotency_key_replays_the_template_create_without_a_second_template(stack: Stack) -> None:
+    client = strict(stack)
+    templates = client.beta.agents.environments.templates
+    before = [t.id async for t in templates.list()]
+    headers = {"Idempotency-Key": "tpl-create-once"}
+    first = await templates.create(name="once", extra_headers=headers)
+    again = await templates.create(name="once", extra_headers=headers)
+    assert again.id == first.id
+    assert [t.id async for t in templates.list()] == [first.id, *before]
