@@ -345,6 +345,8 @@ def create_session_request(body: SessionCreateBody) -> svc_pb.CreateSessionReque
 def _controls(body: SessionCreateBody | SessionUpdateBody) -> s_pb.SessionControls:
     """Review and spend control; the Session service checks what it supports."""
     out = s_pb.SessionControls(review=body.review or "")
+    if body.prompt_cache_options is not None:
+        out.prompt_cache_ttl = body.prompt_cache_options.ttl or ""
     if body.spend_control is not None:
         out.spend_limit_cents = body.spend_control.limit
     return out
@@ -354,8 +356,8 @@ def update_session_request(session_id: str, body: SessionUpdateBody) -> svc_pb.U
     check_session_update(body)
     out = svc_pb.UpdateSessionRequest(session_id=session_id, metadata=body.metadata or {})
     paths = ["metadata"] if "metadata" in body.model_fields_set else []
-    # A null review or spend_control resets it (none, no budget).
-    paths += [name for name in ("review", "spend_control") if name in body.model_fields_set]
+    # A null one resets it (no review, no budget, the model's cache default).
+    paths += [name for name in ("review", "spend_control", "prompt_cache_options") if name in body.model_fields_set]
     out.controls.CopyFrom(_controls(body))
     if body.agent is not None:
         config, agent_paths = _agent_config(body.agent)

@@ -324,6 +324,7 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "usage": to_wire(s.usage) if s.HasField("usage") else None,
         "vault_ids": list(s.vault_ids),
         "review": s.controls.review or None,
+        "prompt_cache_options": {"ttl": s.controls.prompt_cache_ttl} if s.controls.prompt_cache_ttl else None,
         **extensions,
     }
 

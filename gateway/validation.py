@@ -685,10 +685,6 @@ def check_session_create(body: SessionCreateBody) -> None:
             check_hosted_config(env, "environment")
     if body.agent is not None:
         check_agent_config(body.agent, "agent.")
-    if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
-        raise ApiError(
-            400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
-        )
     if body.agent_id is None and (body.agent is None or body.agent.model is None):
         raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
     if body.stream_options is not None and not body.stream:
@@ -708,10 +704,6 @@ def check_session_create(body: SessionCreateBody) -> None:
 def check_session_update(body: SessionUpdateBody) -> None:
     if body.agent is not None:
         check_agent_config(body.agent, "agent.")
-    if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
-        raise ApiError(
-            400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
-        )
 
 
 # --- parsing ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
-from services.session.spend_control import PriceTable, SpendBudget
+from services.session.session_controls import PriceTable, SessionControls, SpendBudget
 from services.session.store import Store, Unit, turn_key
 from services.session.turn_io import DbTurnIO
 from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
@@ -397,6 +397,7 @@ class TurnRunner:
             budget=SpendBudget.for_turn(
                 claimed.controls_json, claimed.usage_json, claimed.agent_config_json, self.prices
             ),
+            prompt_cache_retention=SessionControls.from_json(claimed.controls_json).prompt_cache_retention,
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task

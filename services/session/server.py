@@ -14,7 +14,7 @@ from services.core.interceptors import allowed_callers
 from services.core.notify import open_notifier
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
-from services.session.spend_control import PriceTable
+from services.session.session_controls import PriceTable
 from services.session.artifacts import BlobStore
 from services.session.domain import SessionDomain
 from services.session.environment_client import EnvironmentClient

@@ -16,7 +16,7 @@ from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, 
 from services.core.ids import new_id
 from services.core.structs import from_value
 from services.core.wire_json import to_wire
-from services.session.spend_control import PriceTable, refuse_input_past_limit
+from services.session.session_controls import PriceTable, refuse_input_past_limit
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.models import FunctionCallRow, SessionRow, TurnRow

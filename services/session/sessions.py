@@ -19,7 +19,7 @@ from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
-from services.session.spend_control import SessionControls
+from services.session.session_controls import SessionControls
 from services.session.agents import apply_config, new_config
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
@@ -192,7 +192,7 @@ class Sessions:
                 snap = views.snapshot(row)
                 snap["config"] = apply_config(snap["config"], request.agent, agent_paths, prefix="agent", persisted=False)
                 row.agent_config_json = json.dumps(snap)
-            if paths & {"review", "spend_control"} or agent_paths:
+            if paths & {"review", "spend_control", "prompt_cache_options"} or agent_paths:
                 controls = SessionControls.from_json(row.controls_json).updated(request.controls, paths)
                 controls.check_priced(self.runner.prices, str(views.snapshot(row)["config"].get("model") or ""))
                 row.controls_json = controls.to_json()

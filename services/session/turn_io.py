@@ -17,7 +17,7 @@ from services.session.function_call_gate import FunctionCallGate
 from services.session.harness.io import FunctionResult, ItemHandle, McpClient, TurnFailure
 from services.session.harness.models.base import Entry, Usage
 from services.session.mcp_connections import McpConnections
-from services.session.spend_control import SpendBudget
+from services.session.session_controls import SpendBudget
 from services.session.store import Store, Unit
 from services.session.turn_environment import TurnEnvironment, sandbox_failure
 from services.session.turn_mcp import TurnMcp
@@ -45,8 +45,10 @@ class DbTurnIO:
         dependency_retry_s: float = 0.0,
         worker_id: str = "",
         budget: SpendBudget | None = None,
+        prompt_cache_retention: str | None = None,
     ) -> None:
         self.session_id = session_id
+        self.prompt_cache_retention = prompt_cache_retention
         self._budget = budget
         self.turn_id = turn_id
         self.environment_id = environment_id

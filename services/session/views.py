@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
 from services.core.wire_json import to_message
-from services.session.spend_control import SessionControls
+from services.session.session_controls import SessionControls
 from services.session import repository as repo
 from services.session import wire
 from services.session.agents import AgentConfig, config_message

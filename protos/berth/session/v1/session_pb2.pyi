@@ -1126,19 +1126,23 @@ class SessionControls(_message.Message):
 
     REVIEW_FIELD_NUMBER: _builtins.int
     SPEND_LIMIT_CENTS_FIELD_NUMBER: _builtins.int
+    PROMPT_CACHE_TTL_FIELD_NUMBER: _builtins.int
     review: _builtins.str
     """"none" when the session set it; empty when omitted (which means none)."""
     spend_limit_cents: _builtins.int
     """The spend budget in USD cents; unset for no budget."""
+    prompt_cache_ttl: _builtins.str
+    """prompt_cache_options.ttl ("30m" or "12h"); empty for the model default."""
     def __init__(
         self,
         *,
         review: _builtins.str = ...,
         spend_limit_cents: _builtins.int | None = ...,
+        prompt_cache_ttl: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents", "spend_limit_cents", b"spend_limit_cents"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents", "review", b"review", "spend_limit_cents", b"spend_limit_cents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents", "prompt_cache_ttl", b"prompt_cache_ttl", "review", b"review", "spend_limit_cents", b"spend_limit_cents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__spend_limit_cents: _TypeAlias = _typing.Literal["spend_limit_cents"]  # noqa: Y015
     _WhichOneofArgType__spend_limit_cents: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents"]  # noqa: Y015

@@ -548,7 +548,7 @@ class CreateSessionRequest(_message.Message):
 
     @_builtins.property
     def controls(self) -> _session_pb2.SessionControls:
-        """Review mode and spend budget."""
+        """Review mode, spend budget and prompt cache TTL."""
 
     def __init__(
         self,
@@ -774,13 +774,16 @@ class UpdateSessionRequest(_message.Message):
     @_builtins.property
     def update_mask(self) -> _field_mask_pb2.FieldMask:
         """The fields to change: "metadata", "agent.model", "agent.reasoning.effort",
-        "agent.service_tier", "agent.tools", "review" and "spend_control". A
-        named field left unset is reset ("agent.model" must be set).
+        "agent.service_tier", "agent.tools", "review", "spend_control" and
+        "prompt_cache_options". A named field left unset is reset ("agent.model"
+        must be set).
         """
 
     @_builtins.property
     def controls(self) -> _session_pb2.SessionControls:
-        """New review mode and spend budget, for "review" and "spend_control"."""
+        """New review mode, spend budget and prompt cache TTL, for "review",
+        "spend_control" and "prompt_cache_options".
+        """
 
     def __init__(
         self,

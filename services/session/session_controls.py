@@ -1,4 +1,10 @@
-"""A session's controls: its review mode and its spend budget.
+"""A session's controls: its review mode, its prompt cache TTL and its
+spend budget.
+
+``prompt_cache_options.ttl`` is a minimum lifetime for new prompt cache
+entries; both "30m" and "12h" are met by the OpenAI API's extended
+retention, so model calls send ``prompt_cache_retention: "24h"`` with the
+session ID as ``prompt_cache_key`` (and nothing without a TTL).
 
 ``spend_control.limit`` is a budget in USD cents. Spend is the session's
 token usage priced with the price table (``BERTH_MODEL_PRICES`` over
@@ -27,6 +33,8 @@ __all__ = ["PriceTable", "SessionControls", "SpendBudget", "TURN_ERROR_CODE", "r
 
 TURN_ERROR_CODE = "usage_limit_exceeded"
 _REVIEW_MODES = frozenset({"none"})
+# prompt_cache_options.ttl -> the retention that guarantees at least that long.
+_CACHE_RETENTION = {"30m": "24h", "12h": "24h"}
 
 
 class PriceTable:
@@ -61,15 +69,24 @@ class SessionControls:
 
     review: str | None = None
     spend_limit_cents: int | None = None
+    prompt_cache_ttl: str | None = None
 
     @classmethod
     def from_json(cls, raw: str) -> SessionControls:
         data = json.loads(raw) if raw else {}
-        return cls(review=data.get("review"), spend_limit_cents=data.get("spend_limit_cents"))
+        return cls(
+            review=data.get("review"),
+            spend_limit_cents=data.get("spend_limit_cents"),
+            prompt_cache_ttl=data.get("prompt_cache_ttl"),
+        )
 
     def to_json(self) -> str:
-        data = {k: v for k, v in (("review", self.review), ("spend_limit_cents", self.spend_limit_cents)) if v is not None}
+        data = {k: v for k, v in vars(self).items() if v is not None}
         return json.dumps(data) if data else ""
+
+    @property
+    def prompt_cache_retention(self) -> str | None:
+        return _CACHE_RETENTION.get(self.prompt_cache_ttl or "")
 
     @classmethod
     def from_proto(cls, message: session_pb2.SessionControls) -> SessionControls:
@@ -78,7 +95,11 @@ class SessionControls:
         limit = message.spend_limit_cents if message.HasField("spend_limit_cents") else None
         if limit is not None and limit < 1:
             raise InvalidArgument("spend_control.limit must be at least 1 (USD cents)", param="spend_control.limit")
-        return cls(review=message.review or None, spend_limit_cents=limit)
+        if message.prompt_cache_ttl and message.prompt_cache_ttl not in _CACHE_RETENTION:
+            raise InvalidArgument("prompt_cache_options.ttl must be 30m or 12h", param="prompt_cache_options.ttl")
+        return cls(
+            review=message.review or None, spend_limit_cents=limit, prompt_cache_ttl=message.prompt_cache_ttl or None
+        )
 
     def updated(self, message: session_pb2.SessionControls, paths: set[str]) -> SessionControls:
         """These controls with the fields named in an update mask replaced."""
@@ -86,6 +107,7 @@ class SessionControls:
         return SessionControls(
             review=new.review if "review" in paths else self.review,
             spend_limit_cents=new.spend_limit_cents if "spend_control" in paths else self.spend_limit_cents,
+            prompt_cache_ttl=new.prompt_cache_ttl if "prompt_cache_options" in paths else self.prompt_cache_ttl,
         )
 
     def check_priced(self, prices: PriceTable, model: str) -> None:
@@ -96,7 +118,7 @@ class SessionControls:
             )
 
     def to_proto(self) -> session_pb2.SessionControls:
-        out = session_pb2.SessionControls(review=self.review or "")
+        out = session_pb2.SessionControls(review=self.review or "", prompt_cache_ttl=self.prompt_cache_ttl or "")
         if self.spend_limit_cents is not None:
             out.spend_limit_cents = self.spend_limit_cents
         return out
