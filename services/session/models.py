@@ -62,7 +62,8 @@ class SessionRow(Base):
     metadata_json: Mapped[str] = mapped_column(Text)
     vault_ids_json: Mapped[str] = mapped_column(Text)
     usage_json: Mapped[str] = mapped_column(Text)
-    # Review and spend control as set on create or update (see controls.py);
+    # Review, prompt cache TTL and spend budget as set on create or update
+    # (services/session/session_controls.py);
     # empty when none is set.
     controls_json: Mapped[str] = mapped_column(Text, default="", server_default="")
     created_at: Mapped[float] = mapped_column(Float)
