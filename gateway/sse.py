@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import string
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +109,6 @@ def _dumps(value: object) -> str:
 # A frame's JSON is padded to a multiple of this many characters, plus a
 # random extra of up to as many again.
 _OBFUSCATION_BLOCK = 32
-_ALPHANUMERIC = string.ascii_letters + string.digits
 
 
 def obfuscated(payload: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +117,7 @@ def obfuscated(payload: dict[str, Any]) -> dict[str, Any]:
     that make a frame's size say little about its content's, as the Responses
     API does against length side channels."""
     length = (-len(_dumps(payload))) % _OBFUSCATION_BLOCK + secrets.randbelow(_OBFUSCATION_BLOCK)
-    return {**payload, "obfuscation": "".join(secrets.choice(_ALPHANUMERIC) for _ in range(length))}
+    return {**payload, "obfuscation": secrets.token_hex((length + 1) // 2)[:length]}
 
 
 def _error_event(session_id: str, exc: grpc.RpcError) -> bytes:
