@@ -40,6 +40,7 @@ from gateway.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestId
 from gateway.routes import (
     agents,
     automations,
+    environment_templates,
     environments,
     files,
     ops,
@@ -113,8 +114,21 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
     app.state.startup_error = None
     install_error_handlers(app)
 
-    # Literal segments (automations, environments, sessions) before /agents/{agent_id}.
-    for module in (automations, environments, sessions, session_resources, subagents, files, agents, vaults, webhooks, ops):
+    # Literal segments (automations, environments, sessions) before /agents/{agent_id},
+    # and environments/templates before /agents/environments/{environment_id}.
+    for module in (
+        automations,
+        environment_templates,
+        environments,
+        sessions,
+        session_resources,
+        subagents,
+        files,
+        agents,
+        vaults,
+        webhooks,
+        ops,
+    ):
         app.include_router(module.router)
 
     # The last added middleware is the outermost: metrics see every response,

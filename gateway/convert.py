@@ -14,6 +14,7 @@ from typing import Any
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2 as env_pb
+from berth.environment.v1 import environment_service_pb2 as env_pb_svc
 from berth.session.v1 import session_pb2 as s_pb
 from berth.session.v1 import session_service_pb2 as svc_pb
 from services.core.structs import to_struct, to_value
@@ -24,6 +25,7 @@ from gateway.validation import (
     ComputerUseTool,
     FileIdFile,
     FunctionTool,
+    HostedConfigFields,
     HostedEnvironmentConfig,
     InlineAgent,
     InlineFile,
@@ -39,6 +41,7 @@ from gateway.validation import (
     SessionCreateBody,
     SessionHostedEnvironment,
     SessionUpdateBody,
+    TemplateBody,
     TextFormatJsonSchema,
     Tool,
     ToolSearchTool,
@@ -50,6 +53,8 @@ from gateway.validation import (
 
 __all__ = [
     "environment_config",
+    "template_request",
+    "update_template_request",
     "create_agent_request",
     "update_agent_request",
     "create_session_request",
@@ -69,10 +74,65 @@ _CONFIG_FIELDS = tuple(f.name for f in s_pb.AgentConfig.DESCRIPTOR.fields)
 # --- environments ------------------------------------------------------------------------
 
 
-def environment_config(config: HostedEnvironmentConfig) -> env_pb.EnvironmentConfig:
-    """An inline ``openai_hosted`` configuration as the contract's
-    EnvironmentConfig. Skills and plugins travel as the JSON the API received
-    (archives included)."""
+# Public configuration field -> EnvironmentConfig field (desktop has none:
+# enabling it is refused, disabled is the default).
+_CONFIG_FIELD_NAMES = {
+    "capability_directories": "capability_directories",
+    "container_size": "container_size",
+    "env": "env",
+    "files": "files",
+    "network": "network",
+    "packages": "packages",
+    "plugins": "plugins_json",
+    "setup_commands": "setup_commands",
+    "skills": "skills_json",
+}
+
+
+def _config_fields(config: HostedConfigFields, *, with_nulls: bool) -> list[str]:
+    """The EnvironmentConfig fields a body sets (a null counts only ``with_nulls``)."""
+    return [
+        _CONFIG_FIELD_NAMES[name]
+        for name in sorted(config.model_fields_set)
+        if name in _CONFIG_FIELD_NAMES and (with_nulls or getattr(config, name) is not None)
+    ]
+
+
+def template_request(body: TemplateBody) -> env_pb_svc.CreateEnvironmentTemplateRequest:
+    request = env_pb_svc.CreateEnvironmentTemplateRequest(config=environment_config(body))
+    if body.name is not None:
+        request.name = body.name
+    return request
+
+
+def update_template_request(template_id: str, body: TemplateBody) -> env_pb_svc.UpdateEnvironmentTemplateRequest:
+    """Omitted fields are kept; a null one resets to its default (an empty
+    value under its name in ``update_fields``)."""
+    request = env_pb_svc.UpdateEnvironmentTemplateRequest(
+        template_id=template_id,
+        config=environment_config(body),
+        update_fields=_config_fields(body, with_nulls=True),
+        update_name="name" in body.model_fields_set,
+    )
+    if body.name is not None:
+        request.name = body.name
+    return request
+
+
+def environment_config(config: HostedConfigFields) -> env_pb.EnvironmentConfig:
+    """An inline ``openai_hosted`` configuration (or a template's) as the
+    contract's EnvironmentConfig. Skills and plugins travel as the JSON the
+    API received (archives included). With ``environment_template_id`` the
+    fields the body sets are named as the template's overrides; a null one
+    inherits the template's."""
+    out = _environment_config(config)
+    if isinstance(config, HostedEnvironmentConfig) and config.environment_template_id is not None:
+        out.environment_template_id = config.environment_template_id
+        out.template_overrides.extend(_config_fields(config, with_nulls=False))
+    return out
+
+
+def _environment_config(config: HostedConfigFields) -> env_pb.EnvironmentConfig:
     files: list[env_pb.InitialFile] = []
     for f in config.files or []:
         if isinstance(f, InlineFile):
@@ -99,7 +159,7 @@ def environment_config(config: HostedEnvironmentConfig) -> env_pb.EnvironmentCon
         skills_json=_json_list(config.skills),
         plugins_json=_json_list(config.plugins),
         capability_directories=config.capability_directories or [],
-        container_size=config.container_size or "",
+        container_size=(config.container_size or "") if isinstance(config, HostedEnvironmentConfig) else "",
     )
 
 
@@ -273,6 +333,7 @@ def create_session_request(body: SessionCreateBody) -> svc_pb.CreateSessionReque
         input=_user_messages(body.input),
         metadata=body.metadata or {},
         vault_ids=body.vault_ids or [],
+        controls=_controls(body),
     )
     if body.agent is not None:
         config, paths = _agent_config(body.agent)
@@ -281,10 +342,23 @@ def create_session_request(body: SessionCreateBody) -> svc_pb.CreateSessionReque
     return out
 
 
+def _controls(body: SessionCreateBody | SessionUpdateBody) -> s_pb.SessionControls:
+    """Review and spend control; the Session service checks what it supports."""
+    out = s_pb.SessionControls(review=body.review or "")
+    if body.prompt_cache_options is not None:
+        out.prompt_cache_ttl = body.prompt_cache_options.ttl or ""
+    if body.spend_control is not None:
+        out.spend_limit_cents = body.spend_control.limit
+    return out
+
+
 def update_session_request(session_id: str, body: SessionUpdateBody) -> svc_pb.UpdateSessionRequest:
     check_session_update(body)
     out = svc_pb.UpdateSessionRequest(session_id=session_id, metadata=body.metadata or {})
     paths = ["metadata"] if "metadata" in body.model_fields_set else []
+    # A null one resets it (no review, no budget, the model's cache default).
+    paths += [name for name in ("review", "spend_control", "prompt_cache_options") if name in body.model_fields_set]
+    out.controls.CopyFrom(_controls(body))
     if body.agent is not None:
         config, agent_paths = _agent_config(body.agent)
         out.agent.CopyFrom(config)

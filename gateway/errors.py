@@ -108,6 +108,9 @@ GRPC_ERROR_TABLE: Mapping[tuple[grpc.StatusCode, str], HttpError] = {
     (grpc.StatusCode.FAILED_PRECONDITION, "SESSION_ACTIVE"): HttpError(
         409, INVALID_REQUEST, "session_in_progress", retryable=False
     ),
+    (grpc.StatusCode.FAILED_PRECONDITION, "SPEND_LIMIT_REACHED"): HttpError(
+        409, INVALID_REQUEST, "spend_limit_reached", retryable=False
+    ),
     (grpc.StatusCode.FAILED_PRECONDITION, "ENVIRONMENT_FAILED"): HttpError(
         409, INVALID_REQUEST, "environment_failed", retryable=False
     ),

@@ -40,6 +40,8 @@ from openai.types.beta.agents.automation_deleted import AutomationDeleted
 from openai.types.beta.agents.automations.automation_invocation import AutomationInvocation
 from openai.types.beta.agents.environment_info import EnvironmentInfo
 from openai.types.beta.agents.environments.environment_file import EnvironmentFile
+from openai.types.beta.agents.environments.environment_template import EnvironmentTemplate
+from openai.types.beta.agents.environments.environment_template_deleted import EnvironmentTemplateDeleted
 from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
 from openai.types.beta.agents.sessions.session_artifact_deleted import SessionArtifactDeleted
 from openai.types.beta.agents.sessions.turn import Turn
@@ -67,6 +69,7 @@ from gateway.validation import (
     EnvironmentFileCreateBody,
     EventsCreateBody,
     SessionCreateBody,
+    TemplateBody,
     SessionUpdateBody,
     WebhookEndpointCreateBody,
     WebhookEndpointUpdateBody,
@@ -186,6 +189,21 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("GET", "/v1/agents/environments/{environment_id}/files"): Operation(
         "List an environment's files", SyncTokenPage[EnvironmentFile]
+    ),
+    ("POST", "/v1/agents/environments/templates"): Operation(
+        "Create an environment template", EnvironmentTemplate, TemplateBody
+    ),
+    ("GET", "/v1/agents/environments/templates"): Operation(
+        "List environment templates", SyncCursorPage[EnvironmentTemplate]
+    ),
+    ("GET", "/v1/agents/environments/templates/{environment_template_id}"): Operation(
+        "Retrieve an environment template", EnvironmentTemplate
+    ),
+    ("POST", "/v1/agents/environments/templates/{environment_template_id}"): Operation(
+        "Update an environment template (omitted fields kept, null resets)", EnvironmentTemplate, TemplateBody
+    ),
+    ("DELETE", "/v1/agents/environments/templates/{environment_template_id}"): Operation(
+        "Delete an environment template", EnvironmentTemplateDeleted
     ),
     ("POST", "/v1/files"): Operation("Upload a file", FileObject, FileUploadForm, request_media="multipart/form-data"),
     ("GET", "/v1/files"): Operation("List files", SyncCursorPage[FileObject]),

@@ -26,6 +26,7 @@ __all__ = [
     "environment_status",
     "environment_info",
     "hosted_environment",
+    "environment_template",
     "environment_file",
     "registered_file",
     "stored_file",
@@ -183,6 +184,33 @@ def hosted_environment(env: environment_pb2.Environment) -> dict[str, Any]:
     }
 
 
+def environment_template(t: environment_pb2.EnvironmentTemplate) -> dict[str, Any]:
+    """``EnvironmentTemplate`` (object ``agent.environment.template``): safe
+    metadata only, never file contents, env values or setup commands."""
+    cfg = t.config
+    files: list[dict[str, Any]] = []
+    for f in cfg.files:
+        if f.WhichOneof("source") == "file_id":
+            files.append({"type": "file_id", "file_id": f.file_id, "path": f.path})
+        else:
+            files.append({"type": "inline", "path": f.path, "size_bytes": int(f.size_bytes)})
+    network = _network(cfg.network)
+    return {
+        "id": t.id,
+        "object": "agent.environment.template",
+        "name": t.name if t.HasField("name") else None,
+        "capability_directories": list(cfg.capability_directories),
+        "files": files,
+        "network": network,
+        "packages": _packages(cfg.packages),
+        "plugins": _plugins(cfg.plugins_json),
+        "skills": _skills(cfg.skills_json),
+        "desktop": None,
+        "created_at": seconds(t.create_time),
+        "updated_at": seconds(t.update_time),
+    }
+
+
 def environment_file(env_id: str, path: str, size_bytes: int, **extra: Any) -> dict[str, Any]:
     """``EnvironmentFile`` (object ``agent.environment.file``)."""
     return {"object": "agent.environment.file", "environment_id": env_id, "path": path, "size_bytes": size_bytes, **extra}
@@ -278,6 +306,10 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
     else:
         rendered_env = {"type": "none"}
     created = seconds(s.create_time)
+    extensions: dict[str, Any] = {}
+    if s.controls.HasField("spend_limit_cents"):
+        # Berth (and SDK 3.51) extension, present only when a budget is set.
+        extensions["spend_control"] = {"limit": int(s.controls.spend_limit_cents)}
     return {
         "id": s.id,
         "object": "agent.session",
@@ -291,6 +323,9 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "status": _SESSION_STATUS.get(s.status, "idle"),
         "usage": to_wire(s.usage) if s.HasField("usage") else None,
         "vault_ids": list(s.vault_ids),
+        "review": s.controls.review or None,
+        "prompt_cache_options": {"ttl": s.controls.prompt_cache_ttl} if s.controls.prompt_cache_ttl else None,
+        **extensions,
     }
 
 

@@ -43,8 +43,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -54,7 +56,7 @@ from gateway.errors import map_rpc_error
 from services.core.ids import new_id
 from services.core.logging import get_logger
 
-__all__ = ["KEEPALIVE", "SSE_HEADERS", "format_event", "CreateStreamBoundary", "relay_session_events"]
+__all__ = ["KEEPALIVE", "SSE_HEADERS", "format_event", "CreateStreamBoundary", "relay_session_events", "obfuscated"]
 
 log = get_logger("berth.gateway.sse")
 
@@ -104,6 +106,20 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+# A frame's JSON is padded to a multiple of this many characters, plus a
+# random extra of up to as many again.
+_OBFUSCATION_BLOCK = 32
+
+
+def obfuscated(payload: dict[str, Any]) -> dict[str, Any]:
+    """The event with ``obfuscation`` padding (the SDK's
+    ``include_obfuscation``, on by default): random alphanumeric characters
+    that make a frame's size say little about its content's, as the Responses
+    API does against length side channels."""
+    length = (-len(_dumps(payload))) % _OBFUSCATION_BLOCK + secrets.randbelow(_OBFUSCATION_BLOCK)
+    return {**payload, "obfuscation": secrets.token_hex((length + 1) // 2)[:length]}
+
+
 def _error_event(session_id: str, exc: grpc.RpcError) -> bytes:
     error = map_rpc_error(exc)
     payload = {
@@ -123,6 +139,7 @@ async def relay_session_events(
     keepalive_s: float,
     closing: asyncio.Event,
     boundary: CreateStreamBoundary | None = None,
+    obfuscation: bool = True,
 ) -> AsyncIterator[bytes]:
     """SSE bytes for the session's events after ``after_sequence``, following
     live ones, until the service ends the stream, ``boundary`` is reached or
@@ -180,7 +197,10 @@ async def relay_session_events(
             frames: list[bytes] = []
             ended = False
             for event in events:
-                frames.append(format_event(event.sequence, event.type, _dumps(render.event(event))))
+                payload = render.event(event)
+                if obfuscation:
+                    payload = obfuscated(payload)
+                frames.append(format_event(event.sequence, event.type, _dumps(payload)))
                 if boundary is not None and boundary.reached(event):
                     ended = True
                     break

@@ -21,7 +21,7 @@ import binascii
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from posixpath import normpath
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -47,12 +47,15 @@ __all__ = [
     "AgentCreateBody",
     "AgentUpdateBody",
     "EnvironmentCreateBody",
+    "HostedConfigFields",
     "HostedEnvironmentConfig",
+    "TemplateBody",
     "SessionCreateBody",
     "SessionUpdateBody",
     "EventsCreateBody",
     "input_events",
     "check_hosted_config",
+    "metadata_query",
     "check_session_create",
     "check_agent_config",
     "check_session_update",
@@ -117,6 +120,29 @@ def _metadata(value: dict[str, str] | None) -> dict[str, str] | None:
         if len(v) > 512:
             raise ValueError("metadata values must be at most 512 characters")
     return value
+
+
+_METADATA_QUERY = re.compile(r"^metadata\[(.*)\]$", re.DOTALL)
+
+
+def metadata_query(params: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The ``metadata[key]=value`` pairs of a list's query (the SDK's
+    deepObject form), under the same limits as stored metadata."""
+    pairs: dict[str, str] = {}
+    for name, value in params:
+        match = _METADATA_QUERY.match(name)
+        if match is None:
+            if name == "metadata" or name.startswith("metadata["):
+                raise ApiError(400, "validation_error", "Use metadata[key]=value pairs.", param="metadata")
+            continue
+        if match.group(1) in pairs:
+            raise ApiError(400, "validation_error", "A metadata key is given twice.", param=f"metadata[{match.group(1)}]")
+        pairs[match.group(1)] = value
+    try:
+        _metadata(pairs)
+    except ValueError as exc:
+        raise ApiError(400, "validation_error", str(exc), param="metadata") from None
+    return pairs
 
 
 def _non_blank(value: str) -> str:
@@ -221,21 +247,33 @@ class Desktop(_Strict):
     enabled: bool
 
 
-class HostedEnvironmentConfig(_Strict):
-    """``{"type": "openai_hosted", ...}`` as configuration (no environment_id)."""
+class HostedConfigFields(_Strict):
+    """The hosted configuration an environment and a template share."""
 
-    type: Literal["openai_hosted"]
     capability_directories: list[str] | None = None
-    container_size: Literal["small", "medium", "large"] | None = None
     desktop: Desktop | None = None
     env: dict[str, str] | None = None
-    environment_template_id: str | None = None
     files: list[HostedFile] | None = None
     network: Network | None = None
     packages: Packages | None = None
     plugins: list[InlineCapability] | None = None
     setup_commands: list[SetupCommand] | None = None
     skills: list[HostedSkill] | None = None
+
+
+class HostedEnvironmentConfig(HostedConfigFields):
+    """``{"type": "openai_hosted", ...}`` as configuration (no environment_id)."""
+
+    type: Literal["openai_hosted"]
+    container_size: Literal["small", "medium", "large"] | None = None
+    environment_template_id: str | None = Field(default=None, min_length=1)
+
+
+class TemplateBody(HostedConfigFields):
+    """``environments.templates.create`` and ``.update``: every field optional;
+    on update an omitted field is kept and a null one reset to its default."""
+
+    name: str | None = None
 
 
 class EnvironmentCreateBody(_Strict):
@@ -455,6 +493,12 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+class SpendControl(_Strict):
+    """Rebyte/SDK 3.51 ``spend_control``: a per-session budget in USD cents."""
+
+    limit: int = Field(ge=1, le=10**12)
+
+
 class SessionCreateBody(_Strict):
     environment: SessionEnvironment
     agent: InlineAgent | None = None
@@ -463,6 +507,7 @@ class SessionCreateBody(_Strict):
     metadata: Metadata = None
     prompt_cache_options: PromptCacheOptions | None = None
     review: Literal["none", "auto_review"] | None = None
+    spend_control: SpendControl | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     vault_ids: list[str] | None = None
@@ -489,6 +534,7 @@ class SessionUpdateBody(_Strict):
     metadata: Metadata = None
     prompt_cache_options: PromptCacheOptions | None = None
     review: Literal["none", "auto_review"] | None = None
+    spend_control: SpendControl | None = None
 
 
 class InputMessageEvent(_Strict):
@@ -543,37 +589,31 @@ _INLINE_CONFIG_FIELDS = (
 )
 
 
-def check_hosted_config(config: HostedEnvironmentConfig, param_prefix: str) -> None:
-    """Rules between fields of an inline configuration. SDK fields Berth does
-    not implement are rejected, not silently ignored."""
-    if config.environment_template_id is not None:
-        raise ApiError(
-            400,
-            "validation_error",
-            "Environment templates are not supported.",
-            param=f"{param_prefix}.environment_template_id",
-        )
+def check_hosted_config(config: HostedConfigFields, param_prefix: str) -> None:
+    """Rules between fields of an inline configuration or a template. SDK
+    fields Berth does not implement are rejected, not silently ignored."""
+    param_prefix = f"{param_prefix}." if param_prefix else ""
     if config.desktop is not None and config.desktop.enabled:
-        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}.desktop")
+        raise ApiError(400, "validation_error", "Desktop environments are not supported.", param=f"{param_prefix}desktop")
     network = config.network
     if network is None:
         return
     if network.access != "restricted" and (network.allowed_domains or network.blocked_domains):
         raise ApiError(
-            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}.network.access"
+            400, "validation_error", "Domain lists require access 'restricted'.", param=f"{param_prefix}network.access"
         )
     if network.allowed_domains and network.blocked_domains:
         raise ApiError(
             400,
             "validation_error",
             "blocked_domains cannot be combined with allowed_domains.",
-            param=f"{param_prefix}.network.blocked_domains",
+            param=f"{param_prefix}network.blocked_domains",
         )
     for field_name in ("allowed_domains", "blocked_domains"):
         for domain in getattr(network, field_name) or []:
             if not domain or any(c in domain for c in " /\x00") or (field_name == "blocked_domains" and "*" in domain):
                 raise ApiError(
-                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}.network.{field_name}"
+                    400, "validation_error", f"Invalid domain {domain!r}.", param=f"{param_prefix}network.{field_name}"
                 )
 
 
@@ -645,12 +685,6 @@ def check_session_create(body: SessionCreateBody) -> None:
             check_hosted_config(env, "environment")
     if body.agent is not None:
         check_agent_config(body.agent, "agent.")
-    if body.review == "auto_review":
-        raise ApiError(400, "validation_error", "review 'auto_review' is not supported.", param="review")
-    if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
-        raise ApiError(
-            400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
-        )
     if body.agent_id is None and (body.agent is None or body.agent.model is None):
         raise ApiError(400, "validation_error", "agent.model is required without agent_id.", param="agent.model")
     if body.stream_options is not None and not body.stream:
@@ -670,12 +704,6 @@ def check_session_create(body: SessionCreateBody) -> None:
 def check_session_update(body: SessionUpdateBody) -> None:
     if body.agent is not None:
         check_agent_config(body.agent, "agent.")
-    if body.review == "auto_review":
-        raise ApiError(400, "validation_error", "review 'auto_review' is not supported.", param="review")
-    if body.prompt_cache_options is not None and body.prompt_cache_options.ttl is not None:
-        raise ApiError(
-            400, "validation_error", "prompt_cache_options is not supported.", param="prompt_cache_options.ttl"
-        )
 
 
 # --- parsing ----------------------------------------------------------------------------

@@ -60,9 +60,8 @@ async def stream_events(
     session_id: str,
     state: StateDep,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    include_obfuscation: Annotated[bool, Query()] = True,
 ) -> StreamingResponse:
-    # include_obfuscation (the SDK's only query parameter) is accepted and
-    # ignored: no padding is ever added.
     require_id(session_id, "sess")
     after = _last_event_id(last_event_id)
     # A unary check first, so an unknown session is a 404 rather than a
@@ -81,6 +80,7 @@ async def stream_events(
         after_sequence=after,
         keepalive_s=state.settings.sse_keepalive_s,
         closing=state.closing,
+        obfuscation=include_obfuscation,
     )
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 

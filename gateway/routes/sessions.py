@@ -28,7 +28,7 @@ from gateway.idempotency import IdempotencyDep
 from gateway.routes._common import v1_router, PageDep, json_response, read_json, require_id
 from gateway.sse import SSE_HEADERS, CreateStreamBoundary, relay_session_events
 from gateway.state import EnvironmentStubDep, SessionStubDep, StateDep
-from gateway.validation import SessionCreateBody, SessionUpdateBody, check_session_create, validate_body
+from gateway.validation import SessionCreateBody, SessionUpdateBody, check_session_create, metadata_query, validate_body
 
 __all__ = ["router", "render_session", "render_sessions"]
 
@@ -61,7 +61,9 @@ async def render_sessions(
     return [render.session(s, e) for s, e in zip(sessions, environments, strict=True)]
 
 
-def _stream(state: StateDep, session_id: str, after_sequence: int, root_turn_id: str) -> StreamingResponse:
+def _stream(
+    state: StateDep, session_id: str, after_sequence: int, root_turn_id: str, *, obfuscation: bool
+) -> StreamingResponse:
     events = relay_session_events(
         state.session,
         session_id,
@@ -69,6 +71,7 @@ def _stream(state: StateDep, session_id: str, after_sequence: int, root_turn_id:
         keepalive_s=state.settings.sse_keepalive_s,
         closing=state.closing,
         boundary=CreateStreamBoundary(root_turn_id=root_turn_id),
+        obfuscation=obfuscation,
     )
     return StreamingResponse(events, media_type=_EVENT_STREAM, headers=SSE_HEADERS)
 
@@ -81,11 +84,15 @@ async def create_session(
     parsed = validate_body(SessionCreateBody, body.data)
     check_session_create(parsed)
     message = create_session_request(parsed)
+    options = parsed.stream_options
+    obfuscation = options is None or options.include_obfuscation is not False
     async with idempotency.begin(body.hash) as idem:
         replay = idem.replay
         if replay is not None and replay.media_type == _EVENT_STREAM:
             stored = json.loads(replay.body)
-            return _stream(state, stored["session_id"], int(stored["after_sequence"]), stored["turn_id"])
+            return _stream(
+                state, stored["session_id"], int(stored["after_sequence"]), stored["turn_id"], obfuscation=obfuscation
+            )
         if replay is not None:
             return replay.to_response()
         response = await stub.CreateSession(message)
@@ -93,7 +100,7 @@ async def create_session(
             after = max(int(response.created_sequence) - 1, 0)
             marker = {"session_id": response.session.id, "turn_id": response.turn_id, "after_sequence": after}
             await idem.store(200, json.dumps(marker), media_type=_EVENT_STREAM)
-            return _stream(state, response.session.id, after, response.turn_id)
+            return _stream(state, response.session.id, after, response.turn_id, obfuscation=obfuscation)
         content = await render_session(response.session, env_stub)
         await idem.store(200, json.dumps(content))
         return json_response(content)
@@ -101,12 +108,16 @@ async def create_session(
 
 @router.get("/agents/sessions")
 async def list_sessions(
+    request: Request,
     stub: SessionStubDep,
     env_stub: EnvironmentStubDep,
     page: PageDep,
     agent_id: Annotated[str | None, Query()] = None,
 ) -> dict[str, Any]:
-    response = await stub.ListSessions(pb.ListSessionsRequest(page=page.to_proto(), agent_id=agent_id or ""))
+    metadata = metadata_query(request.query_params.multi_items())
+    response = await stub.ListSessions(
+        pb.ListSessionsRequest(page=page.to_proto(), agent_id=agent_id or "", metadata=metadata)
+    )
     return render.cursor_page(await render_sessions(list(response.sessions), env_stub), response.has_more)
 
 

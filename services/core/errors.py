@@ -21,6 +21,7 @@ __all__ = [
     "EnvironmentInUse",
     "InitializationRunning",
     "SessionActive",
+    "SpendLimitReached",
     "EnvironmentFailed",
     "McpServerDead",
     "Conflict",
@@ -99,6 +100,12 @@ class InitializationRunning(FailedPrecondition):
 
 class SessionActive(FailedPrecondition):
     reason = "SESSION_ACTIVE"
+
+
+class SpendLimitReached(FailedPrecondition):
+    """The session's spend reached its ``spend_control.limit``."""
+
+    reason = "SPEND_LIMIT_REACHED"
 
 
 class EnvironmentFailed(FailedPrecondition):

@@ -15,7 +15,7 @@ __all__ = ["Prefix", "new_id", "has_prefix"]
 
 Prefix = Literal[
     "env", "sess", "turn", "item", "art", "file", "agent", "sbx", "org", "key", "evt", "call", "proc", "idem", "vault", "vcred",
-    "subagent", "we", "whdel", "whw", "auto", "ainv",
+    "subagent", "we", "whdel", "whw", "auto", "ainv", "envtpl",
 ]
 
 _ALPHABET: Final = "0123456789abcdefghijklmnopqrstuvwxyz"

@@ -17,9 +17,38 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "ServiceName", "ModelRoute"]
+__all__ = ["Settings", "ServiceName", "ModelRoute", "ModelPrice", "DEFAULT_MODEL_PRICES"]
 
 ServiceName = Literal["gateway", "session", "environment", "sandbox"]
+
+
+class ModelPrice(BaseModel):
+    """USD per million tokens. ``input`` prices uncached input tokens,
+    ``cached_input`` the cached ones; ``output`` includes reasoning tokens."""
+
+    input: float = Field(ge=0)
+    cached_input: float = Field(ge=0)
+    output: float = Field(ge=0)
+
+
+# Public list prices (USD per 1M tokens) of known models; BERTH_MODEL_PRICES
+# adds to and overrides them. A name also prices the models it prefixes.
+DEFAULT_MODEL_PRICES: dict[str, ModelPrice] = {
+    name: ModelPrice(input=i, cached_input=c, output=o)
+    for name, (i, c, o) in {
+        "gpt-4o": (2.50, 1.25, 10.00),
+        "gpt-4o-mini": (0.15, 0.075, 0.60),
+        "gpt-4.1": (2.00, 0.50, 8.00),
+        "gpt-4.1-mini": (0.40, 0.10, 1.60),
+        "gpt-4.1-nano": (0.10, 0.025, 0.40),
+        "gpt-5": (1.25, 0.125, 10.00),
+        "gpt-5-mini": (0.25, 0.025, 2.00),
+        "gpt-5-nano": (0.05, 0.005, 0.40),
+        "o3": (2.00, 0.50, 8.00),
+        "o4-mini": (1.10, 0.275, 4.40),
+        "scripted": (0.0, 0.0, 0.0),
+    }.items()
+}
 
 
 class ModelRoute(BaseModel):
@@ -258,6 +287,14 @@ class Settings(BaseSettings):
     )
     model_timeout_s: float = Field(default=600.0, gt=0, description="Bound on one model request.")
     tool_call_concurrency: int = Field(default=16, ge=1, description="Tool calls of one model response run at most this many at a time.")
+    model_prices: dict[str, ModelPrice] = Field(
+        default_factory=dict,
+        description=(
+            "JSON {model: {input, cached_input, output}} in USD per million tokens, over the built-in table "
+            "(DEFAULT_MODEL_PRICES); prices a session's spend_control budget. A name also prices the models it "
+            "prefixes (the longest wins)."
+        ),
+    )
 
     webhook_secret_key: SecretStr = Field(
         default=SecretStr(""),

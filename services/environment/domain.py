@@ -171,7 +171,7 @@ class EnvironmentDomain:
     async def create_environment(
         self, org_id: str, config: environment_pb2.EnvironmentConfig, vault_ids: Sequence[str], owner_session_id: str
     ) -> tuple[EnvironmentRow, BindingRow | None]:
-        config = await self._validated_config(org_id, config)
+        config = await self.validated_config(org_id, config)
         if len(vault_ids) > _MAX_VAULTS or any(not v for v in vault_ids):
             raise InvalidArgument(f"vault_ids takes up to {_MAX_VAULTS} non-empty IDs", param="vault_ids")
         await self._vaults.check_vaults(org_id, vault_ids)
@@ -221,7 +221,7 @@ class EnvironmentDomain:
         log.info("environment_created", owner_session_id=owner_session_id or None)
         return row, binding
 
-    async def _validated_config(
+    async def validated_config(
         self, org_id: str, config: environment_pb2.EnvironmentConfig
     ) -> environment_pb2.EnvironmentConfig:
         """The service's invariants on a configuration; its shape (enums,

@@ -22,6 +22,7 @@ __all__ = [
     "SetupStepRow",
     "VaultRow",
     "VaultCredentialRow",
+    "TemplateRow",
     "MCP_ORIGIN_ENVIRONMENT",
     "LIFETIME_PRIVATE",
     "LIFETIME_SHARED",
@@ -204,5 +205,21 @@ class VaultCredentialRow(Base):
     # Which key encrypted secret_ciphertext (VaultCipher.key_id).
     key_id: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), default="active")
+    create_time: Mapped[float] = mapped_column(Float)
+    update_time: Mapped[float] = mapped_column(Float)
+
+
+class TemplateRow(Base):
+    """A reusable environment configuration (``environments.templates``)."""
+
+    __tablename__ = "environment_templates"
+    __table_args__ = (Index("ix_environment_templates_org_id_id", "org_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    # None when the template has no display name.
+    name: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The serialized EnvironmentConfig, as for environments.
+    config: Mapped[bytes] = mapped_column(LargeBinary)
     create_time: Mapped[float] = mapped_column(Float)
     update_time: Mapped[float] = mapped_column(Float)

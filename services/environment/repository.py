@@ -28,6 +28,7 @@ from services.environment.models import (
     SetupStepRow,
     StoredBlobRow,
     StoredFileRow,
+    TemplateRow,
 )
 from services.environment.states import EnvironmentStatus
 
@@ -72,6 +73,10 @@ __all__ = [
     "list_mcp_uses",
     "mcp_labels_used_by",
     "remove_mcp_uses",
+    "get_template",
+    "list_templates",
+    "update_template",
+    "delete_template",
 ]
 
 
@@ -603,3 +608,45 @@ async def remove_mcp_uses(session: AsyncSession, environment_id: str, session_id
             McpServerUseRow.environment_id == environment_id, McpServerUseRow.session_id == session_id
         )
     )
+
+
+# Templates ----------------------------------------------------------------------
+
+
+async def get_template(
+    session: AsyncSession, template_id: str, org_id: str, *, for_update: bool = False
+) -> TemplateRow | None:
+    """A template of the organization; ``for_update`` locks its row (PostgreSQL)
+    so a concurrent update cannot lose this one's fields."""
+    stmt = select(TemplateRow).where(TemplateRow.id == template_id, TemplateRow.org_id == org_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    return (await session.execute(stmt)).scalar_one_or_none()
+
+
+async def list_templates(
+    session: AsyncSession, org_id: str, *, after: str, ascending: bool, limit: int
+) -> Sequence[TemplateRow]:
+    stmt = select(TemplateRow).where(TemplateRow.org_id == org_id)
+    if after:
+        stmt = stmt.where(TemplateRow.id > after if ascending else TemplateRow.id < after)
+    stmt = stmt.order_by(TemplateRow.id.asc() if ascending else TemplateRow.id.desc()).limit(limit)
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def update_template(
+    session: AsyncSession, template_id: str, org_id: str, *, config: bytes, name: str | None, update_time: float
+) -> bool:
+    stmt = (
+        update(TemplateRow)
+        .where(TemplateRow.id == template_id, TemplateRow.org_id == org_id)
+        .values(config=config, name=name, update_time=update_time)
+    )
+    result = cast(CursorResult[Any], await session.execute(stmt))
+    return result.rowcount == 1
+
+
+async def delete_template(session: AsyncSession, template_id: str, org_id: str) -> bool:
+    stmt = delete(TemplateRow).where(TemplateRow.id == template_id, TemplateRow.org_id == org_id)
+    result = cast(CursorResult[Any], await session.execute(stmt))
+    return result.rowcount == 1

@@ -34,6 +34,7 @@ from services.environment.status_gauge import EnvironmentStatusGauge
 from services.environment.vault_crypto import VaultCipher
 from services.environment.vault_servicer import VaultServicer
 from services.environment.vaults import VaultStore
+from services.environment.templates import EnvironmentTemplates
 
 __all__ = ["start_environment_service", "ENVIRONMENT_CALLERS", "VAULT_CALLERS"]
 
@@ -47,6 +48,11 @@ ENVIRONMENT_CALLERS = allowed_callers(
     _SERVICE,
     {
         "gateway": (
+            "CreateEnvironmentTemplate",
+            "GetEnvironmentTemplate",
+            "ListEnvironmentTemplates",
+            "UpdateEnvironmentTemplate",
+            "DeleteEnvironmentTemplate",
             "CreateEnvironment",
             "GetEnvironment",
             "ListEnvironments",
@@ -153,7 +159,7 @@ async def start_environment_service(
         vaults = VaultStore(db, VaultCipher.from_settings(settings))
         await vaults.rotate()
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, vaults=vaults, on_change=gauge.touch)
-        servicer = EnvironmentServicer(domain, file_store)
+        servicer = EnvironmentServicer(domain, file_store, EnvironmentTemplates(db, domain.validated_config))
 
         def register(server: grpc.aio.Server) -> list[str]:
             environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)

@@ -24,10 +24,12 @@ from services.environment.models import (
     EnvironmentRow,
     RegisteredFileRow,
     StoredFileRow,
+    TemplateRow,
 )
+from services.environment.templates import EnvironmentTemplates
 from services.environment.states import EnvironmentStatus, environment_status_to_proto
 
-__all__ = ["EnvironmentServicer", "environment_to_proto"]
+__all__ = ["EnvironmentServicer", "environment_to_proto", "template_to_proto"]
 
 _Context: TypeAlias = grpc.aio.ServicerContext
 
@@ -61,6 +63,24 @@ def environment_to_proto(row: EnvironmentRow, *, with_config: bool = True) -> en
         env.error.code = row.error_code
         env.error.message = row.error_message
     return env
+
+
+def template_to_proto(row: TemplateRow) -> environment_pb2.EnvironmentTemplate:
+    template = environment_pb2.EnvironmentTemplate(
+        id=row.id,
+        org_id=row.org_id,
+        create_time=_timestamp(row.create_time),
+        update_time=_timestamp(row.update_time),
+    )
+    if row.name is not None:
+        template.name = row.name
+    template.config.ParseFromString(row.config)
+    for command in template.config.setup_commands:
+        command.command = ""  # confidential: bodies never leave the service
+    for f in template.config.files:
+        if f.WhichOneof("source") == "data":
+            f.data = b""  # size_bytes says what callers may know
+    return template
 
 
 def _binding(row: BindingRow) -> environment_pb2.Binding:
@@ -137,20 +157,63 @@ def _mcp_server(info: McpServerInfo) -> environment_pb2.McpServer:
 
 
 class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceServicer):
-    def __init__(self, domain: EnvironmentDomain, file_store: FileStore) -> None:
+    def __init__(self, domain: EnvironmentDomain, file_store: FileStore, templates: EnvironmentTemplates) -> None:
         self._domain = domain
         self._files = file_store
+        self._templates = templates
 
     async def CreateEnvironment(
         self, request: pb.CreateEnvironmentRequest, context: _Context
     ) -> pb.CreateEnvironmentResponse:
+        org = current_org()
+        config = await self._templates.resolve(org, request.config)
         row, binding = await self._domain.create_environment(
-            current_org(), request.config, list(request.vault_ids), request.owner_session_id
+            org, config, list(request.vault_ids), request.owner_session_id
         )
         response = pb.CreateEnvironmentResponse(environment=environment_to_proto(row))
         if binding is not None:
             response.binding.CopyFrom(_binding(binding))
         return response
+
+    async def CreateEnvironmentTemplate(
+        self, request: pb.CreateEnvironmentTemplateRequest, context: _Context
+    ) -> pb.CreateEnvironmentTemplateResponse:
+        name = request.name if request.HasField("name") else None
+        row = await self._templates.create(current_org(), request.config, name)
+        return pb.CreateEnvironmentTemplateResponse(template=template_to_proto(row))
+
+    async def GetEnvironmentTemplate(
+        self, request: pb.GetEnvironmentTemplateRequest, context: _Context
+    ) -> pb.GetEnvironmentTemplateResponse:
+        row = await self._templates.get(current_org(), request.template_id)
+        return pb.GetEnvironmentTemplateResponse(template=template_to_proto(row))
+
+    async def ListEnvironmentTemplates(
+        self, request: pb.ListEnvironmentTemplatesRequest, context: _Context
+    ) -> pb.ListEnvironmentTemplatesResponse:
+        rows, has_more = await self._templates.list(
+            current_org(), page_size=request.page_size, after=request.after, order=request.order
+        )
+        return pb.ListEnvironmentTemplatesResponse(templates=[template_to_proto(r) for r in rows], has_more=has_more)
+
+    async def UpdateEnvironmentTemplate(
+        self, request: pb.UpdateEnvironmentTemplateRequest, context: _Context
+    ) -> pb.UpdateEnvironmentTemplateResponse:
+        row = await self._templates.update(
+            current_org(),
+            request.template_id,
+            request.config,
+            list(request.update_fields),
+            update_name=request.update_name,
+            name=request.name if request.HasField("name") else None,
+        )
+        return pb.UpdateEnvironmentTemplateResponse(template=template_to_proto(row))
+
+    async def DeleteEnvironmentTemplate(
+        self, request: pb.DeleteEnvironmentTemplateRequest, context: _Context
+    ) -> pb.DeleteEnvironmentTemplateResponse:
+        await self._templates.delete(current_org(), request.template_id)
+        return pb.DeleteEnvironmentTemplateResponse(template_id=request.template_id)
 
     async def GetEnvironment(self, request: pb.GetEnvironmentRequest, context: _Context) -> pb.GetEnvironmentResponse:
         row = await self._domain.get_environment(current_org(), request.environment_id)

@@ -37,7 +37,7 @@ class SessionDomain:
     ) -> None:
         self.agents = SavedAgents(store)
         self.sessions = Sessions(store, env_client, runner, blobs, mcp)
-        self.input = SessionInput(store, runner)
+        self.input = SessionInput(store, runner, runner.prices)
         self.history = SessionHistory(store, blobs)
         self.events = EventStream(store, poll_s=poll_s)
         self.subagents = Subagents(store, self.sessions, self.input)

@@ -26,6 +26,7 @@ __all__ = [
     "WebhookAttemptRow",
     "AutomationRow",
     "InvocationRow",
+    "SessionMetadataRow",
 ]
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
@@ -67,6 +68,10 @@ class SessionRow(Base):
     metadata_json: Mapped[str] = mapped_column(Text)
     vault_ids_json: Mapped[str] = mapped_column(Text)
     usage_json: Mapped[str] = mapped_column(Text)
+    # Review, prompt cache TTL and spend budget as set on create or update
+    # (services/session/session_controls.py);
+    # empty when none is set.
+    controls_json: Mapped[str] = mapped_column(Text, default="", server_default="")
     created_at: Mapped[float] = mapped_column(Float)
     last_active_at: Mapped[float] = mapped_column(Float)
     # Last allocated event sequence number: the per-session counter row.
@@ -312,3 +317,16 @@ class InvocationRow(Base):
     lease_until: Mapped[float] = mapped_column(Float)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class SessionMetadataRow(Base):
+    """One metadata pair of a session, kept beside ``metadata_json`` so that
+    ``sessions.list(metadata=...)`` filters in SQL on any database."""
+
+    __tablename__ = "session_metadata"
+    __table_args__ = (Index("ix_session_metadata_org_key_value", "org_id", "key", "value"),)
+
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    value: Mapped[str] = mapped_column(String(512))

@@ -21,6 +21,7 @@ from services.session.models import (
     FunctionCallRow,
     ItemRow,
     PublishedOutputRow,
+    SessionMetadataRow,
     SessionRow,
     SubagentRow,
     TurnRow,
@@ -32,6 +33,8 @@ from services.session.states import SessionStatus, TurnStatus
 __all__ = [
     "Page",
     "paginate",
+    "replace_session_metadata",
+    "metadata_filter",
     "get_agent",
     "get_session",
     "get_turn",
@@ -284,13 +287,33 @@ async def has_queued_turn(s: AsyncSession, session_id: str) -> bool:
     return found.first() is not None
 
 
+async def replace_session_metadata(s: AsyncSession, org_id: str, session_id: str, metadata: dict[str, str]) -> None:
+    """The session's filterable metadata pairs become ``metadata``."""
+    await s.execute(delete(SessionMetadataRow).where(SessionMetadataRow.session_id == session_id))
+    s.add_all(
+        SessionMetadataRow(session_id=session_id, key=k, org_id=org_id, value=v) for k, v in sorted(metadata.items())
+    )
+
+
+def metadata_filter(org_id: str, metadata: dict[str, str]) -> list[Any]:
+    """Conditions on SessionRow: every pair of ``metadata`` matches exactly."""
+    return [
+        SessionRow.id.in_(
+            select(SessionMetadataRow.session_id).where(
+                SessionMetadataRow.org_id == org_id, SessionMetadataRow.key == k, SessionMetadataRow.value == v
+            )
+        )
+        for k, v in sorted(metadata.items())
+    ]
+
+
 async def delete_session_rows(s: AsyncSession, session_id: str) -> list[str]:
     """Deletes everything a session owns; returns the artifact blob hashes it referenced."""
     shas = [
         str(sha)
         for sha in (await s.execute(select(ArtifactRow.sha256).where(ArtifactRow.session_id == session_id).distinct())).scalars()
     ]
-    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow):
+    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow, SessionMetadataRow):
         await s.execute(delete(model).where(model.session_id == session_id))
     await s.execute(delete(SubagentRow).where(SubagentRow.child_session_id == session_id))
     await s.execute(delete(SessionRow).where(SessionRow.id == session_id))

@@ -71,6 +71,7 @@ from services.session.harness.tools import INTERRUPTED, resume_command
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
+from services.session.session_controls import PriceTable, SessionControls, SpendBudget
 from services.session.store import Store, Unit, turn_key
 from services.session.turn_io import DbTurnIO
 from services.session.webhooks import announce_artifacts
@@ -119,6 +120,8 @@ class ClaimedTurn:
     usage_json: str = ""
     # The output index the turn's next output item takes (non-zero when resumed).
     next_output_index: int = 0
+    # The session's review mode and spend budget when the turn started.
+    controls_json: str = ""
     # Commands a worker that died left running, to reattach before the loop
     # goes on: (item handle, item, its call, the output already sent).
     reattach: list[tuple[ItemHandle, dict[str, Any], ToolCall, str]] = field(default_factory=list)
@@ -167,11 +170,13 @@ class TurnRunner:
         sweep_s: float | None = None,
         dependency_retry_s: float = 0.0,
         automations: Automations | None = None,
+        prices: PriceTable | None = None,
     ) -> None:
         self.automations = automations
         self.store = store
         self.env_client = env_client
         self.providers = providers
+        self.prices = prices or PriceTable()
         self.blobs = blobs
         self.mcp = mcp
         self.environments = EnvironmentCache(env_client)
@@ -381,6 +386,7 @@ class TurnRunner:
             transcript,
             row.usage_json,
             vault_ids=json.loads(row.vault_ids_json),
+            controls_json=row.controls_json,
         )
 
     # ----- running ----------------------------------------------------------------
@@ -425,6 +431,10 @@ class TurnRunner:
                 else None
             ),
             automations=self.automations,
+            budget=SpendBudget.for_turn(
+                claimed.controls_json, claimed.usage_json, claimed.agent_config_json, self.prices
+            ),
+            prompt_cache_retention=SessionControls.from_json(claimed.controls_json).prompt_cache_retention,
         )
         task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
@@ -926,6 +936,7 @@ class TurnRunner:
             waiting=turn.status == TurnStatus.WAITING,
             turn_usage=wire.parse_usage(turn.usage_json),
             vault_ids=json.loads(session.vault_ids_json),
+            controls_json=session.controls_json,
         )
 
 

@@ -23,6 +23,7 @@ from services.core.interceptors import allowed_callers
 from services.core.notify import open_notifier
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
+from services.session.session_controls import PriceTable
 from services.session.artifacts import BlobStore
 from services.session.automation_scheduler import AutomationNotice, AutomationScheduler, SessionDelivery
 from services.session.automation_servicer import AutomationServicer
@@ -91,6 +92,7 @@ async def start_session_service(
     blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
     mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
     automations = Automations(store, env_client, clock=clock)
+    prices = PriceTable(settings.model_prices)
     runner = TurnRunner(
         store,
         env_client,
@@ -100,6 +102,7 @@ async def start_session_service(
         lease_s=settings.turn_lease_s,
         dependency_retry_s=settings.dependency_retry_s,
         automations=automations,
+        prices=prices,
     )
     domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
     scheduler = AutomationScheduler(

@@ -104,7 +104,9 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
         return session_service_pb2.GetSessionResponse(session=_session(await self.domain.sessions.get_session(current_org(), request.session_id)))
 
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        sessions, more = await self.domain.sessions.list_sessions(current_org(), _page(request.page), request.agent_id)
+        sessions, more = await self.domain.sessions.list_sessions(
+            current_org(), _page(request.page), request.agent_id, dict(request.metadata)
+        )
         return session_service_pb2.ListSessionsResponse(sessions=[_session(s) for s in sessions], has_more=more)
 
     async def UpdateSession(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

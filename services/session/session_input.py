@@ -16,6 +16,7 @@ from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, 
 from services.core.ids import new_id
 from services.core.structs import from_value
 from services.core.wire_json import to_wire
+from services.session.session_controls import PriceTable, refuse_input_past_limit
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.models import FunctionCallRow, SessionRow, TurnRow
@@ -103,9 +104,10 @@ async def enqueue_turn(u: Unit, row: SessionRow, messages: list[list[dict[str, A
 
 
 class SessionInput:
-    def __init__(self, store: Store, runner: TurnRunner) -> None:
+    def __init__(self, store: Store, runner: TurnRunner, prices: PriceTable | None = None) -> None:
         self.store = store
         self.runner = runner
+        self.prices = prices or PriceTable()
 
     async def submit_events(
         self, org: str, session_id: str, events: Sequence[session_service_pb2.InputEvent]
@@ -131,6 +133,7 @@ class SessionInput:
                     messages = [_user_parts(m, f"{p}.input[{j}].content") for j, m in enumerate(event.message.input)]
                     if not messages:
                         raise InvalidArgument(f"{p}.input must not be empty", param=f"{p}.input")
+                    refuse_input_past_limit(row, self.prices)
                     turn_ids.append(await enqueue_turn(u, row, messages))
                     kick = True
                 elif kind == "cancel":

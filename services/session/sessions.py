@@ -22,6 +22,7 @@ from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.agents import AgentConfig, apply_config, new_config
+from services.session.session_controls import SessionControls
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
@@ -102,6 +103,8 @@ class Sessions:
         else:
             agent_id = new_id("agent")
             config = new_config(request.agent, prefix="agent", persisted=False)
+        controls = SessionControls.from_proto(request.controls)
+        controls.check_priced(self.runner.prices, str(config.get("model") or ""))
         return await self.create_with_config(
             org,
             agent_id=agent_id,
@@ -111,6 +114,7 @@ class Sessions:
             messages=input_messages(request.input),
             metadata=dict(request.metadata),
             vault_ids=list(request.vault_ids),
+            controls=controls,
         )
 
     async def create_with_config(
@@ -124,6 +128,7 @@ class Sessions:
         messages: list[list[dict[str, Any]]],
         metadata: dict[str, str],
         vault_ids: list[str],
+        controls: SessionControls | None = None,
         session_id: str = "",
         subagent_id: str | None = None,
         also: Callable[[Unit], Awaitable[None]] | None = None,
@@ -151,6 +156,7 @@ class Sessions:
             metadata_json=json.dumps(metadata),
             vault_ids_json=json.dumps(vault_ids),
             usage_json="",
+            controls_json=(controls or SessionControls()).to_json(),
             created_at=now,
             last_active_at=now,
             event_seq=0,
@@ -160,6 +166,7 @@ class Sessions:
 
         async def insert(u: Unit) -> tuple[views.SessionView, int, str]:
             u.session.add(row)
+            await repo.replace_session_metadata(u.session, org, session_id, metadata)
             await u.session.flush()
             # An environment whose setup already failed shows on the new session at once.
             view = await views.session_view(u.session, row, env)
@@ -192,11 +199,14 @@ class Sessions:
         environment = await self._environment(row)
         return await self.store.query(lambda s: views.session_view(s, row, environment))
 
-    async def list_sessions(self, org: str, page: Page, agent_id: str = "") -> tuple[list[views.SessionView], bool]:
+    async def list_sessions(
+        self, org: str, page: Page, agent_id: str = "", metadata: dict[str, str] | None = None
+    ) -> tuple[list[views.SessionView], bool]:
         # A subagent's child session is listed as a subagent, not as a session.
         scope = [SessionRow.org_id == org, SessionRow.status != SessionStatus.DELETING, SessionRow.subagent_id.is_(None)]
         if agent_id:
             scope.append(SessionRow.agent_id == agent_id)
+        scope.extend(repo.metadata_filter(org, metadata or {}))
         rows, more = await self.store.query(lambda s: repo.paginate(s, SessionRow, scope, page))
         environments = await asyncio.gather(*(self._environment(r) for r in rows))
 
@@ -215,10 +225,15 @@ class Sessions:
             row = await repo.get_session(u.session, org, session_id)
             if "metadata" in paths:
                 row.metadata_json = json.dumps(dict(request.metadata))
+                await repo.replace_session_metadata(u.session, org, session_id, dict(request.metadata))
             if agent_paths:
                 snap = views.snapshot(row)
                 snap["config"] = apply_config(snap["config"], request.agent, agent_paths, prefix="agent", persisted=False)
                 row.agent_config_json = json.dumps(snap)
+            if paths & {"review", "spend_control", "prompt_cache_options"} or agent_paths:
+                controls = SessionControls.from_json(row.controls_json).updated(request.controls, paths)
+                controls.check_priced(self.runner.prices, str(views.snapshot(row)["config"].get("model") or ""))
+                row.controls_json = controls.to_json()
 
         await self.store.transact(update_row)
         return await self.get_session(org, session_id)

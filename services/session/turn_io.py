@@ -20,6 +20,7 @@ from services.session.harness.io import FunctionResult, ItemHandle, McpClient, T
 from services.session.harness.models.base import Entry, Usage
 from services.session.harness.subagents import SubagentPort
 from services.session.mcp_connections import McpConnections
+from services.session.session_controls import SpendBudget
 from services.session.store import Store, Unit
 from services.session.turn_environment import TurnEnvironment, sandbox_failure
 from services.session.turn_mcp import TurnMcp
@@ -50,10 +51,14 @@ class DbTurnIO:
         usage: dict[str, Any] | None = None,
         subagents: SubagentPort | None = None,
         automations: Automations | None = None,
+        budget: SpendBudget | None = None,
+        prompt_cache_retention: str | None = None,
     ) -> None:
         self.org_id = org_id
         self._automations = automations
         self.session_id = session_id
+        self.prompt_cache_retention = prompt_cache_retention
+        self._budget = budget
         self.turn_id = turn_id
         self.environment_id = environment_id
         self.writer = TurnWriter(
@@ -125,6 +130,9 @@ class DbTurnIO:
         return self._subagents
 
     async def agent_config(self) -> AgentConfig:
+        # Read before every model call: a session past its budget makes no more.
+        if self._budget is not None:
+            self._budget.check(self.writer.usage)
         return await self.writer.agent_config()
 
     async def transcript(self) -> list[Entry]:
@@ -149,6 +157,9 @@ class DbTurnIO:
 
     def record_usage(self, usage: Usage) -> None:
         self.writer.record_usage(usage)
+        # The call that reaches the budget ends the turn before its tool calls run.
+        if self._budget is not None:
+            self._budget.check(self.writer.usage)
 
     async def schedule_automation(self, schedule: AgentSchedule, tool_call_id: str) -> str:
         if self._automations is None:

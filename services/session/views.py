@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
 from services.core.wire_json import to_message
+from services.session.session_controls import SessionControls
 from services.session import repository as repo
 from services.session import wire
 from services.session.agents import AgentConfig, config_message
@@ -73,6 +74,8 @@ class SessionView:
             to_message(action, message.required_actions.add())
         if row.usage_json:
             to_message(json.loads(row.usage_json), message.usage)
+        if row.controls_json:
+            message.controls.CopyFrom(SessionControls.from_json(row.controls_json).to_proto())
         snap = snapshot(row)
         message.agent.id = snap["id"]
         if snap.get("name") is not None:

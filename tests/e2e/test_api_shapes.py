@@ -16,7 +16,18 @@ from turns_support import idle_after_turn, open_events
 from waiting import wait_until
 
 from gateway.openapi import OPENAPI_PATH, OPERATIONS
-from gateway.routes import agents, automations, environments, files, session_resources, sessions, subagents, vaults, webhooks
+from gateway.routes import (
+    agents,
+    automations,
+    environment_templates,
+    environments,
+    files,
+    session_resources,
+    sessions,
+    subagents,
+    vaults,
+    webhooks,
+)
 
 # Route -> the SDK model of its JSON body; None: no JSON body (202, bytes,
 # SSE). The OpenAPI document's table is the one home of that claim; this
@@ -38,6 +49,9 @@ ADDITIONS: dict[str, frozenset[str]] = {
     "EnvironmentResourceOpenAIHostedNetwork": frozenset({"blocked_domains"}),
     "WebhookEndpoint": frozenset({"status", "disabled_reason", "consecutive_failures"}),
     "WebhookEndpointWithSecret": frozenset({"status", "disabled_reason", "consecutive_failures"}),
+    # EnvironmentTemplate.network
+    "Network": frozenset({"blocked_domains"}),
+    "AgentSession": frozenset({"spend_control"}),
 }
 
 # The OpenAI list envelope, which the SDK's page classes do not declare.
@@ -48,7 +62,18 @@ EVENT_ADAPTER: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(AgentSessionEven
 
 def _public_routes() -> set[tuple[str, str]]:
     routes: set[tuple[str, str]] = set()
-    for module in (agents, automations, environments, files, sessions, session_resources, subagents, vaults, webhooks):
+    for module in (
+        agents,
+        automations,
+        environment_templates,
+        environments,
+        files,
+        sessions,
+        session_resources,
+        subagents,
+        vaults,
+        webhooks,
+    ):
         for route in module.router.routes:
             for method in getattr(route, "methods", ()):
                 routes.add((method, str(getattr(route, "path"))))
@@ -187,10 +212,28 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
         )
         await api.call("GET", "/v1/agents/environments/{environment_id}/files", environment_id=env["id"])
 
+        template = await api.call(
+            "POST",
+            "/v1/agents/environments/templates",
+            json={"name": "shapes", "files": [{"type": "file_id", "file_id": uploaded["id"], "path": "/workspace/notes.txt"}]},
+        )
+        template_id = {"environment_template_id": template["id"]}
+        await api.call("GET", "/v1/agents/environments/templates")
+        await api.call("GET", "/v1/agents/environments/templates/{environment_template_id}", **template_id)
+        await api.call(
+            "POST", "/v1/agents/environments/templates/{environment_template_id}", **template_id, json={"name": None}
+        )
+        await api.call("DELETE", "/v1/agents/environments/templates/{environment_template_id}", **template_id)
+
         session = await api.call(
             "POST",
             "/v1/agents/sessions",
-            json={"agent_id": agent["id"], "environment": {"type": "reference", "environment_id": env["id"]}},
+            json={
+                "agent_id": agent["id"],
+                "environment": {"type": "reference", "environment_id": env["id"]},
+                "spend_control": {"limit": 100},
+                "review": "none",
+            },
         )
         session_id = session["id"]
         await api.call("GET", "/v1/agents/sessions")

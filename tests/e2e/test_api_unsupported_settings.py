@@ -81,7 +81,7 @@ async def test_an_unsupported_tool_is_refused_at_session_update(stack: Stack, wh
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"review": "auto_review"}, "review"), ({"prompt_cache_options": {"ttl": "12h"}}, "prompt_cache_options.ttl")],
+    [({"review": "auto_review"}, "review")],
 )
 async def test_unsupported_session_options_are_refused_at_creation_and_update(stack: Stack, body: dict[str, Any], param: str) -> None:
     client = strict_client(stack)

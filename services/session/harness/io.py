@@ -71,6 +71,8 @@ class TurnIO(Protocol):
     session_id: str
     turn_id: str
     environment_id: str | None
+    # The session's prompt cache retention for model calls; None: the model's default.
+    prompt_cache_retention: str | None
 
     @property
     def env(self) -> EnvironmentPort | None:

@@ -150,6 +150,8 @@ async def run_turn(
             reasoning_summary=reasoning.get("summary"),
             service_tier=_unless(config.get("service_tier"), "auto"),
             verbosity=_unless((config.get("text") or {}).get("verbosity"), "medium"),
+            prompt_cache_retention=io.prompt_cache_retention,
+            prompt_cache_key=io.session_id if io.prompt_cache_retention else None,
         )
         try:
             response: ModelResponse = await stream_model_call(io, provider_for(config["model"]), request)

@@ -37,6 +37,7 @@ class _Env:
 
 class _IO:
     session_id = "sess_1"
+    prompt_cache_retention: str | None = None
     turn_id = "turn_1"
     environment_id = "env_1"
 

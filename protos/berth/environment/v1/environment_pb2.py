@@ -26,7 +26,7 @@ from berth.common.v1 import common_pb2 as berth_dot_common_dot_v1_dot_common__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&berth/environment/v1/environment.proto\x12\x14\x62\x65rth.environment.v1\x1a\x1c\x62\x65rth/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x0bInitialFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07\x66ile_id\x18\x03 \x01(\tH\x00\x12\n\n\x02id\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x42\x08\n\x06source\"7\n\x08Packages\x12\x0e\n\x06python\x18\x01 \x03(\t\x12\x0b\n\x03npm\x18\x02 \x03(\t\x12\x0e\n\x06system\x18\x03 \x03(\t\",\n\x0cSetupCommand\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\t\x12\x0b\n\x03\x63wd\x18\x02 \x01(\t\"\xb2\x03\n\x11\x45nvironmentConfig\x12\x30\n\x05\x66iles\x18\x01 \x03(\x0b\x32!.berth.environment.v1.InitialFile\x12=\n\x03\x65nv\x18\x02 \x03(\x0b\x32\x30.berth.environment.v1.EnvironmentConfig.EnvEntry\x12\x30\n\x08packages\x18\x03 \x01(\x0b\x32\x1e.berth.environment.v1.Packages\x12:\n\x0esetup_commands\x18\x04 \x03(\x0b\x32\".berth.environment.v1.SetupCommand\x12/\n\x07network\x18\x05 \x01(\x0b\x32\x1e.berth.common.v1.NetworkPolicy\x12\x13\n\x0bskills_json\x18\x06 \x01(\t\x12\x14\n\x0cplugins_json\x18\x07 \x01(\t\x12\x1e\n\x16\x63\x61pability_directories\x18\x08 \x03(\t\x12\x16\n\x0e\x63ontainer_size\x18\t \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"1\n\x10\x45nvironmentError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe9\x03\n\x0b\x45nvironment\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x37\n\x06status\x18\x03 \x01(\x0e\x32\'.berth.environment.v1.EnvironmentStatus\x12\x30\n\x08lifetime\x18\x04 \x01(\x0e\x32\x1e.berth.environment.v1.Lifetime\x12\x12\n\nsandbox_id\x18\x05 \x01(\t\x12\x37\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\'.berth.environment.v1.EnvironmentConfig\x12\x11\n\tvault_ids\x18\x07 \x03(\t\x12\x18\n\x10owner_session_id\x18\x08 \x01(\t\x12\x15\n\rsession_count\x18\t \x01(\x05\x12\x35\n\x05\x65rror\x18\n \x01(\x0b\x32&.berth.environment.v1.EnvironmentError\x12/\n\x0b\x63reate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cinit_version\x18\r \x01(\x03\x12\x13\n\x0b\x65ver_shared\x18\x0e \x01(\x08\"\xab\x01\n\x07\x42inding\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12/\n\x04role\x18\x03 \x01(\x0e\x32!.berth.environment.v1.BindingRole\x12\x12\n\noutput_dir\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"w\n\x0eRegisteredFile\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x0f\n\x07\x66ile_id\x18\x05 \x01(\t\x12\n\n\x02id\x18\x06 \x01(\t\"\xc1\x01\n\nStoredFile\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0f\n\x07purpose\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa4\x02\n\tMcpServer\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\x12>\n\x0etransport_type\x18\x04 \x01(\x0e\x32&.berth.environment.v1.McpTransportType\x12\x18\n\x10owner_session_id\x18\x05 \x01(\t\x12\x33\n\x05state\x18\x06 \x01(\x0e\x32$.berth.environment.v1.McpServerState\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bsession_ids\x18\x08 \x03(\t\x12\x0b\n\x03pid\x18\t \x01(\x03\"\xdd\x01\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12)\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x1b.berth.common.v1.ExitStatus\x12\x11\n\tkeepalive\x18\x06 \x01(\x08\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08next_seq\x18\x08 \x01(\x03\x12\x12\n\nstdin_open\x18\t \x01(\x08*\xb9\x01\n\x11\x45nvironmentStatus\x12\"\n\x1e\x45NVIRONMENT_STATUS_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45NVIRONMENT_STATUS_PENDING\x10\x01\x12#\n\x1f\x45NVIRONMENT_STATUS_INITIALIZING\x10\x02\x12\x1c\n\x18\x45NVIRONMENT_STATUS_READY\x10\x03\x12\x1d\n\x19\x45NVIRONMENT_STATUS_FAILED\x10\x04*O\n\x08Lifetime\x12\x18\n\x14LIFETIME_UNSPECIFIED\x10\x00\x12\x14\n\x10LIFETIME_PRIVATE\x10\x01\x12\x13\n\x0fLIFETIME_SHARED\x10\x02*_\n\x0b\x42indingRole\x12\x1c\n\x18\x42INDING_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42INDING_ROLE_OWNER\x10\x01\x12\x1a\n\x16\x42INDING_ROLE_REFERENCE\x10\x02*k\n\x0eMcpServerState\x12 \n\x1cMCP_SERVER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_SERVER_STATE_RUNNING\x10\x01\x12\x19\n\x15MCP_SERVER_STATE_DEAD\x10\x02*q\n\x10McpTransportType\x12\"\n\x1eMCP_TRANSPORT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_TRANSPORT_TYPE_STDIO\x10\x01\x12\x1b\n\x17MCP_TRANSPORT_TYPE_HTTP\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&berth/environment/v1/environment.proto\x12\x14\x62\x65rth.environment.v1\x1a\x1c\x62\x65rth/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x0bInitialFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x11\n\x07\x66ile_id\x18\x03 \x01(\tH\x00\x12\n\n\x02id\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x03\x42\x08\n\x06source\"7\n\x08Packages\x12\x0e\n\x06python\x18\x01 \x03(\t\x12\x0b\n\x03npm\x18\x02 \x03(\t\x12\x0e\n\x06system\x18\x03 \x03(\t\",\n\x0cSetupCommand\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\t\x12\x0b\n\x03\x63wd\x18\x02 \x01(\t\"\xef\x03\n\x11\x45nvironmentConfig\x12\x30\n\x05\x66iles\x18\x01 \x03(\x0b\x32!.berth.environment.v1.InitialFile\x12=\n\x03\x65nv\x18\x02 \x03(\x0b\x32\x30.berth.environment.v1.EnvironmentConfig.EnvEntry\x12\x30\n\x08packages\x18\x03 \x01(\x0b\x32\x1e.berth.environment.v1.Packages\x12:\n\x0esetup_commands\x18\x04 \x03(\x0b\x32\".berth.environment.v1.SetupCommand\x12/\n\x07network\x18\x05 \x01(\x0b\x32\x1e.berth.common.v1.NetworkPolicy\x12\x13\n\x0bskills_json\x18\x06 \x01(\t\x12\x14\n\x0cplugins_json\x18\x07 \x01(\t\x12\x1e\n\x16\x63\x61pability_directories\x18\x08 \x03(\t\x12\x16\n\x0e\x63ontainer_size\x18\t \x01(\t\x12\x1f\n\x17\x65nvironment_template_id\x18n \x01(\t\x12\x1a\n\x12template_overrides\x18o \x03(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe8\x01\n\x13\x45nvironmentTemplate\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x37\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\'.berth.environment.v1.EnvironmentConfig\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x07\n\x05_name\"1\n\x10\x45nvironmentError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe9\x03\n\x0b\x45nvironment\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x37\n\x06status\x18\x03 \x01(\x0e\x32\'.berth.environment.v1.EnvironmentStatus\x12\x30\n\x08lifetime\x18\x04 \x01(\x0e\x32\x1e.berth.environment.v1.Lifetime\x12\x12\n\nsandbox_id\x18\x05 \x01(\t\x12\x37\n\x06\x63onfig\x18\x06 \x01(\x0b\x32\'.berth.environment.v1.EnvironmentConfig\x12\x11\n\tvault_ids\x18\x07 \x03(\t\x12\x18\n\x10owner_session_id\x18\x08 \x01(\t\x12\x15\n\rsession_count\x18\t \x01(\x05\x12\x35\n\x05\x65rror\x18\n \x01(\x0b\x32&.berth.environment.v1.EnvironmentError\x12/\n\x0b\x63reate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cinit_version\x18\r \x01(\x03\x12\x13\n\x0b\x65ver_shared\x18\x0e \x01(\x08\"\xab\x01\n\x07\x42inding\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12/\n\x04role\x18\x03 \x01(\x0e\x32!.berth.environment.v1.BindingRole\x12\x12\n\noutput_dir\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"w\n\x0eRegisteredFile\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x0f\n\x07\x66ile_id\x18\x05 \x01(\t\x12\n\n\x02id\x18\x06 \x01(\t\"\xc1\x01\n\nStoredFile\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x66ilename\x18\x02 \x01(\t\x12\x0f\n\x07purpose\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa4\x02\n\tMcpServer\x12\x16\n\x0e\x65nvironment_id\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0e\n\x06origin\x18\x03 \x01(\t\x12>\n\x0etransport_type\x18\x04 \x01(\x0e\x32&.berth.environment.v1.McpTransportType\x12\x18\n\x10owner_session_id\x18\x05 \x01(\t\x12\x33\n\x05state\x18\x06 \x01(\x0e\x32$.berth.environment.v1.McpServerState\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bsession_ids\x18\x08 \x03(\t\x12\x0b\n\x03pid\x18\t \x01(\x03\"\xdd\x01\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12)\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x1b.berth.common.v1.ExitStatus\x12\x11\n\tkeepalive\x18\x06 \x01(\x08\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08next_seq\x18\x08 \x01(\x03\x12\x12\n\nstdin_open\x18\t \x01(\x08*\xb9\x01\n\x11\x45nvironmentStatus\x12\"\n\x1e\x45NVIRONMENT_STATUS_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45NVIRONMENT_STATUS_PENDING\x10\x01\x12#\n\x1f\x45NVIRONMENT_STATUS_INITIALIZING\x10\x02\x12\x1c\n\x18\x45NVIRONMENT_STATUS_READY\x10\x03\x12\x1d\n\x19\x45NVIRONMENT_STATUS_FAILED\x10\x04*O\n\x08Lifetime\x12\x18\n\x14LIFETIME_UNSPECIFIED\x10\x00\x12\x14\n\x10LIFETIME_PRIVATE\x10\x01\x12\x13\n\x0fLIFETIME_SHARED\x10\x02*_\n\x0b\x42indingRole\x12\x1c\n\x18\x42INDING_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42INDING_ROLE_OWNER\x10\x01\x12\x1a\n\x16\x42INDING_ROLE_REFERENCE\x10\x02*k\n\x0eMcpServerState\x12 \n\x1cMCP_SERVER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_SERVER_STATE_RUNNING\x10\x01\x12\x19\n\x15MCP_SERVER_STATE_DEAD\x10\x02*q\n\x10McpTransportType\x12\"\n\x1eMCP_TRANSPORT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_TRANSPORT_TYPE_STDIO\x10\x01\x12\x1b\n\x17MCP_TRANSPORT_TYPE_HTTP\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,16 +35,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENVIRONMENTCONFIG_ENVENTRY']._loaded_options = None
   _globals['_ENVIRONMENTCONFIG_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_ENVIRONMENTSTATUS']._serialized_start=2327
-  _globals['_ENVIRONMENTSTATUS']._serialized_end=2512
-  _globals['_LIFETIME']._serialized_start=2514
-  _globals['_LIFETIME']._serialized_end=2593
-  _globals['_BINDINGROLE']._serialized_start=2595
-  _globals['_BINDINGROLE']._serialized_end=2690
-  _globals['_MCPSERVERSTATE']._serialized_start=2692
-  _globals['_MCPSERVERSTATE']._serialized_end=2799
-  _globals['_MCPTRANSPORTTYPE']._serialized_start=2801
-  _globals['_MCPTRANSPORTTYPE']._serialized_end=2914
+  _globals['_ENVIRONMENTSTATUS']._serialized_start=2623
+  _globals['_ENVIRONMENTSTATUS']._serialized_end=2808
+  _globals['_LIFETIME']._serialized_start=2810
+  _globals['_LIFETIME']._serialized_end=2889
+  _globals['_BINDINGROLE']._serialized_start=2891
+  _globals['_BINDINGROLE']._serialized_end=2986
+  _globals['_MCPSERVERSTATE']._serialized_start=2988
+  _globals['_MCPSERVERSTATE']._serialized_end=3095
+  _globals['_MCPTRANSPORTTYPE']._serialized_start=3097
+  _globals['_MCPTRANSPORTTYPE']._serialized_end=3210
   _globals['_INITIALFILE']._serialized_start=127
   _globals['_INITIALFILE']._serialized_end=231
   _globals['_PACKAGES']._serialized_start=233
@@ -52,21 +52,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETUPCOMMAND']._serialized_start=290
   _globals['_SETUPCOMMAND']._serialized_end=334
   _globals['_ENVIRONMENTCONFIG']._serialized_start=337
-  _globals['_ENVIRONMENTCONFIG']._serialized_end=771
-  _globals['_ENVIRONMENTCONFIG_ENVENTRY']._serialized_start=729
-  _globals['_ENVIRONMENTCONFIG_ENVENTRY']._serialized_end=771
-  _globals['_ENVIRONMENTERROR']._serialized_start=773
-  _globals['_ENVIRONMENTERROR']._serialized_end=822
-  _globals['_ENVIRONMENT']._serialized_start=825
-  _globals['_ENVIRONMENT']._serialized_end=1314
-  _globals['_BINDING']._serialized_start=1317
-  _globals['_BINDING']._serialized_end=1488
-  _globals['_REGISTEREDFILE']._serialized_start=1490
-  _globals['_REGISTEREDFILE']._serialized_end=1609
-  _globals['_STOREDFILE']._serialized_start=1612
-  _globals['_STOREDFILE']._serialized_end=1805
-  _globals['_MCPSERVER']._serialized_start=1808
-  _globals['_MCPSERVER']._serialized_end=2100
-  _globals['_PROCESS']._serialized_start=2103
-  _globals['_PROCESS']._serialized_end=2324
+  _globals['_ENVIRONMENTCONFIG']._serialized_end=832
+  _globals['_ENVIRONMENTCONFIG_ENVENTRY']._serialized_start=790
+  _globals['_ENVIRONMENTCONFIG_ENVENTRY']._serialized_end=832
+  _globals['_ENVIRONMENTTEMPLATE']._serialized_start=835
+  _globals['_ENVIRONMENTTEMPLATE']._serialized_end=1067
+  _globals['_ENVIRONMENTERROR']._serialized_start=1069
+  _globals['_ENVIRONMENTERROR']._serialized_end=1118
+  _globals['_ENVIRONMENT']._serialized_start=1121
+  _globals['_ENVIRONMENT']._serialized_end=1610
+  _globals['_BINDING']._serialized_start=1613
+  _globals['_BINDING']._serialized_end=1784
+  _globals['_REGISTEREDFILE']._serialized_start=1786
+  _globals['_REGISTEREDFILE']._serialized_end=1905
+  _globals['_STOREDFILE']._serialized_start=1908
+  _globals['_STOREDFILE']._serialized_end=2101
+  _globals['_MCPSERVER']._serialized_start=2104
+  _globals['_MCPSERVER']._serialized_end=2396
+  _globals['_PROCESS']._serialized_start=2399
+  _globals['_PROCESS']._serialized_end=2620
 # @@protoc_insertion_point(module_scope)

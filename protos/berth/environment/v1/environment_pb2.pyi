@@ -298,12 +298,19 @@ class EnvironmentConfig(_message.Message):
     PLUGINS_JSON_FIELD_NUMBER: _builtins.int
     CAPABILITY_DIRECTORIES_FIELD_NUMBER: _builtins.int
     CONTAINER_SIZE_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_TEMPLATE_ID_FIELD_NUMBER: _builtins.int
+    TEMPLATE_OVERRIDES_FIELD_NUMBER: _builtins.int
     skills_json: _builtins.str
     """Skills as the JSON array the API received (archives included)."""
     plugins_json: _builtins.str
     """Plugins as the JSON array the API received (archives included)."""
     container_size: _builtins.str
     """"small", "medium" or "large"; empty for the default."""
+    environment_template_id: _builtins.str
+    """On a create request only: the template this configuration starts from.
+    The Environment service resolves it at creation (the stored
+    configuration is the merged one and keeps the ID for reference).
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___InitialFile]:
         """Files written before anything runs."""
@@ -328,6 +335,13 @@ class EnvironmentConfig(_message.Message):
     def capability_directories(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Capability directories exposed to the agent."""
 
+    @_builtins.property
+    def template_overrides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """On a create request only: the field names of this message the caller
+        set (e.g. "files", "network"); every other field is taken from the
+        template. Ignored without environment_template_id.
+        """
+
     def __init__(
         self,
         *,
@@ -340,14 +354,68 @@ class EnvironmentConfig(_message.Message):
         plugins_json: _builtins.str = ...,
         capability_directories: _abc.Iterable[_builtins.str] | None = ...,
         container_size: _builtins.str = ...,
+        environment_template_id: _builtins.str = ...,
+        template_overrides: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "packages", b"packages"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability_directories", b"capability_directories", "container_size", b"container_size", "env", b"env", "files", b"files", "network", b"network", "packages", b"packages", "plugins_json", b"plugins_json", "setup_commands", b"setup_commands", "skills_json", b"skills_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability_directories", b"capability_directories", "container_size", b"container_size", "env", b"env", "environment_template_id", b"environment_template_id", "files", b"files", "network", b"network", "packages", b"packages", "plugins_json", b"plugins_json", "setup_commands", b"setup_commands", "skills_json", b"skills_json", "template_overrides", b"template_overrides"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EnvironmentConfig: _TypeAlias = EnvironmentConfig  # noqa: Y015
+
+@_typing.final
+class EnvironmentTemplate(_message.Message):
+    """EnvironmentTemplate is a reusable hosted configuration: each environment
+    created from it starts from a copy of its configuration.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ORG_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Public ID ("envtpl_...")."""
+    org_id: _builtins.str
+    """Owning organization."""
+    name: _builtins.str
+    """Display name; unset when the template has none."""
+    @_builtins.property
+    def config(self) -> Global___EnvironmentConfig:
+        """The configuration (setup command bodies blanked in responses)."""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """Creation time."""
+
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp:
+        """Last change."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        org_id: _builtins.str = ...,
+        name: _builtins.str | None = ...,
+        config: Global___EnvironmentConfig | None = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "create_time", b"create_time", "name", b"name", "update_time", b"update_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "create_time", b"create_time", "id", b"id", "name", b"name", "org_id", b"org_id", "update_time", b"update_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+
+Global___EnvironmentTemplate: _TypeAlias = EnvironmentTemplate  # noqa: Y015
 
 @_typing.final
 class EnvironmentError(_message.Message):

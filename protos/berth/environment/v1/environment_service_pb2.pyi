@@ -1681,3 +1681,275 @@ class RemoveWorkspaceFileResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RemoveWorkspaceFileResponse: _TypeAlias = RemoveWorkspaceFileResponse  # noqa: Y015
+
+@_typing.final
+class CreateEnvironmentTemplateRequest(_message.Message):
+    """Request for CreateEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Optional display name."""
+    @_builtins.property
+    def config(self) -> _environment_pb2.EnvironmentConfig:
+        """The configuration."""
+
+    def __init__(
+        self,
+        *,
+        config: _environment_pb2.EnvironmentConfig | None = ...,
+        name: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "name", b"name"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+
+Global___CreateEnvironmentTemplateRequest: _TypeAlias = CreateEnvironmentTemplateRequest  # noqa: Y015
+
+@_typing.final
+class CreateEnvironmentTemplateResponse(_message.Message):
+    """Response for CreateEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def template(self) -> _environment_pb2.EnvironmentTemplate:
+        """The new template."""
+
+    def __init__(
+        self,
+        *,
+        template: _environment_pb2.EnvironmentTemplate | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateEnvironmentTemplateResponse: _TypeAlias = CreateEnvironmentTemplateResponse  # noqa: Y015
+
+@_typing.final
+class GetEnvironmentTemplateRequest(_message.Message):
+    """Request for GetEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_ID_FIELD_NUMBER: _builtins.int
+    template_id: _builtins.str
+    """The template."""
+    def __init__(
+        self,
+        *,
+        template_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["template_id", b"template_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEnvironmentTemplateRequest: _TypeAlias = GetEnvironmentTemplateRequest  # noqa: Y015
+
+@_typing.final
+class GetEnvironmentTemplateResponse(_message.Message):
+    """Response for GetEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def template(self) -> _environment_pb2.EnvironmentTemplate:
+        """The template."""
+
+    def __init__(
+        self,
+        *,
+        template: _environment_pb2.EnvironmentTemplate | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEnvironmentTemplateResponse: _TypeAlias = GetEnvironmentTemplateResponse  # noqa: Y015
+
+@_typing.final
+class ListEnvironmentTemplatesRequest(_message.Message):
+    """Request for ListEnvironmentTemplates."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Maximum results, 1..100; 0 means 20."""
+    after: _builtins.str
+    """Return templates after this ID in the chosen order."""
+    order: _builtins.str
+    """"asc" or "desc" by creation; default "desc"."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        after: _builtins.str = ...,
+        order: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "order", b"order", "page_size", b"page_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEnvironmentTemplatesRequest: _TypeAlias = ListEnvironmentTemplatesRequest  # noqa: Y015
+
+@_typing.final
+class ListEnvironmentTemplatesResponse(_message.Message):
+    """Response for ListEnvironmentTemplates."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATES_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """More results exist after this page."""
+    @_builtins.property
+    def templates(self) -> _containers.RepeatedCompositeFieldContainer[_environment_pb2.EnvironmentTemplate]:
+        """The page."""
+
+    def __init__(
+        self,
+        *,
+        templates: _abc.Iterable[_environment_pb2.EnvironmentTemplate] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_more", b"has_more", "templates", b"templates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListEnvironmentTemplatesResponse: _TypeAlias = ListEnvironmentTemplatesResponse  # noqa: Y015
+
+@_typing.final
+class UpdateEnvironmentTemplateRequest(_message.Message):
+    """Request for UpdateEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_ID_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    UPDATE_FIELDS_FIELD_NUMBER: _builtins.int
+    UPDATE_NAME_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    template_id: _builtins.str
+    """The template."""
+    update_name: _builtins.bool
+    """Whether to replace the name (with name, or clear it when name is unset)."""
+    name: _builtins.str
+    """The replacement name."""
+    @_builtins.property
+    def config(self) -> _environment_pb2.EnvironmentConfig:
+        """Replacement values for the fields named in update_fields."""
+
+    @_builtins.property
+    def update_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of EnvironmentConfig fields to replace; a named field left empty
+        in config resets to its default.
+        """
+
+    def __init__(
+        self,
+        *,
+        template_id: _builtins.str = ...,
+        config: _environment_pb2.EnvironmentConfig | None = ...,
+        update_fields: _abc.Iterable[_builtins.str] | None = ...,
+        update_name: _builtins.bool = ...,
+        name: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "name", b"name"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_name", b"_name", "config", b"config", "name", b"name", "template_id", b"template_id", "update_fields", b"update_fields", "update_name", b"update_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
+    _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+
+Global___UpdateEnvironmentTemplateRequest: _TypeAlias = UpdateEnvironmentTemplateRequest  # noqa: Y015
+
+@_typing.final
+class UpdateEnvironmentTemplateResponse(_message.Message):
+    """Response for UpdateEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def template(self) -> _environment_pb2.EnvironmentTemplate:
+        """The updated template."""
+
+    def __init__(
+        self,
+        *,
+        template: _environment_pb2.EnvironmentTemplate | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateEnvironmentTemplateResponse: _TypeAlias = UpdateEnvironmentTemplateResponse  # noqa: Y015
+
+@_typing.final
+class DeleteEnvironmentTemplateRequest(_message.Message):
+    """Request for DeleteEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_ID_FIELD_NUMBER: _builtins.int
+    template_id: _builtins.str
+    """The template."""
+    def __init__(
+        self,
+        *,
+        template_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["template_id", b"template_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteEnvironmentTemplateRequest: _TypeAlias = DeleteEnvironmentTemplateRequest  # noqa: Y015
+
+@_typing.final
+class DeleteEnvironmentTemplateResponse(_message.Message):
+    """Response for DeleteEnvironmentTemplate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPLATE_ID_FIELD_NUMBER: _builtins.int
+    template_id: _builtins.str
+    """The deleted template's ID."""
+    def __init__(
+        self,
+        *,
+        template_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["template_id", b"template_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteEnvironmentTemplateResponse: _TypeAlias = DeleteEnvironmentTemplateResponse  # noqa: Y015

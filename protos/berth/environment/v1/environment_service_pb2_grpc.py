@@ -35,6 +35,31 @@ class EnvironmentServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.CreateEnvironmentTemplate = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/CreateEnvironmentTemplate',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentTemplateRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentTemplateResponse.FromString,
+                _registered_method=True)
+        self.GetEnvironmentTemplate = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/GetEnvironmentTemplate',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.GetEnvironmentTemplateRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.GetEnvironmentTemplateResponse.FromString,
+                _registered_method=True)
+        self.ListEnvironmentTemplates = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/ListEnvironmentTemplates',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListEnvironmentTemplatesRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListEnvironmentTemplatesResponse.FromString,
+                _registered_method=True)
+        self.UpdateEnvironmentTemplate = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/UpdateEnvironmentTemplate',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.UpdateEnvironmentTemplateRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.UpdateEnvironmentTemplateResponse.FromString,
+                _registered_method=True)
+        self.DeleteEnvironmentTemplate = channel.unary_unary(
+                '/berth.environment.v1.EnvironmentService/DeleteEnvironmentTemplate',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.DeleteEnvironmentTemplateRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.DeleteEnvironmentTemplateResponse.FromString,
+                _registered_method=True)
         self.CreateEnvironment = channel.unary_unary(
                 '/berth.environment.v1.EnvironmentService/CreateEnvironment',
                 request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentRequest.SerializeToString,
@@ -185,6 +210,42 @@ class EnvironmentServiceStub:
 class EnvironmentServiceServicer:
     """EnvironmentService is the only path from sessions to compute.
     """
+
+    def CreateEnvironmentTemplate(self, request, context):
+        """Records a reusable environment template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEnvironmentTemplate(self, request, context):
+        """Reads a template of the caller's organization.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEnvironmentTemplates(self, request, context):
+        """Lists the organization's templates by creation order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateEnvironmentTemplate(self, request, context):
+        """Replaces the named fields of a template. Environments created from it
+        before keep their configuration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteEnvironmentTemplate(self, request, context):
+        """Deletes a template. Environments created from it are unaffected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def CreateEnvironment(self, request, context):
         """Records configuration and reserves a sandbox ID. Allocates nothing.
@@ -420,6 +481,31 @@ class EnvironmentServiceServicer:
 
 def add_EnvironmentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'CreateEnvironmentTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateEnvironmentTemplate,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentTemplateRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentTemplateResponse.SerializeToString,
+            ),
+            'GetEnvironmentTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEnvironmentTemplate,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.GetEnvironmentTemplateRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.GetEnvironmentTemplateResponse.SerializeToString,
+            ),
+            'ListEnvironmentTemplates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEnvironmentTemplates,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListEnvironmentTemplatesRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.ListEnvironmentTemplatesResponse.SerializeToString,
+            ),
+            'UpdateEnvironmentTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateEnvironmentTemplate,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.UpdateEnvironmentTemplateRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.UpdateEnvironmentTemplateResponse.SerializeToString,
+            ),
+            'DeleteEnvironmentTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteEnvironmentTemplate,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.DeleteEnvironmentTemplateRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.DeleteEnvironmentTemplateResponse.SerializeToString,
+            ),
             'CreateEnvironment': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateEnvironment,
                     request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentRequest.FromString,
@@ -576,6 +662,141 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
 class EnvironmentService:
     """EnvironmentService is the only path from sessions to compute.
     """
+
+    @staticmethod
+    def CreateEnvironmentTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/CreateEnvironmentTemplate',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentTemplateRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.CreateEnvironmentTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEnvironmentTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/GetEnvironmentTemplate',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.GetEnvironmentTemplateRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.GetEnvironmentTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEnvironmentTemplates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/ListEnvironmentTemplates',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.ListEnvironmentTemplatesRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.ListEnvironmentTemplatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateEnvironmentTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/UpdateEnvironmentTemplate',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.UpdateEnvironmentTemplateRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.UpdateEnvironmentTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteEnvironmentTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/DeleteEnvironmentTemplate',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.DeleteEnvironmentTemplateRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.DeleteEnvironmentTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def CreateEnvironment(request,

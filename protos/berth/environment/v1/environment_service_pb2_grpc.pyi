@@ -37,6 +37,18 @@ class EnvironmentServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> EnvironmentServiceAsyncStub: ...
+    CreateEnvironmentTemplate: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.CreateEnvironmentTemplateRequest, _environment_service_pb2.CreateEnvironmentTemplateResponse]
+    """Records a reusable environment template."""
+    GetEnvironmentTemplate: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.GetEnvironmentTemplateRequest, _environment_service_pb2.GetEnvironmentTemplateResponse]
+    """Reads a template of the caller's organization."""
+    ListEnvironmentTemplates: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.ListEnvironmentTemplatesRequest, _environment_service_pb2.ListEnvironmentTemplatesResponse]
+    """Lists the organization's templates by creation order."""
+    UpdateEnvironmentTemplate: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.UpdateEnvironmentTemplateRequest, _environment_service_pb2.UpdateEnvironmentTemplateResponse]
+    """Replaces the named fields of a template. Environments created from it
+    before keep their configuration.
+    """
+    DeleteEnvironmentTemplate: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.DeleteEnvironmentTemplateRequest, _environment_service_pb2.DeleteEnvironmentTemplateResponse]
+    """Deletes a template. Environments created from it are unaffected."""
     CreateEnvironment: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.CreateEnvironmentRequest, _environment_service_pb2.CreateEnvironmentResponse]
     """Records configuration and reserves a sandbox ID. Allocates nothing.
     With owner_session_id, also binds that session as the private owner.
@@ -145,6 +157,18 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     """EnvironmentService is the only path from sessions to compute."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
+    CreateEnvironmentTemplate: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.CreateEnvironmentTemplateRequest, _environment_service_pb2.CreateEnvironmentTemplateResponse]  # type: ignore[assignment]
+    """Records a reusable environment template."""
+    GetEnvironmentTemplate: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.GetEnvironmentTemplateRequest, _environment_service_pb2.GetEnvironmentTemplateResponse]  # type: ignore[assignment]
+    """Reads a template of the caller's organization."""
+    ListEnvironmentTemplates: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.ListEnvironmentTemplatesRequest, _environment_service_pb2.ListEnvironmentTemplatesResponse]  # type: ignore[assignment]
+    """Lists the organization's templates by creation order."""
+    UpdateEnvironmentTemplate: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.UpdateEnvironmentTemplateRequest, _environment_service_pb2.UpdateEnvironmentTemplateResponse]  # type: ignore[assignment]
+    """Replaces the named fields of a template. Environments created from it
+    before keep their configuration.
+    """
+    DeleteEnvironmentTemplate: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.DeleteEnvironmentTemplateRequest, _environment_service_pb2.DeleteEnvironmentTemplateResponse]  # type: ignore[assignment]
+    """Deletes a template. Environments created from it are unaffected."""
     CreateEnvironment: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.CreateEnvironmentRequest, _environment_service_pb2.CreateEnvironmentResponse]  # type: ignore[assignment]
     """Records configuration and reserves a sandbox ID. Allocates nothing.
     With owner_session_id, also binds that session as the private owner.
@@ -250,6 +274,48 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     """EnvironmentService is the only path from sessions to compute."""
+
+    @_abc_1.abstractmethod
+    def CreateEnvironmentTemplate(
+        self,
+        request: _environment_service_pb2.CreateEnvironmentTemplateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.CreateEnvironmentTemplateResponse, _abc.Awaitable[_environment_service_pb2.CreateEnvironmentTemplateResponse]]:
+        """Records a reusable environment template."""
+
+    @_abc_1.abstractmethod
+    def GetEnvironmentTemplate(
+        self,
+        request: _environment_service_pb2.GetEnvironmentTemplateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.GetEnvironmentTemplateResponse, _abc.Awaitable[_environment_service_pb2.GetEnvironmentTemplateResponse]]:
+        """Reads a template of the caller's organization."""
+
+    @_abc_1.abstractmethod
+    def ListEnvironmentTemplates(
+        self,
+        request: _environment_service_pb2.ListEnvironmentTemplatesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.ListEnvironmentTemplatesResponse, _abc.Awaitable[_environment_service_pb2.ListEnvironmentTemplatesResponse]]:
+        """Lists the organization's templates by creation order."""
+
+    @_abc_1.abstractmethod
+    def UpdateEnvironmentTemplate(
+        self,
+        request: _environment_service_pb2.UpdateEnvironmentTemplateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.UpdateEnvironmentTemplateResponse, _abc.Awaitable[_environment_service_pb2.UpdateEnvironmentTemplateResponse]]:
+        """Replaces the named fields of a template. Environments created from it
+        before keep their configuration.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteEnvironmentTemplate(
+        self,
+        request: _environment_service_pb2.DeleteEnvironmentTemplateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_environment_service_pb2.DeleteEnvironmentTemplateResponse, _abc.Awaitable[_environment_service_pb2.DeleteEnvironmentTemplateResponse]]:
+        """Deletes a template. Environments created from it are unaffected."""
 
     @_abc_1.abstractmethod
     def CreateEnvironment(

@@ -1058,6 +1058,7 @@ class Session(_message.Message):
     AGENT_FIELD_NUMBER: _builtins.int
     REQUIRED_ACTIONS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("sess_...")."""
     org_id: _builtins.str
@@ -1108,6 +1109,10 @@ class Session(_message.Message):
     def usage(self) -> Global___Usage:
         """Token usage over the session's turns; unset when unknown."""
 
+    @_builtins.property
+    def controls(self) -> Global___SessionControls:
+        """Review mode and spend budget."""
+
     def __init__(
         self,
         *,
@@ -1127,14 +1132,47 @@ class Session(_message.Message):
         agent: Global___SessionAgent | None = ...,
         required_actions: _abc.Iterable[Global___RequiredAction] | None = ...,
         usage: Global___Usage | None = ...,
+        controls: Global___SessionControls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions", b"required_actions", "status", b"status", "usage", b"usage", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "controls", b"controls", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions", b"required_actions", "status", b"status", "usage", b"usage", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class SessionControls(_message.Message):
+    """SessionControls are a session's review mode and spend budget."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVIEW_FIELD_NUMBER: _builtins.int
+    SPEND_LIMIT_CENTS_FIELD_NUMBER: _builtins.int
+    PROMPT_CACHE_TTL_FIELD_NUMBER: _builtins.int
+    review: _builtins.str
+    """"none" when the session set it; empty when omitted (which means none)."""
+    spend_limit_cents: _builtins.int
+    """The spend budget in USD cents; unset for no budget."""
+    prompt_cache_ttl: _builtins.str
+    """prompt_cache_options.ttl ("30m" or "12h"); empty for the model default."""
+    def __init__(
+        self,
+        *,
+        review: _builtins.str = ...,
+        spend_limit_cents: _builtins.int | None = ...,
+        prompt_cache_ttl: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents", "spend_limit_cents", b"spend_limit_cents"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents", "prompt_cache_ttl", b"prompt_cache_ttl", "review", b"review", "spend_limit_cents", b"spend_limit_cents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__spend_limit_cents: _TypeAlias = _typing.Literal["spend_limit_cents"]  # noqa: Y015
+    _WhichOneofArgType__spend_limit_cents: _TypeAlias = _typing.Literal["_spend_limit_cents", b"_spend_limit_cents"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spend_limit_cents) -> _WhichOneofReturnType__spend_limit_cents | None: ...
+
+Global___SessionControls: _TypeAlias = SessionControls  # noqa: Y015
 
 @_typing.final
 class Turn(_message.Message):

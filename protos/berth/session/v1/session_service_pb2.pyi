@@ -515,6 +515,7 @@ class CreateSessionRequest(_message.Message):
     INPUT_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     VAULT_IDS_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The saved agent to snapshot; empty for an inline agent."""
     @_builtins.property
@@ -545,6 +546,10 @@ class CreateSessionRequest(_message.Message):
     def vault_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Vaults the session selects."""
 
+    @_builtins.property
+    def controls(self) -> _session_pb2.SessionControls:
+        """Review mode, spend budget and prompt cache TTL."""
+
     def __init__(
         self,
         *,
@@ -555,10 +560,11 @@ class CreateSessionRequest(_message.Message):
         input: _abc.Iterable[Global___UserMessage] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         vault_ids: _abc.Iterable[_builtins.str] | None = ...,
+        controls: _session_pb2.SessionControls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_mask", b"agent_mask", "environment", b"environment"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_mask", b"agent_mask", "controls", b"controls", "environment", b"environment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "agent_mask", b"agent_mask", "environment", b"environment", "input", b"input", "metadata", b"metadata", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "agent_mask", b"agent_mask", "controls", b"controls", "environment", b"environment", "input", b"input", "metadata", b"metadata", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -648,23 +654,49 @@ class ListSessionsRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PAGE_FIELD_NUMBER: _builtins.int
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Only sessions of this saved agent."""
     @_builtins.property
     def page(self) -> Global___PageRequest:
         """Pagination."""
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only sessions whose metadata has every one of these pairs (exact match)."""
+
     def __init__(
         self,
         *,
         page: Global___PageRequest | None = ...,
         agent_id: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page", b"page"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "metadata", b"metadata", "page", b"page"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -728,6 +760,7 @@ class UpdateSessionRequest(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     AGENT_FIELD_NUMBER: _builtins.int
     UPDATE_MASK_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
     @_builtins.property
@@ -741,8 +774,15 @@ class UpdateSessionRequest(_message.Message):
     @_builtins.property
     def update_mask(self) -> _field_mask_pb2.FieldMask:
         """The fields to change: "metadata", "agent.model", "agent.reasoning.effort",
-        "agent.service_tier" and "agent.tools". A named field left unset is
-        reset ("agent.model" must be set).
+        "agent.service_tier", "agent.tools", "review", "spend_control" and
+        "prompt_cache_options". A named field left unset is reset ("agent.model"
+        must be set).
+        """
+
+    @_builtins.property
+    def controls(self) -> _session_pb2.SessionControls:
+        """New review mode, spend budget and prompt cache TTL, for "review",
+        "spend_control" and "prompt_cache_options".
         """
 
     def __init__(
@@ -752,10 +792,11 @@ class UpdateSessionRequest(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         agent: _session_pb2.AgentConfig | None = ...,
         update_mask: _field_mask_pb2.FieldMask | None = ...,
+        controls: _session_pb2.SessionControls | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "update_mask", b"update_mask"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -88,6 +88,10 @@ class ModelRequest:
     # than OpenAI's may not know.
     service_tier: str | None = None
     verbosity: str | None = None
+    # The session's prompt_cache_options, as the OpenAI API's retention
+    # ("in_memory" | "24h") and a cache key; sent only when set.
+    prompt_cache_retention: str | None = None
+    prompt_cache_key: str | None = None
 
 
 @dataclass

@@ -270,6 +270,16 @@ def _responses_input(request: ModelRequest, names: _Names) -> list[dict[str, Any
     return items
 
 
+def _prompt_cache(request: ModelRequest) -> dict[str, str]:
+    """Chat Completions and Responses take the same two cache fields."""
+    if not request.prompt_cache_retention:
+        return {}
+    out = {"prompt_cache_retention": request.prompt_cache_retention}
+    if request.prompt_cache_key:
+        out["prompt_cache_key"] = request.prompt_cache_key
+    return out
+
+
 def _tool_defs(tools: list[ToolSpec], api: str, names: _Names) -> list[dict[str, Any]]:
     if api == "responses":
         return [
@@ -395,6 +405,7 @@ class OpenAIProvider:
             kwargs["service_tier"] = request.service_tier
         if request.verbosity:
             kwargs["verbosity"] = request.verbosity
+        kwargs.update(_prompt_cache(request))
         # Posted as built: the client's typed ``create`` transforms every
         # message through typing introspection, which costs tens of
         # milliseconds per call on a long transcript.
@@ -459,6 +470,7 @@ class OpenAIProvider:
             kwargs["text"] = text
         if request.service_tier:
             kwargs["service_tier"] = request.service_tier
+        kwargs.update(_prompt_cache(request))
         if request.reasoning_effort or request.reasoning_summary:
             kwargs["reasoning"] = {
                 k: v for k, v in (("effort", request.reasoning_effort), ("summary", request.reasoning_summary)) if v

@@ -1,7 +1,7 @@
 """Session service: automations and their invocations.
 
 Revision ID: session_0004
-Revises: session_0001
+Revises: session_0003
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "session_0004"
-down_revision = "session_0001"
+down_revision = "session_0003"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,167 @@
+"""A session's controls: its review mode, its prompt cache TTL and its
+spend budget.
+
+``prompt_cache_options.ttl`` is a minimum lifetime for new prompt cache
+entries; both "30m" and "12h" are met by the OpenAI API's extended
+retention, so model calls send ``prompt_cache_retention: "24h"`` with the
+session ID as ``prompt_cache_key`` (and nothing without a TTL).
+
+``spend_control.limit`` is a budget in USD cents. Spend is the session's
+token usage priced with the price table (``BERTH_MODEL_PRICES`` over
+``DEFAULT_MODEL_PRICES``) at the session's current model. After every model
+call the running turn's spend is added to the session's; once it reaches the
+limit the turn fails with ``usage_limit_exceeded`` (the SDK's code for a
+reached usage limit) without running that response's tool calls, and the
+session refuses new input with 409 ``spend_limit_reached`` until the limit
+is raised or removed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from berth.session.v1 import session_pb2
+from services.core.errors import InvalidArgument, SpendLimitReached
+from services.core.settings import DEFAULT_MODEL_PRICES, ModelPrice
+from services.session.harness.io import TurnFailure
+from services.session.models import SessionRow
+
+__all__ = ["PriceTable", "SessionControls", "SpendBudget", "TURN_ERROR_CODE", "refuse_input_past_limit"]
+
+TURN_ERROR_CODE = "usage_limit_exceeded"
+_REVIEW_MODES = frozenset({"none"})
+# prompt_cache_options.ttl -> the retention that guarantees at least that long.
+_CACHE_RETENTION = {"30m": "24h", "12h": "24h"}
+
+
+class PriceTable:
+    """Model -> price; a name prices itself and, failing an exact match, the
+    models it prefixes (the longest such name wins)."""
+
+    def __init__(self, overrides: Mapping[str, ModelPrice] | None = None) -> None:
+        self._prices = {**DEFAULT_MODEL_PRICES, **(overrides or {})}
+
+    def price(self, model: str) -> ModelPrice | None:
+        if model in self._prices:
+            return self._prices[model]
+        names = [n for n in self._prices if model.startswith(n)]
+        return self._prices[max(names, key=len)] if names else None
+
+    def cost_cents(self, model: str, usage: Mapping[str, Any] | None) -> float:
+        """The cost of ``usage`` (a ``TokenUsage`` dict) in USD cents; an
+        unpriced model costs nothing (a budget on one is refused up front)."""
+        price = self.price(model)
+        if price is None or not usage:
+            return 0.0
+        cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+        uncached = max(int(usage.get("input_tokens") or 0) - cached, 0)
+        output = int(usage.get("output_tokens") or 0)
+        usd = (uncached * price.input + cached * price.cached_input + output * price.output) / 1_000_000
+        return usd * 100
+
+
+@dataclass(frozen=True)
+class SessionControls:
+    """What a session stores in ``controls_json``."""
+
+    review: str | None = None
+    spend_limit_cents: int | None = None
+    prompt_cache_ttl: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: str) -> SessionControls:
+        data = json.loads(raw) if raw else {}
+        return cls(
+            review=data.get("review"),
+            spend_limit_cents=data.get("spend_limit_cents"),
+            prompt_cache_ttl=data.get("prompt_cache_ttl"),
+        )
+
+    def to_json(self) -> str:
+        data = {k: v for k, v in vars(self).items() if v is not None}
+        return json.dumps(data) if data else ""
+
+    @property
+    def prompt_cache_retention(self) -> str | None:
+        return _CACHE_RETENTION.get(self.prompt_cache_ttl or "")
+
+    @classmethod
+    def from_proto(cls, message: session_pb2.SessionControls) -> SessionControls:
+        if message.review and message.review not in _REVIEW_MODES:
+            raise InvalidArgument(f"review {message.review!r} is not supported", param="review")
+        limit = message.spend_limit_cents if message.HasField("spend_limit_cents") else None
+        if limit is not None and limit < 1:
+            raise InvalidArgument("spend_control.limit must be at least 1 (USD cents)", param="spend_control.limit")
+        if message.prompt_cache_ttl and message.prompt_cache_ttl not in _CACHE_RETENTION:
+            raise InvalidArgument("prompt_cache_options.ttl must be 30m or 12h", param="prompt_cache_options.ttl")
+        return cls(
+            review=message.review or None, spend_limit_cents=limit, prompt_cache_ttl=message.prompt_cache_ttl or None
+        )
+
+    def updated(self, message: session_pb2.SessionControls, paths: set[str]) -> SessionControls:
+        """These controls with the fields named in an update mask replaced."""
+        new = SessionControls.from_proto(message)
+        return SessionControls(
+            review=new.review if "review" in paths else self.review,
+            spend_limit_cents=new.spend_limit_cents if "spend_control" in paths else self.spend_limit_cents,
+            prompt_cache_ttl=new.prompt_cache_ttl if "prompt_cache_options" in paths else self.prompt_cache_ttl,
+        )
+
+    def check_priced(self, prices: PriceTable, model: str) -> None:
+        """A budget needs a price for the session's model."""
+        if self.spend_limit_cents is not None and prices.price(model) is None:
+            raise InvalidArgument(
+                f"no price is configured for model {model!r} (BERTH_MODEL_PRICES)", param="spend_control.limit"
+            )
+
+    def to_proto(self) -> session_pb2.SessionControls:
+        out = session_pb2.SessionControls(review=self.review or "", prompt_cache_ttl=self.prompt_cache_ttl or "")
+        if self.spend_limit_cents is not None:
+            out.spend_limit_cents = self.spend_limit_cents
+        return out
+
+
+class SpendBudget:
+    """One turn's view of its session's budget."""
+
+    def __init__(self, limit_cents: int, spent_before_cents: float, prices: PriceTable, model: str) -> None:
+        self.limit_cents = limit_cents
+        self.spent_before_cents = spent_before_cents
+        self._prices = prices
+        self._model = model
+
+    @classmethod
+    def for_turn(
+        cls, controls_json: str, session_usage_json: str, agent_config_json: str, prices: PriceTable
+    ) -> SpendBudget | None:
+        limit = SessionControls.from_json(controls_json).spend_limit_cents
+        if limit is None:
+            return None
+        model = str((json.loads(agent_config_json or "{}").get("config") or {}).get("model") or "")
+        usage = json.loads(session_usage_json) if session_usage_json else None
+        return cls(limit, prices.cost_cents(model, usage), prices, model)
+
+    def check(self, turn_usage: Mapping[str, Any] | None) -> None:
+        """Ends the turn once the session's spend reaches the limit."""
+        spent = self.spent_before_cents + self._prices.cost_cents(self._model, turn_usage)
+        if spent >= self.limit_cents:
+            raise TurnFailure(
+                TURN_ERROR_CODE,
+                f"the session reached its spend_control limit of {self.limit_cents} USD cents ({spent:.2f} spent)",
+            )
+
+
+def refuse_input_past_limit(row: SessionRow, prices: PriceTable) -> None:
+    """New input is refused once the session's spend reached its limit."""
+    budget = SpendBudget.for_turn(row.controls_json, row.usage_json, row.agent_config_json, prices)
+    if budget is None:
+        return
+    limit, spent = budget.limit_cents, budget.spent_before_cents
+    if spent >= limit:
+        raise SpendLimitReached(
+            f"the session reached its spend_control limit of {limit} USD cents ({spent:.2f} spent)",
+            param="spend_control.limit",
+        )

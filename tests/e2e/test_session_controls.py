@@ -1,0 +1,134 @@
+"""``review`` and ``spend_control`` on sessions, through the official SDK
+with strict response validation: stored, returned and applied on create and
+update. A turn that reaches the budget stops with ``usage_limit_exceeded``
+before its tool calls run, and the session refuses new input with 409
+``spend_limit_reached`` until the limit is raised."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from e2e_stack import Stack, destroy_sandboxes, start_stack
+from e2e_support import api_error, assert_error, run_script, send_script
+from turns_support import strict_client
+
+from services.core.settings import ModelPrice
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> AsyncIterator[Stack]:
+    data_dir: Path = tmp_path_factory.mktemp("controls") / "berth"
+    # One cent per output token of the offline model; input is free.
+    prices = {"scripted": ModelPrice(input=0, cached_input=0, output=10_000)}
+    s, stop = await start_stack(data_dir, model_prices=prices)
+    try:
+        yield s
+    finally:
+        await stop()
+        await destroy_sandboxes(data_dir)
+
+
+def _extra(model: Any, name: str) -> Any:
+    return (model.model_extra or {}).get(name)
+
+
+async def test_a_turn_reaching_the_spend_limit_stops_and_the_session_refuses_new_turns(stack: Stack) -> None:
+    client = strict_client(stack)
+    sessions = client.beta.agents.sessions
+    session = await sessions.create(
+        agent={"model": "scripted"},
+        environment={"type": "openai_hosted"},
+        review="none",
+        extra_body={"spend_control": {"limit": 5}},
+    )
+    assert session.review == "none"
+    assert _extra(session, "spend_control") == {"limit": 5}
+
+    turn = await run_script(client, session.id, "$ echo one\n$ echo two\n$ echo three")
+    assert turn.status == "failed"
+    assert turn.error is not None and turn.error.code == "usage_limit_exceeded"
+    items = [i async for i in sessions.items.list(session.id)]
+    assert [i.type for i in items if i.type == "command_execution"] == []  # stopped before its tool calls
+    spent = await sessions.retrieve(session.id)
+    assert spent.usage is not None and spent.usage.output_tokens >= 5
+
+    async with stack.http() as http:
+        refused = await http.post(
+            f"/agents/sessions/{session.id}/events",
+            json={"events": [{"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]}]},
+        )
+        assert_error(refused, 409, "spend_limit_reached")
+    assert [t.id async for t in sessions.turns.list(session.id)] == [turn.id]
+
+    raised = await sessions.update(session.id, extra_body={"spend_control": {"limit": 1_000_000}})
+    assert _extra(raised, "spend_control") == {"limit": 1_000_000}
+    assert raised.review == "none"  # omitted: kept
+    answered = await run_script(client, session.id, "all done")
+    assert answered.status == "completed"
+
+    cleared = await sessions.update(session.id, review=None, extra_body={"spend_control": None})  # type: ignore[arg-type]
+    assert cleared.review is None and _extra(cleared, "spend_control") is None
+    await send_script(client, session.id, "still fine")
+
+
+async def test_spend_control_and_review_that_berth_cannot_apply_are_refused(stack: Stack) -> None:
+    client = strict_client(stack)
+    sessions = client.beta.agents.sessions
+    async with stack.http() as http:
+
+        async def create(**body: Any) -> Any:
+            return await http.post("/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}, **body})
+
+        assert_error(await create(spend_control={"limit": 0}), 400, "validation_error", param="spend_control.limit")
+        assert_error(await create(spend_control={"limit": 5, "currency": "eur"}), 400, "validation_error")
+        assert_error(await create(review="auto_review"), 400, "validation_error", param="review")
+        unpriced = await http.post(
+            "/agents/sessions",
+            json={"agent": {"model": "unpriced-model"}, "environment": {"type": "openai_hosted"}, "spend_control": {"limit": 5}},
+        )
+        assert_error(unpriced, 400, "validation_error", param="spend_control.limit")
+    before = [s.id async for s in sessions.list()]
+    session = await sessions.create(agent={"model": "scripted"}, environment={"type": "openai_hosted"})
+    assert session.review is None and _extra(session, "spend_control") is None
+    refused = await api_error(sessions.update(session.id, review="auto_review"))
+    assert (refused.status_code, refused.code) == (400, "validation_error")
+    moved = await api_error(
+        sessions.update(session.id, agent={"model": "unpriced-model"}, extra_body={"spend_control": {"limit": 3}})
+    )
+    assert (moved.status_code, moved.code) == (400, "validation_error")
+    assert (await sessions.retrieve(session.id)).agent.model == "scripted"
+    assert [s.id async for s in sessions.list()] == [session.id, *before]
+
+
+async def test_stream_events_carry_obfuscation_padding_unless_the_stream_opts_out(stack: Stack) -> None:
+    client = strict_client(stack)
+    session = await client.beta.agents.sessions.create(agent={"model": "scripted"}, environment={"type": "openai_hosted"})
+    turn = await run_script(client, session.id, "a final answer long enough to stream in several deltas")
+    assert turn.status == "completed"
+
+    async def events(**options: Any) -> list[Any]:
+        seen = []
+        stream = await client.beta.agents.sessions.events.stream(
+            session.id, extra_headers={"Last-Event-ID": "0"}, **options
+        )
+        async with stream:
+            async for event in stream:
+                seen.append(event)
+                if event.type == "agent.session.turn.completed":
+                    return seen
+        raise AssertionError("the stream ended before the turn did")
+
+    padded = await events()
+    assert any(e.type == "agent.session.turn.output_text.delta" for e in padded)
+    for event in padded:
+        padding = getattr(event, "obfuscation", None)
+        assert isinstance(padding, str) and (padding == "" or padding.isalnum()), event
+    assert len({e.obfuscation for e in padded}) > 1  # type: ignore[union-attr]
+    plain = await events(include_obfuscation=False)
+    assert [getattr(e, "obfuscation", None) for e in plain] == [None] * len(padded)
