@@ -39,6 +39,7 @@ from openai.types.beta.agents.environment_info import EnvironmentInfo
 from openai.types.beta.agents.environments.environment_file import EnvironmentFile
 from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
 from openai.types.beta.agents.sessions.session_artifact_deleted import SessionArtifactDeleted
+from openai.types.beta.agents.sessions.session_trace import SessionTrace
 from openai.types.beta.agents.sessions.turn import Turn
 from openai.types.file_deleted import FileDeleted
 from openai.types.file_object import FileObject
@@ -166,6 +167,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}/items"): Operation(
         "List a turn's items", SyncConversationCursorPage[AgentSessionItem]
+    ),
+    ("GET", "/v1/agents/sessions/{session_id}/traces"): Operation(
+        "List the traces of a session's root turns", SyncCursorPage[SessionTrace]
     ),
     ("GET", "/v1/agents/sessions/{session_id}/artifacts"): Operation("List artifacts", SyncCursorPage[SessionArtifact]),
     ("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}"): Operation(

@@ -617,8 +617,7 @@ def check_agent_config(body: _AgentConfig | SessionAgentUpdate, prefix: str = ""
         _extra(body.multi_agent, f"{prefix}multi_agent")
         if body.multi_agent.enabled:
             raise _refuse("multi_agent (subagents) is not supported yet.", f"{prefix}multi_agent.enabled")
-    if body.compaction is not None:
-        raise _refuse("compaction is not supported yet.", f"{prefix}compaction")
+    _extra(body.compaction, f"{prefix}compaction")
     _extra(body.reasoning, f"{prefix}reasoning")
     _extra(body.text, f"{prefix}text")
     if body.text is not None:

@@ -1,5 +1,5 @@
 """The Session service's logic, one class per job: saved agents, sessions,
-input, history (turns, items, artifacts) and the event stream. Plain async
+input, history (turns, items, artifacts), traces and the event stream. Plain async
 methods, testable without gRPC; every method scopes by the caller's
 organization (``current_org()``), and another organization's resource is
 ``NotFound``.
@@ -17,6 +17,7 @@ from services.session.saved_agents import SavedAgents
 from services.session.session_input import SessionInput
 from services.session.sessions import Sessions
 from services.session.store import Store
+from services.session.traces import TraceStore
 
 __all__ = ["SessionDomain"]
 
@@ -32,6 +33,7 @@ class SessionDomain:
         blobs: BlobStore,
         *,
         mcp: McpConnections | None = None,
+        traces: TraceStore | None = None,
         poll_s: float = 0.2,
     ) -> None:
         self.agents = SavedAgents(store)
@@ -39,3 +41,4 @@ class SessionDomain:
         self.input = SessionInput(store, runner)
         self.history = SessionHistory(store, blobs)
         self.events = EventStream(store, poll_s=poll_s)
+        self.traces = traces or TraceStore(store)

@@ -166,3 +166,17 @@ class PublishedOutputRow(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     mtime: Mapped[float] = mapped_column(Float)
+
+
+class TraceRow(Base):
+    """The published trace of one root turn (its ID is the turn's)."""
+
+    __tablename__ = "traces"
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    # Creation time of the root turn.
+    created_at: Mapped[float] = mapped_column(Float)
+    otlp_json: Mapped[str] = mapped_column(Text)

@@ -20,6 +20,7 @@ from services.session.models import (
     ItemRow,
     PublishedOutputRow,
     SessionRow,
+    TraceRow,
     TurnRow,
 )
 from services.session.states import SessionStatus, TurnStatus
@@ -37,7 +38,7 @@ __all__ = [
     "delete_session_rows",
 ]
 
-Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow)
+Row = TypeVar("Row", AgentRow, SessionRow, TurnRow, ItemRow, ArtifactRow, TraceRow)
 
 # Core tables for the statements on a turn's path.
 _SESSIONS = cast(Table, SessionRow.__table__)
@@ -272,7 +273,7 @@ async def delete_session_rows(s: AsyncSession, session_id: str) -> list[str]:
         str(sha)
         for sha in (await s.execute(select(ArtifactRow.sha256).where(ArtifactRow.session_id == session_id).distinct())).scalars()
     ]
-    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow):
+    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow, TraceRow):
         await s.execute(delete(model).where(model.session_id == session_id))
     await s.execute(delete(SessionRow).where(SessionRow.id == session_id))
     return shas

@@ -64,10 +64,12 @@ from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry, ToolCall
 from services.session.harness.tools import INTERRUPTED, resume_command
+from services.session.harness.trace import TurnTrace
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit, turn_key
+from services.session.traces import TraceStore
 from services.session.turn_io import DbTurnIO
 from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
 
@@ -143,8 +145,10 @@ class TurnRunner:
         poll_s: float = 0.5,
         sweep_s: float | None = None,
         dependency_retry_s: float = 0.0,
+        traces: TraceStore | None = None,
     ) -> None:
         self.store = store
+        self.traces = traces
         self.env_client = env_client
         self.providers = providers
         self.blobs = blobs
@@ -382,7 +386,8 @@ class TurnRunner:
             dependency_retry_s=self.dependency_retry_s,
             worker_id=self.worker_id,
         )
-        task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
+        trace = TurnTrace(session_id=claimed.session_id, turn_id=claimed.turn_id)
+        task = asyncio.create_task(self._turn(io, claimed, trace), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
         watcher = asyncio.create_task(self._watch(claimed.turn_id, task, io))
         try:
@@ -418,14 +423,34 @@ class TurnRunner:
             outcome = Outcome(TurnStatus.FAILED, "internal_error", "an internal error ended the turn")
         else:
             outcome = Outcome(TurnStatus.COMPLETED)
-        return await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
+        more = await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
+        trace.end(str(outcome.status), outcome.code)
+        await asyncio.shield(self._publish_trace(claimed, trace))
+        return more
 
-    async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn) -> None:
+    async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn, trace: TurnTrace) -> None:
         """The agent loop, after finishing the commands a resumed turn's
         previous worker left running."""
         for handle, item, call, shown in claimed.reattach:
             await resume_command(io, handle, item, call, shown)
-        await run_turn(io, self.providers.for_model, tool_concurrency=self.providers.tool_concurrency)
+        await run_turn(
+            io,
+            self.providers.for_model,
+            tool_concurrency=self.providers.tool_concurrency,
+            limits=self.providers.context_limits,
+            trace=trace,
+        )
+
+    async def _publish_trace(self, claimed: ClaimedTurn, trace: TurnTrace) -> None:
+        """The turn's trace, once it ended; a failure to store it is logged
+        and costs the turn nothing."""
+        if self.traces is None:
+            return
+        try:
+            await self.traces.publish(claimed.org_id, claimed.session_id, claimed.turn_id, trace)
+        except BerthError as exc:
+            # The session was deleted meanwhile.
+            log.info("trace_not_published", turn_id=claimed.turn_id, reason=type(exc).__name__)
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and waits for cancels sent to other

@@ -22,6 +22,7 @@ from services.session.mcp_connections import McpConnections
 from services.session.runner import TurnRunner
 from services.session.servicer import SessionServicer
 from services.session.store import Store
+from services.session.traces import TraceStore
 
 __all__ = ["start_session_service", "SESSION_CALLERS"]
 
@@ -55,6 +56,7 @@ async def start_session_service(
     providers = ProviderRegistry(settings)
     blobs = BlobStore(settings.data_dir.resolve() / "artifacts")
     mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
+    traces = TraceStore(store, otlp_endpoint=settings.trace_otlp_endpoint, export_timeout_s=settings.rpc_timeout_s)
     runner = TurnRunner(
         store,
         env_client,
@@ -63,8 +65,9 @@ async def start_session_service(
         mcp=mcp,
         lease_s=settings.turn_lease_s,
         dependency_retry_s=settings.dependency_retry_s,
+        traces=traces,
     )
-    domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
+    domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp, traces=traces)
 
     def register(server: grpc.aio.Server) -> list[str]:
         session_service_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(domain), server)
@@ -85,5 +88,5 @@ async def start_session_service(
     return ServiceHandle(
         name="session",
         grpc=running,
-        closers=[db.dispose, notifier.close, env_client.close, mcp.close, providers.close, runner.close],
+        closers=[db.dispose, notifier.close, env_client.close, mcp.close, providers.close, traces.close, runner.close],
     )

@@ -27,6 +27,7 @@ from services.core.errors import NotFound
 from services.core.ids import new_id
 from services.session import views, wire
 from services.session.agents import AgentConfig
+from services.session.harness.context import compact_history, compaction_through
 from services.session.harness.io import ItemHandle
 from services.session.harness.models.base import Entry, Usage
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
@@ -127,8 +128,8 @@ class TurnWriter:
         self.next_output_index = next_output_index
         self._config_json = agent_config_json
         self._config = views.agent_config_from_json(agent_config_json)
-        # Model-facing entries per item, in item order.
-        self._transcript: dict[str, list[Entry]] = dict(transcript)
+        # Model-facing entries per item, in item order, after compactions.
+        self._transcript: dict[str, list[Entry]] = dict(compact_history(transcript))
         self._staged = _Staged()
         self._batching = False
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -149,6 +150,14 @@ class TurnWriter:
 
     async def transcript(self) -> list[Entry]:
         return [entry for entries in self._transcript.values() for entry in entries]
+
+    async def transcript_items(self) -> list[tuple[str, list[Entry]]]:
+        return list(self._transcript.items())
+
+    def _set_entries(self, item_id: str, entries: list[Entry]) -> None:
+        self._transcript[item_id] = list(entries)
+        if compaction_through(entries) is not None:
+            self._transcript = dict(compact_history(list(self._transcript.items())))
 
     def _remember_config(self, config_json: str) -> None:
         if config_json != self._config_json:
@@ -236,12 +245,12 @@ class TurnWriter:
 
     def remember_entries(self, item_id: str, entries: list[Entry]) -> None:
         """Adds an item persisted elsewhere to the model's transcript."""
-        self._transcript[item_id] = list(entries)
+        self._set_entries(item_id, entries)
 
     def stage_item(self, handle: ItemHandle, item: dict[str, Any], entries: list[Entry], *, visible: bool) -> dict[str, Any]:
         row, full = self.item_row(handle, item, entries, visible=visible)
         self._staged.items[handle.id] = row
-        self._transcript[handle.id] = list(entries)
+        self._set_entries(handle.id, entries)
         return full
 
     def stage_call(self, call: FunctionCallRow) -> None:

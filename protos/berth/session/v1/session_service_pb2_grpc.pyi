@@ -76,6 +76,8 @@ class SessionServiceStub:
     """Streams an artifact's content."""
     DeleteArtifact: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.DeleteArtifactRequest, _session_service_pb2.DeleteArtifactResponse]
     """Deletes an artifact."""
+    ListTraces: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.ListTracesRequest, _session_service_pb2.ListTracesResponse]
+    """Lists the traces of a session's root turns."""
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -122,6 +124,8 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """Streams an artifact's content."""
     DeleteArtifact: _aio.UnaryUnaryMultiCallable[_session_service_pb2.DeleteArtifactRequest, _session_service_pb2.DeleteArtifactResponse]  # type: ignore[assignment]
     """Deletes an artifact."""
+    ListTraces: _aio.UnaryUnaryMultiCallable[_session_service_pb2.ListTracesRequest, _session_service_pb2.ListTracesResponse]  # type: ignore[assignment]
+    """Lists the traces of a session's root turns."""
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     """SessionService is the Agents API's session surface."""
@@ -279,5 +283,13 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.DeleteArtifactResponse, _abc.Awaitable[_session_service_pb2.DeleteArtifactResponse]]:
         """Deletes an artifact."""
+
+    @_abc_1.abstractmethod
+    def ListTraces(
+        self,
+        request: _session_service_pb2.ListTracesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.ListTracesResponse, _abc.Awaitable[_session_service_pb2.ListTracesResponse]]:
+        """Lists the traces of a session's root turns."""
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
