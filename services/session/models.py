@@ -67,6 +67,8 @@ class SessionRow(Base):
     event_seq: Mapped[int] = mapped_column(BigInteger)
     # The one turn that may run (in_progress or waiting); the per-session mutex.
     active_turn_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The oldest item the model still sees after the last compaction (0: all).
+    context_from_pk: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class TurnRow(Base):

@@ -59,6 +59,7 @@ from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
+from services.session.harness.context import ContextLimits
 from services.session.harness.io import ItemHandle, TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
@@ -79,7 +80,17 @@ log = get_logger(__name__)
 
 _ITEMS = cast(Table, ItemRow.__table__)
 # Built once (see services/session/repository.py on prepared statements).
-_HISTORY = select(_ITEMS.c.id, _ITEMS.c.model_json).where(_ITEMS.c.session_id == bindparam("session_id")).order_by(_ITEMS.c.pk)
+_SESSIONS = cast(Table, SessionRow.__table__)
+# From the oldest item the model still sees (compactions drop the rest).
+_HISTORY = (
+    select(_ITEMS.c.id, _ITEMS.c.model_json)
+    .where(
+        _ITEMS.c.session_id == bindparam("session_id"),
+        _ITEMS.c.pk
+        >= select(_SESSIONS.c.context_from_pk).where(_SESSIONS.c.id == bindparam("session_id")).scalar_subquery(),
+    )
+    .order_by(_ITEMS.c.pk)
+)
 _INSERT_ITEMS = insert(_ITEMS)
 
 
@@ -146,9 +157,11 @@ class TurnRunner:
         sweep_s: float | None = None,
         dependency_retry_s: float = 0.0,
         traces: TraceStore | None = None,
+        limits: ContextLimits | None = None,
     ) -> None:
         self.store = store
         self.traces = traces
+        self.limits = limits or ContextLimits()
         self.env_client = env_client
         self.providers = providers
         self.blobs = blobs
@@ -437,7 +450,7 @@ class TurnRunner:
             io,
             self.providers.for_model,
             tool_concurrency=self.providers.tool_concurrency,
-            limits=self.providers.context_limits,
+            limits=self.limits,
             trace=trace,
         )
 

@@ -17,6 +17,7 @@ from services.core.settings import Settings
 from services.session.artifacts import BlobStore
 from services.session.domain import SessionDomain
 from services.session.environment_client import EnvironmentClient
+from services.session.harness.context import ContextLimits
 from services.session.harness.models import ProviderRegistry
 from services.session.mcp_connections import McpConnections
 from services.session.runner import TurnRunner
@@ -66,6 +67,11 @@ async def start_session_service(
         lease_s=settings.turn_lease_s,
         dependency_retry_s=settings.dependency_retry_s,
         traces=traces,
+        limits=ContextLimits(
+            windows=dict(settings.model_context_windows),
+            default_window=settings.model_context_window,
+            threshold=settings.compaction_threshold,
+        ),
     )
     domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp, traces=traces)
 

@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from services.core.logging import get_logger
 from services.session.agents import AgentConfig
-from services.session.harness.context import compaction_entry, context_window, estimate_entries, estimate_tokens
+from services.session.harness.context import ContextLimits, compaction_entry, estimate_entries, estimate_tokens
 from services.session.harness.io import TurnIO
 from services.session.harness.models.base import Entry, ModelError, ModelProvider, ModelRequest, Usage, complete
 from services.session.harness.trace import TurnTrace
 
-__all__ = ["ContextLimits", "Compactor", "SUMMARY_PROMPT", "SUMMARY_PREFIX"]
+__all__ = ["Compactor", "SUMMARY_PROMPT", "SUMMARY_PREFIX"]
 
 log = get_logger(__name__)
 
@@ -51,19 +50,6 @@ _KEEP_FRACTION = 0.25
 _SUMMARY_FRACTION = 0.2
 _REQUEST_FRACTION = 0.9
 _ASYNC_START = 0.75
-
-
-@dataclass(frozen=True)
-class ContextLimits:
-    """Context windows per model (``context.context_window``) and the
-    fraction of one a request may fill before it is compacted."""
-
-    windows: Mapping[str, int] = field(default_factory=dict)
-    default_window: int = 128_000
-    threshold: float = 0.8
-
-    def window(self, model: str) -> int:
-        return context_window(model, self.windows, self.default_window)
 
 
 class Compactor:
@@ -114,7 +100,9 @@ class Compactor:
         """After the model refused ``request`` as too long: the request
         compacted, or None when nothing could be compacted."""
         await self.settle()
-        if not await self.compact(request, max(self.used(request), self.limits.window(request.model)), background=False):
+        # The window is smaller than configured: size everything by what was refused.
+        refused = min(self.used(request), self.limits.window(request.model))
+        if not await self.compact(request, refused, background=False, room=refused):
             return None
         return await self._refreshed(request)
 
@@ -130,9 +118,10 @@ class Compactor:
             self._background.cancel()
             self._background = None
 
-    async def compact(self, request: ModelRequest, used: int, *, background: bool) -> bool:
-        """Summarizes the older items; returns whether the history changed."""
-        window = self.limits.window(request.model)
+    async def compact(self, request: ModelRequest, used: int, *, background: bool, room: int | None = None) -> bool:
+        """Summarizes the older items; returns whether the history changed.
+        ``room`` is the context the model has, when less than its window."""
+        window = min(self.limits.window(request.model), room or self.limits.window(request.model))
         items = await self.io.transcript_items()
         cut, kept = len(items), 0
         for index in range(len(items) - 1, -1, -1):
@@ -150,9 +139,8 @@ class Compactor:
             berth__compaction__tokens_before=used,
             berth__compaction__background=background,
         ) as span:
-            entries = _fit([e for _, es in summarized for e in es], int(window * _REQUEST_FRACTION) - estimate_tokens(
-                dataclasses.replace(request, tools=[], transcript=[])
-            ))
+            fixed = estimate_tokens(dataclasses.replace(request, tools=[], transcript=[]))
+            entries = _fit([e for _, es in summarized for e in es], int(window * _REQUEST_FRACTION) - fixed)
             ask = ModelRequest(
                 model=request.model,
                 instructions=request.instructions,
@@ -179,8 +167,12 @@ class Compactor:
                 "summary": [{"type": "summary_text", "text": summary}],
                 "compaction": {"summarized_items": len(summarized), "tokens_before": used, "background": background},
             }
+            # Kept: what followed the summarized items, including what the
+            # turn added meanwhile (read just before the item is staged).
+            summarized_ids = {item_id for item_id, _ in summarized}
+            keep = [item_id for item_id, _ in await self.io.transcript_items() if item_id not in summarized_ids]
             await self.io.add_item(
-                item, entries=[compaction_entry(SUMMARY_PREFIX + summary, summarized[-1][0])], output=True, done=True
+                item, entries=[compaction_entry(SUMMARY_PREFIX + summary, keep)], output=True, done=True
             )
         self._reported = 0
         log.info("context_compacted", items=len(summarized), tokens_before=used, background=background)

@@ -2,27 +2,31 @@
 and what a compaction leaves of the history.
 
 A compaction is an item whose one transcript entry is the summary, given to
-the model as a user message and marked with the ID of the last item it
-summarized (``{"role": "user", "text": ..., "compaction": {"through": ID}}``).
-From then on the model sees that entry followed by the items after the
-marked one, in place of everything up to it; ``compact_history`` applies
-every compaction of a history in order, so a turn loaded after a restart
-sees what the turn that compacted saw."""
+the model as a user message and marked with the IDs of the items it keeps
+(``{"role": "user", "text": ..., "compaction": {"keep": [ID, ...]}}``):
+the newest items, which it did not summarize, and those added while it
+ran. From then on the model sees that entry, the kept items and every item
+after it, in place of everything before; ``compact_history`` applies every
+compaction of a history in order, so a turn loaded after a restart (or
+from the session's ``context_from_pk``, the oldest item still seen) sees
+what the turn that compacted saw."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.session.harness.models.base import Entry, ModelRequest
 
 __all__ = [
+    "ContextLimits",
     "KNOWN_CONTEXT_WINDOWS",
     "context_window",
     "estimate_tokens",
     "estimate_entries",
     "compaction_entry",
-    "compaction_through",
+    "compaction_keep",
     "compact_history",
 ]
 
@@ -64,6 +68,18 @@ def context_window(model: str, configured: Mapping[str, int], default: int) -> i
             return int(table[max(matches, key=len)])
     return default
 
+@dataclass(frozen=True)
+class ContextLimits:
+    """Context windows per model (``context.context_window``) and the
+    fraction of one a request may fill before it is compacted."""
+
+    windows: Mapping[str, int] = field(default_factory=dict)
+    default_window: int = 128_000
+    threshold: float = 0.8
+
+    def window(self, model: str) -> int:
+        return context_window(model, self.windows, self.default_window)
+
 
 def _chars(value: object) -> int:
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
@@ -83,28 +99,27 @@ def estimate_tokens(request: ModelRequest) -> int:
     return fixed // _CHARS_PER_TOKEN + estimate_entries(request.transcript)
 
 
-def compaction_entry(text: str, through: str) -> Entry:
-    return {"role": "user", "text": text, "compaction": {"through": through}}
+def compaction_entry(text: str, keep: list[str]) -> Entry:
+    return {"role": "user", "text": text, "compaction": {"keep": list(keep)}}
 
 
-def compaction_through(entries: list[Entry]) -> str | None:
-    """The last item a compaction summarized, when ``entries`` are a compaction's."""
+def compaction_keep(entries: list[Entry]) -> list[str] | None:
+    """The items a compaction kept, when ``entries`` are a compaction's."""
     if len(entries) != 1:
         return None
     marker = entries[0].get("compaction")
-    return str(marker["through"]) if isinstance(marker, dict) and marker.get("through") else None
+    return [str(i) for i in marker.get("keep") or ()] if isinstance(marker, dict) else None
 
 
 def compact_history(items: list[tuple[str, list[Entry]]]) -> list[tuple[str, list[Entry]]]:
-    """The items the model sees: each compaction replaces the items up to
-    the one it names (the items added while it ran stay after it)."""
+    """The items the model sees: each compaction drops the items before it
+    but those it kept."""
     out: list[tuple[str, list[Entry]]] = []
     for item_id, entries in items:
-        through = compaction_through(entries)
-        if through is None:
+        keep = compaction_keep(entries)
+        if keep is None:
             out.append((item_id, entries))
             continue
-        ids = [i for i, _ in out]
-        kept = out[ids.index(through) + 1 :] if through in ids else out
-        out = [(item_id, entries), *kept]
+        kept = set(keep)
+        out = [(item_id, entries), *(pair for pair in out if pair[0] in kept)]
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from services.core.settings import ModelRoute, Settings
-from services.session.harness.compaction import ContextLimits
 from services.session.harness.models.base import ModelProvider
 from services.session.harness.models.openai_provider import OpenAIProvider, RetryPolicy
 from services.session.harness.models.scripted import ScriptedProvider
@@ -33,11 +32,6 @@ class ProviderRegistry:
         # One client per endpoint (base URL, key, API), made on first use.
         self._openai: dict[tuple[str, str, str], OpenAIProvider] = {}
         self.tool_concurrency = settings.tool_call_concurrency
-        self.context_limits = ContextLimits(
-            windows=dict(settings.model_context_windows),
-            default_window=settings.model_context_window,
-            threshold=settings.compaction_threshold,
-        )
 
     def _endpoint(self, base_url: str, api_key: str, api: str) -> OpenAIProvider:
         key = (base_url, api_key, api)

@@ -1,4 +1,5 @@
-"""Session service: the traces of root turns.
+"""Session service: the traces of root turns, and where a session's
+history starts for the model after its last compaction.
 
 Revision ID: session_0006
 Revises: session_0001
@@ -26,8 +27,10 @@ def upgrade() -> None:
         sa.Column("otlp_json", sa.Text(), nullable=False),
     )
     op.create_index("ix_traces_session_id", "traces", ["session_id"])
+    op.add_column("sessions", sa.Column("context_from_pk", sa.BigInteger(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
+    op.drop_column("sessions", "context_from_pk")
     op.drop_index("ix_traces_session_id", table_name="traces")
     op.drop_table("traces")
