@@ -159,11 +159,8 @@ async def test_compaction_settings_are_kept_and_unknown_keys_refused(stack: Stac
     client = strict_client(stack)
     blocking = await client.beta.agents.sessions.retrieve(await _session(client, {"model": MODEL, "compaction": {}}))
     assert blocking.agent.compaction is not None and blocking.agent.compaction.async_ is False
+    unknown: Any = {"model": MODEL, "compaction": {"async": True, "every": 3}}
     with pytest.raises(openai.BadRequestError) as refused:
-        await client.beta.agents.sessions.create(
-            agent={"model": MODEL, "compaction": {"async": True, "every": 3}},  # type: ignore[typeddict-unknown-key]
-            environment=NO_ENVIRONMENT,
-            input="hello",
-        )
+        await client.beta.agents.sessions.create(agent=unknown, environment=NO_ENVIRONMENT, input="hello")
     assert refused.value.status_code == 400 and isinstance(refused.value.body, dict)
     assert refused.value.body["param"] == "agent.compaction.every"
