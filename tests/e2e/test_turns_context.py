@@ -164,3 +164,34 @@ async def test_compaction_settings_are_kept_and_unknown_keys_refused(stack: Stac
         await client.beta.agents.sessions.create(agent=unknown, environment=NO_ENVIRONMENT, input="hello")
     assert refused.value.status_code == 400 and isinstance(refused.value.body, dict)
     assert refused.value.body["param"] == "agent.compaction.every"
+
+
+@pytest.fixture
+async def postgres_stack(tmp_path: Path, model: FakeModel, fresh_postgres_database: str) -> AsyncIterator[Stack]:
+    """The same stack with the Session service on PostgreSQL."""
+    stack, stop = await start_stack(
+        tmp_path / "berth",
+        session_database_url=fresh_postgres_database,
+        model_base_url=model.base_url,
+        model_api_key="x",
+        model_context_windows={MODEL: WINDOW},
+    )
+    try:
+        yield stack
+    finally:
+        await stop()  # type: ignore[misc]
+
+
+async def test_later_turns_start_from_the_last_summary_on_postgresql(postgres_stack: Stack, model: FakeModel) -> None:
+    client = strict_client(postgres_stack)
+    session_id = await _session(client, {"model": MODEL})
+    await _run_turns(client, session_id, 1, 19, timeout=90)
+
+    compactions = await _compactions(client, session_id)
+    assert len(compactions) >= 2
+    last = model.bodies[-1]["messages"]
+    # The newest summary comes first; the first questions are gone.
+    assert "[Context compacted]" in str(last[0]["content"]) and compactions[-1].summary[0].text in str(last[0]["content"])
+    assert not any("part 0 " in str(m.get("content")) for m in last)
+    assert "part 19 " in str(last[-1]["content"])
+    assert max(_tokens(b) for b in model.bodies) <= WINDOW
