@@ -78,6 +78,10 @@ class Compactor:
         limit = int(window * self.limits.threshold)
         used = self.used(request)
         background = bool((config.get("compaction") or {}).get("async"))
+        if self._background is not None and self._background.done():
+            # Finished while the turn went on (already applied): collect it.
+            self._background.result()
+            self._background = None
         if background and self._background is None and used >= int(limit * _ASYNC_START):
             self._background = asyncio.create_task(self.compact(request, used, background=True), name="compaction")
         if used < limit:
@@ -140,7 +144,9 @@ class Compactor:
             berth__compaction__background=background,
         ) as span:
             fixed = estimate_tokens(dataclasses.replace(request, tools=[], transcript=[]))
-            entries = _fit([e for _, es in summarized for e in es], int(window * _REQUEST_FRACTION) - fixed)
+            # Reasoning is the model's own, and an API may refuse it out of its context.
+            summarizable = [e for _, es in summarized for e in es if "reasoning" not in e]
+            entries = _fit(summarizable, int(window * _REQUEST_FRACTION) - fixed)
             ask = ModelRequest(
                 model=request.model,
                 instructions=request.instructions,
