@@ -134,6 +134,9 @@ class _Ending:
     files: list[OutputFile]
     # Whether ``files`` were recorded as the turn's artifacts.
     recorded: bool = False
+    # The turn's trace (ended), published with its outcome.
+    trace: TurnTrace | None = None
+    trace_published: bool = False
     # As the turn left them (it has settled).
     environment: environment_pb2.Environment | None = field(init=False)
     usage: dict[str, Any] | None = field(init=False)
@@ -436,10 +439,8 @@ class TurnRunner:
             outcome = Outcome(TurnStatus.FAILED, "internal_error", "an internal error ended the turn")
         else:
             outcome = Outcome(TurnStatus.COMPLETED)
-        more = await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
         trace.end(str(outcome.status), outcome.code)
-        await asyncio.shield(self._publish_trace(claimed, trace))
-        return more
+        return await asyncio.shield(self._finalize(claimed, io, outcome, collecting, trace))
 
     async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn, trace: TurnTrace) -> None:
         """The agent loop, after finishing the commands a resumed turn's
@@ -454,16 +455,6 @@ class TurnRunner:
             trace=trace,
         )
 
-    async def _publish_trace(self, claimed: ClaimedTurn, trace: TurnTrace) -> None:
-        """The turn's trace, once it ended; a failure to store it is logged
-        and costs the turn nothing."""
-        if self.traces is None:
-            return
-        try:
-            await self.traces.publish(claimed.org_id, claimed.session_id, claimed.turn_id, trace)
-        except BerthError as exc:
-            # The session was deleted meanwhile.
-            log.info("trace_not_published", turn_id=claimed.turn_id, reason=type(exc).__name__)
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and waits for cancels sent to other
@@ -562,16 +553,19 @@ class TurnRunner:
         io: DbTurnIO | None,
         outcome: Outcome,
         collecting: list[asyncio.Task[list[OutputFile]]] | None = None,
+        trace: TurnTrace | None = None,
     ) -> bool:
         """Ends the turn in one transaction; returns whether the session may
         have another queued turn. ``collecting`` holds the task that reads
         the turn's outputs when it was started early."""
         outcome, files = await self._read_outputs(claimed, io, outcome, collecting)
-        ending = _Ending(claimed, io, outcome, files)
+        ending = _Ending(claimed, io, outcome, files, trace=trace)
         try:
             more = await self.store.transact(lambda u: self._end_turn(u, ending))
         finally:
             await self._drop_unpublished(ending)
+        if ending.trace_published and self.traces is not None and trace is not None:
+            self.traces.export(claimed.turn_id, trace)
         self._remember_environment(claimed, io, outcome)
         log.info("turn_finished", session_id=claimed.session_id, turn_id=claimed.turn_id, status=outcome.status, code=outcome.code)
         return more
@@ -615,6 +609,9 @@ class TurnRunner:
             return True
         await self._close_turn_work(u, ending)
         await self._publish_outputs(u, ending)
+        if ending.trace is not None and self.traces is not None:
+            await self.traces.record(u, turn, ending.trace)
+            ending.trace_published = True
         released = await self._release_session(u, ending, now)
         if released is None:
             row, more = await repo.get_session(u.session, ending.claimed.org_id, ending.claimed.session_id), True

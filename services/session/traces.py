@@ -1,4 +1,4 @@
-"""Root-turn traces: published when a turn ends, listed as the SDK's
+"""Root-turn traces: stored with the turn's outcome, listed as the SDK's
 ``SessionTrace`` pages, and, with ``BERTH_TRACE_OTLP_ENDPOINT`` set, sent to
 an OpenTelemetry collector as OTLP/HTTP JSON (best effort: a collector that
 is down or slow costs a log line, never the turn)."""
@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session.harness.trace import TurnTrace
-from services.session.models import TraceRow
+from services.session.models import TraceRow, TurnRow
 from services.session.repository import Page
 from services.session.store import Store, Unit
 
@@ -31,29 +31,27 @@ class TraceStore:
         self._client = httpx.AsyncClient(timeout=export_timeout_s) if otlp_endpoint else None
         self._exports: set[asyncio.Task[None]] = set()
 
-    async def publish(self, org_id: str, session_id: str, turn_id: str, trace: TurnTrace) -> None:
-        """Stores the turn's trace (replacing one a previous worker of the
-        same turn published) and starts its export."""
-        otlp = trace.otlp()
-
-        async def write(u: Unit) -> None:
-            turn = await repo.get_turn(u.session, session_id, turn_id)
-            await u.session.execute(delete(TraceRow).where(TraceRow.id == turn_id))
-            u.session.add(
-                TraceRow(
-                    id=turn_id,
-                    org_id=org_id,
-                    session_id=session_id,
-                    created_at=turn.created_at,
-                    otlp_json=json.dumps(otlp, separators=(",", ":")),
-                )
+    async def record(self, u: Unit, turn: TurnRow, trace: TurnTrace) -> None:
+        """Stores the turn's trace in the transaction that ends the turn
+        (replacing one a previous worker of the same turn stored)."""
+        await u.session.execute(delete(TraceRow).where(TraceRow.id == turn.id))
+        u.session.add(
+            TraceRow(
+                id=turn.id,
+                org_id=turn.org_id,
+                session_id=turn.session_id,
+                created_at=turn.created_at,
+                otlp_json=json.dumps(trace.otlp(), separators=(",", ":")),
             )
+        )
 
-        await self.store.transact(write)
-        if self._client is not None:
-            task = asyncio.create_task(self._export(otlp, turn_id), name=f"trace-export-{turn_id}")
-            self._exports.add(task)
-            task.add_done_callback(self._exports.discard)
+    def export(self, turn_id: str, trace: TurnTrace) -> None:
+        """Sends the trace to the collector in the background, when one is configured."""
+        if self._client is None:
+            return
+        task = asyncio.create_task(self._export(trace.otlp(), turn_id), name=f"trace-export-{turn_id}")
+        self._exports.add(task)
+        task.add_done_callback(self._exports.discard)
 
     async def _export(self, otlp: dict[str, object], turn_id: str) -> None:
         assert self._client is not None
