@@ -39,7 +39,7 @@ def _answering(body: dict[str, Any]) -> Reply:
         return Answer(text="Summary: the user asked about report parts; each was answered.", chunk_chars=64)
     last = str(body["messages"][-1].get("content"))
     part = last.split("part ", 1)[1].split(" ", 1)[0] if "part " in last else "?"
-    return Answer(text=ANSWER.format(n=part), chunk_chars=512)
+    return Answer(text=ANSWER.format(n=part), chunk_chars=4096)
 
 
 def _tokens(body: dict[str, Any]) -> int:
