@@ -134,7 +134,8 @@ class Compactor:
                 break
             kept, cut = kept + cost, index
         summarized = items[:cut]
-        if not summarized:
+        if len(summarized) < 2:
+            # One item (the first message, say) is no shorter as a summary.
             return False
         with self.trace.span(
             "compaction",
