@@ -44,6 +44,7 @@ from openai.types.beta.agents.environments.environment_template import Environme
 from openai.types.beta.agents.environments.environment_template_deleted import EnvironmentTemplateDeleted
 from openai.types.beta.agents.sessions.session_artifact import SessionArtifact
 from openai.types.beta.agents.sessions.session_artifact_deleted import SessionArtifactDeleted
+from openai.types.beta.agents.sessions.session_trace import SessionTrace
 from openai.types.beta.agents.sessions.turn import Turn
 from openai.types.beta.agents.vault import Vault
 from openai.types.beta.agents.vault_deleted import VaultDeleted
@@ -244,6 +245,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("GET", "/v1/agents/sessions/{session_id}/subagents/{subagent_id}/turns/{turn_id}/items"): Operation(
         "List a subagent turn's items", SyncCursorPage[AgentSessionItem]
+    ),
+    ("GET", "/v1/agents/sessions/{session_id}/traces"): Operation(
+        "List the traces of a session's root turns", SyncCursorPage[SessionTrace]
     ),
     ("GET", "/v1/agents/sessions/{session_id}/artifacts"): Operation("List artifacts", SyncCursorPage[SessionArtifact]),
     ("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}"): Operation(

@@ -348,6 +348,11 @@ def turn(t: session_pb2.Turn) -> dict[str, Any]:
     return to_wire(t)
 
 
+def trace(t: session_pb2.SessionTrace) -> dict[str, Any]:
+    """``SessionTrace`` (object ``agent.session.trace``, OTLP JSON in ``otlp``)."""
+    return to_wire(t)
+
+
 def item(i: session_pb2.Item) -> dict[str, Any]:
     """``AgentSessionItem``: one member per item type."""
     return to_wire(i)

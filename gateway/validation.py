@@ -657,8 +657,7 @@ def check_agent_config(body: _AgentConfig | SessionAgentUpdate, prefix: str = ""
         return
     if body.multi_agent is not None:
         _extra(body.multi_agent, f"{prefix}multi_agent")
-    if body.compaction is not None:
-        raise _refuse("compaction is not supported yet.", f"{prefix}compaction")
+    _extra(body.compaction, f"{prefix}compaction")
     _extra(body.reasoning, f"{prefix}reasoning")
     _extra(body.text, f"{prefix}text")
     if body.text is not None:

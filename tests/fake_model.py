@@ -14,7 +14,8 @@ it sends parses under the SDK's models. Each request takes the next entry of
   (e.g. ``Retry-After``).
 - ``Drop``: the connection is closed without an answer.
 
-Once the script is used up, ``default`` answers (a ``Fail`` 400 unless set).
+Once the script is used up, ``respond`` (a function of the request body)
+answers when set, else ``default`` (a ``Fail`` 400 unless set).
 Every request is recorded with the monotonic time it arrived and the time
 its answer was fully written.
 """
@@ -25,6 +26,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -333,9 +335,16 @@ def _responses_events(reply: Answer, model: str, index: int) -> list[tuple[str, 
 class FakeModel:
     """The server; a context manager that runs it in a thread."""
 
-    def __init__(self, script: list[Reply] | None = None, *, default: Reply | None = None) -> None:
+    def __init__(
+        self,
+        script: list[Reply] | None = None,
+        *,
+        default: Reply | None = None,
+        respond: Callable[[dict[str, Any]], Reply] | None = None,
+    ) -> None:
         self.script: list[Reply] = list(script or [])
         self.default: Reply = default or Fail(400, "unexpected request", type="invalid_request_error")
+        self.respond = respond
         self.requests: list[Recorded] = []
         # Set after the first text chunk of an answer was written (and flushed).
         self.first_text_sent = threading.Event()
@@ -372,7 +381,10 @@ class FakeModel:
             record = Recorded(path, body, authorization, time.monotonic())
             self.requests.append(record)
             index = len(self.requests) - 1
-            reply = self.script.pop(0) if self.script else self.default
+            respond = self.respond
+            reply = self.script.pop(0) if self.script else None
+        if reply is None:
+            reply = respond(body) if respond is not None else self.default
         return reply, record, index
 
     def _handle(self, handler: BaseHTTPRequestHandler) -> None:

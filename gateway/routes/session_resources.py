@@ -1,5 +1,5 @@
 """What lives under one session: input events and the SSE event stream,
-turns, items and artifacts."""
+turns, items, traces and artifacts."""
 
 from __future__ import annotations
 
@@ -115,6 +115,14 @@ async def list_items(session_id: str, stub: SessionStubDep, page: PageDep) -> di
 async def list_turn_items(session_id: str, turn_id: str, stub: SessionStubDep, page: PageDep) -> dict[str, Any]:
     # Conversation-cursor page: the SDK pages with last_id, which cursor_page sets.
     return await _items(stub, require_id(session_id, "sess"), require_id(turn_id, "turn"), page)
+
+
+@router.get("/agents/sessions/{session_id}/traces")
+async def list_traces(session_id: str, stub: SessionStubDep, page: PageDep) -> dict[str, Any]:
+    response = await stub.ListTraces(
+        pb.ListTracesRequest(session_id=require_id(session_id, "sess"), page=page.to_proto())
+    )
+    return render.cursor_page([render.trace(t) for t in response.traces], response.has_more)
 
 
 @router.get("/agents/sessions/{session_id}/artifacts")

@@ -323,6 +323,25 @@ class Settings(BaseSettings):
     webhook_claim_s: float = Field(
         default=60.0, gt=0, description="A claimed delivery whose worker died is attempted again after this long."
     )
+    model_context_windows: dict[str, int] = Field(
+        default_factory=dict,
+        description=(
+            "JSON {model name or prefix: tokens}: context windows over the built-in defaults for known model "
+            "families (services/session/harness/context.py); the longest matching prefix wins."
+        ),
+    )
+    model_context_window: int = Field(
+        default=128_000, ge=1024, description="Context window, in tokens, of a model neither setting nor default knows."
+    )
+    compaction_threshold: float = Field(
+        default=0.8,
+        gt=0.1,
+        lt=1.0,
+        description="Fraction of the context window a request may fill before the history is compacted first.",
+    )
+    trace_otlp_endpoint: str = Field(
+        default="", description="OTLP/HTTP JSON traces endpoint (e.g. http://collector:4318/v1/traces); unset exports nothing."
+    )
 
     dev_org: str = "dev"
 

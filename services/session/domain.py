@@ -1,5 +1,5 @@
 """The Session service's logic, one class per job: saved agents, sessions,
-input, history (turns, items, artifacts), the event stream and subagents. Plain async
+input, history (turns, items, artifacts), traces, the event stream and subagents. Plain async
 methods, testable without gRPC; every method scopes by the caller's
 organization (``current_org()``), and another organization's resource is
 ``NotFound``.
@@ -18,6 +18,7 @@ from services.session.session_input import SessionInput
 from services.session.sessions import Sessions
 from services.session.store import Store
 from services.session.subagents import Subagents
+from services.session.traces import TraceStore
 
 __all__ = ["SessionDomain"]
 
@@ -33,6 +34,7 @@ class SessionDomain:
         blobs: BlobStore,
         *,
         mcp: McpConnections | None = None,
+        traces: TraceStore | None = None,
         poll_s: float = 0.2,
     ) -> None:
         self.agents = SavedAgents(store)
@@ -42,3 +44,4 @@ class SessionDomain:
         self.events = EventStream(store, poll_s=poll_s)
         self.subagents = Subagents(store, self.sessions, self.input)
         runner.subagents = self.subagents
+        self.traces = traces or TraceStore(store)

@@ -27,6 +27,7 @@ __all__ = [
     "AutomationRow",
     "InvocationRow",
     "SessionMetadataRow",
+    "TraceRow",
 ]
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
@@ -78,6 +79,8 @@ class SessionRow(Base):
     event_seq: Mapped[int] = mapped_column(BigInteger)
     # The one turn that may run (in_progress or waiting); the per-session mutex.
     active_turn_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The oldest item the model still sees after the last compaction (0: all).
+    context_from_pk: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # The subagent this (child) session runs for; None for a session an
     # application created. Child sessions are not listed as sessions.
     subagent_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
@@ -330,3 +333,17 @@ class SessionMetadataRow(Base):
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     org_id: Mapped[str] = mapped_column(String(128))
     value: Mapped[str] = mapped_column(String(512))
+
+
+class TraceRow(Base):
+    """The published trace of one root turn (its ID is the turn's)."""
+
+    __tablename__ = "traces"
+
+    pk: Mapped[int] = mapped_column(_PK, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    org_id: Mapped[str] = mapped_column(String(128))
+    session_id: Mapped[str] = mapped_column(String(64), index=True)
+    # Creation time of the root turn.
+    created_at: Mapped[float] = mapped_column(Float)
+    otlp_json: Mapped[str] = mapped_column(Text)

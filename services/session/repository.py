@@ -24,6 +24,7 @@ from services.session.models import (
     SessionMetadataRow,
     SessionRow,
     SubagentRow,
+    TraceRow,
     TurnRow,
     WebhookDeliveryRow,
     WebhookEndpointRow,
@@ -58,6 +59,7 @@ Row = TypeVar(
     WebhookDeliveryRow,
     AutomationRow,
     InvocationRow,
+    TraceRow,
 )
 
 # Core tables for the statements on a turn's path.
@@ -313,7 +315,7 @@ async def delete_session_rows(s: AsyncSession, session_id: str) -> list[str]:
         str(sha)
         for sha in (await s.execute(select(ArtifactRow.sha256).where(ArtifactRow.session_id == session_id).distinct())).scalars()
     ]
-    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow, SessionMetadataRow):
+    for model in (ArtifactRow, PublishedOutputRow, EventRow, FunctionCallRow, ItemRow, TurnRow, SessionMetadataRow, TraceRow):
         await s.execute(delete(model).where(model.session_id == session_id))
     await s.execute(delete(SubagentRow).where(SubagentRow.child_session_id == session_id))
     await s.execute(delete(SessionRow).where(SessionRow.id == session_id))

@@ -62,17 +62,20 @@ from services.session.automations import Automations
 from services.session.environment_cache import EnvironmentCache
 from services.session.environment_client import EnvironmentClient
 from services.session.function_call_gate import PendingFunctionCall
+from services.session.harness.context import ContextLimits
 from services.session.harness.io import ItemHandle, TurnFailure
 from services.session.harness.loop import run_turn
 from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry, ToolCall
 from services.session.harness.subagents import SubagentPort
 from services.session.harness.tools import INTERRUPTED, resume_command
+from services.session.harness.trace import TurnTrace
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.session_controls import PriceTable, SessionControls, SpendBudget
 from services.session.store import Store, Unit, turn_key
+from services.session.traces import TraceStore
 from services.session.turn_io import DbTurnIO
 from services.session.webhooks import announce_artifacts
 from services.session.turn_writer import TurnTakenOver, answer_unfinished_call
@@ -83,7 +86,17 @@ log = get_logger(__name__)
 
 _ITEMS = cast(Table, ItemRow.__table__)
 # Built once (see services/session/repository.py on prepared statements).
-_HISTORY = select(_ITEMS.c.id, _ITEMS.c.model_json).where(_ITEMS.c.session_id == bindparam("session_id")).order_by(_ITEMS.c.pk)
+_SESSIONS = cast(Table, SessionRow.__table__)
+# From the oldest item the model still sees (compactions drop the rest).
+_HISTORY = (
+    select(_ITEMS.c.id, _ITEMS.c.model_json)
+    .where(
+        _ITEMS.c.session_id == bindparam("session_id"),
+        _ITEMS.c.pk
+        >= select(_SESSIONS.c.context_from_pk).where(_SESSIONS.c.id == bindparam("session_id")).scalar_subquery(),
+    )
+    .order_by(_ITEMS.c.pk)
+)
 _INSERT_ITEMS = insert(_ITEMS)
 
 
@@ -147,6 +160,9 @@ class _Ending:
     files: list[OutputFile]
     # Whether ``files`` were recorded as the turn's artifacts.
     recorded: bool = False
+    # The turn's trace (ended), published with its outcome.
+    trace: TurnTrace | None = None
+    trace_published: bool = False
     # As the turn left them (it has settled).
     environment: environment_pb2.Environment | None = field(init=False)
     usage: dict[str, Any] | None = field(init=False)
@@ -171,9 +187,13 @@ class TurnRunner:
         dependency_retry_s: float = 0.0,
         automations: Automations | None = None,
         prices: PriceTable | None = None,
+        traces: TraceStore | None = None,
+        limits: ContextLimits | None = None,
     ) -> None:
         self.automations = automations
         self.store = store
+        self.traces = traces
+        self.limits = limits or ContextLimits()
         self.env_client = env_client
         self.providers = providers
         self.prices = prices or PriceTable()
@@ -436,7 +456,8 @@ class TurnRunner:
             ),
             prompt_cache_retention=SessionControls.from_json(claimed.controls_json).prompt_cache_retention,
         )
-        task = asyncio.create_task(self._turn(io, claimed), name=f"turn-{claimed.turn_id}")
+        trace = TurnTrace(session_id=claimed.session_id, turn_id=claimed.turn_id)
+        task = asyncio.create_task(self._turn(io, claimed, trace), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
         watcher = asyncio.create_task(self._watch(claimed.turn_id, task, io))
         try:
@@ -472,7 +493,8 @@ class TurnRunner:
             outcome = Outcome(TurnStatus.FAILED, "internal_error", "an internal error ended the turn")
         else:
             outcome = Outcome(TurnStatus.COMPLETED)
-        more = await asyncio.shield(self._finalize(claimed, io, outcome, collecting))
+        trace.end(str(outcome.status), outcome.code)
+        more = await asyncio.shield(self._finalize(claimed, io, outcome, collecting, trace))
         if outcome.status == TurnStatus.CANCELLED and self.subagents is not None:
             # Cancelling a turn interrupts the subagents its model created.
             try:
@@ -481,14 +503,21 @@ class TurnRunner:
                 log.warning("subagent_interrupt_failed", session_id=claimed.session_id, exc_info=True)
         return more
 
-    async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn) -> None:
+    async def _turn(self, io: DbTurnIO, claimed: ClaimedTurn, trace: TurnTrace) -> None:
         """The agent loop, after finishing the commands a resumed turn's
         previous worker left running."""
         for handle, item, call, shown in claimed.reattach:
             await resume_command(io, handle, item, call, shown)
         if claimed.rewait:
             await io.calls.resume_waiting(claimed.rewait, already_waiting=claimed.waiting)
-        await run_turn(io, self.providers.for_model, tool_concurrency=self.providers.tool_concurrency)
+        await run_turn(
+            io,
+            self.providers.for_model,
+            tool_concurrency=self.providers.tool_concurrency,
+            limits=self.limits,
+            trace=trace,
+        )
+
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and waits for cancels sent to other
@@ -587,16 +616,19 @@ class TurnRunner:
         io: DbTurnIO | None,
         outcome: Outcome,
         collecting: list[asyncio.Task[list[OutputFile]]] | None = None,
+        trace: TurnTrace | None = None,
     ) -> bool:
         """Ends the turn in one transaction; returns whether the session may
         have another queued turn. ``collecting`` holds the task that reads
         the turn's outputs when it was started early."""
         outcome, files = await self._read_outputs(claimed, io, outcome, collecting)
-        ending = _Ending(claimed, io, outcome, files)
+        ending = _Ending(claimed, io, outcome, files, trace=trace)
         try:
             more = await self.store.transact(lambda u: self._end_turn(u, ending))
         finally:
             await self._drop_unpublished(ending)
+        if ending.trace_published and self.traces is not None and trace is not None:
+            self.traces.export(claimed.turn_id, trace)
         self._remember_environment(claimed, io, outcome)
         log.info("turn_finished", session_id=claimed.session_id, turn_id=claimed.turn_id, status=outcome.status, code=outcome.code)
         return more
@@ -640,6 +672,9 @@ class TurnRunner:
             return True
         await self._close_turn_work(u, ending)
         await self._publish_outputs(u, ending)
+        if ending.trace is not None and self.traces is not None:
+            await self.traces.record(u, turn, ending.trace)
+            ending.trace_published = True
         released = await self._release_session(u, ending, now)
         if released is None:
             row, more = await repo.get_session(u.session, ending.claimed.org_id, ending.claimed.session_id), True

@@ -30,6 +30,7 @@ from services.session.automation_servicer import AutomationServicer
 from services.session.automations import Automations
 from services.session.domain import SessionDomain
 from services.session.environment_client import EnvironmentClient
+from services.session.harness.context import ContextLimits
 from services.session.harness.models import ProviderRegistry
 from services.session.mcp_connections import McpConnections
 from services.session.runner import TurnRunner
@@ -41,6 +42,7 @@ from services.session.webhooks.delivery import DeliveryConfig, WebhookDeliverer
 from services.session.webhooks.destinations import DestinationPolicy
 from services.session.webhooks.endpoints import WebhookEndpoints
 from services.session.webhooks.signing import open_secret_box
+from services.session.traces import TraceStore
 
 __all__ = ["start_session_service", "SESSION_CALLERS"]
 
@@ -93,6 +95,7 @@ async def start_session_service(
     mcp = McpConnections(call_timeout_s=settings.mcp_call_timeout_s, connect_timeout_s=settings.mcp_connect_timeout_s)
     automations = Automations(store, env_client, clock=clock)
     prices = PriceTable(settings.model_prices)
+    traces = TraceStore(store, otlp_endpoint=settings.trace_otlp_endpoint, export_timeout_s=settings.rpc_timeout_s)
     runner = TurnRunner(
         store,
         env_client,
@@ -103,8 +106,14 @@ async def start_session_service(
         dependency_retry_s=settings.dependency_retry_s,
         automations=automations,
         prices=prices,
+        traces=traces,
+        limits=ContextLimits(
+            windows=dict(settings.model_context_windows),
+            default_window=settings.model_context_window,
+            threshold=settings.compaction_threshold,
+        ),
     )
-    domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp)
+    domain = SessionDomain(store, env_client, runner, blobs, mcp=mcp, traces=traces)
     scheduler = AutomationScheduler(
         store,
         SessionDelivery(domain.sessions, domain.input),
@@ -148,6 +157,7 @@ async def start_session_service(
             env_client.close,
             mcp.close,
             providers.close,
+            traces.close,
             runner.close,
             deliverer.close,
             scheduler.close,

@@ -16,8 +16,8 @@ from services.session import views, wire
 from services.session.agents import config_message
 from services.session.domain import SessionDomain
 from services.session.saved_agents import AgentView
+from services.session.models import ArtifactRow, ItemRow, TraceRow, TurnRow
 from services.session.subagents import subagent_message
-from services.session.models import ArtifactRow, ItemRow, TurnRow
 from services.session.repository import Page
 
 __all__ = ["SessionServicer"]
@@ -55,6 +55,12 @@ def _item(row: ItemRow) -> session_pb2.Item:
 
 def _event(sequence: int, event_json: str) -> session_pb2.SessionEvent:
     return to_message(json.loads(event_json), session_pb2.SessionEvent(sequence=sequence))
+
+
+def _trace(row: TraceRow) -> session_pb2.SessionTrace:
+    trace = session_pb2.SessionTrace(id=row.id, created_at=int(row.created_at), session_id=row.session_id)
+    trace.otlp.update(json.loads(row.otlp_json))
+    return trace
 
 
 def _artifact(row: ArtifactRow) -> session_pb2.Artifact:
@@ -161,6 +167,10 @@ class SessionServicer(session_service_pb2_grpc.SessionServiceServicer):
     async def ListItems(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         items, more = await self.domain.history.list_items(current_org(), request.session_id, request.turn_id, _page(request.page))
         return session_service_pb2.ListItemsResponse(items=[_item(i) for i in items], has_more=more)
+
+    async def ListTraces(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        traces, more = await self.domain.traces.list(current_org(), request.session_id, _page(request.page))
+        return session_service_pb2.ListTracesResponse(traces=[_trace(t) for t in traces], has_more=more)
 
     # artifacts
     async def ListArtifacts(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -138,6 +138,9 @@ class DbTurnIO:
     async def transcript(self) -> list[Entry]:
         return await self.writer.transcript()
 
+    async def transcript_items(self) -> list[tuple[str, list[Entry]]]:
+        return await self.writer.transcript_items()
+
     async def add_item(
         self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
     ) -> ItemHandle:

@@ -20,13 +20,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, bindparam, exists, insert, select, update
+from sqlalchemy import Table, bindparam, exists, func, insert, select, update
 
 from services.core.db import set_clause, set_params
 from services.core.errors import NotFound
 from services.core.ids import new_id
 from services.session import views, wire
 from services.session.agents import AgentConfig
+from services.session.harness.context import compact_history, compaction_keep
 from services.session.harness.io import ItemHandle
 from services.session.harness.models.base import Entry, Usage
 from services.session.models import FunctionCallRow, ItemRow, SessionRow, TurnRow
@@ -106,9 +107,11 @@ class _Staged:
     events: list[dict[str, Any]] = field(default_factory=list)
     # Items that stop being open once this stage is persisted.
     finished: list[str] = field(default_factory=list)
+    # After a compaction: the items the model still sees.
+    context_from: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.items or self.item_updates or self.calls or self.events or self.finished)
+        return bool(self.items or self.item_updates or self.calls or self.events or self.finished or self.context_from)
 
 
 class TurnWriter:
@@ -139,8 +142,8 @@ class TurnWriter:
         self.next_output_index = next_output_index
         self._config_json = agent_config_json
         self._config = views.agent_config_from_json(agent_config_json)
-        # Model-facing entries per item, in item order.
-        self._transcript: dict[str, list[Entry]] = dict(transcript)
+        # Model-facing entries per item, in item order, after compactions.
+        self._transcript: dict[str, list[Entry]] = dict(compact_history(transcript))
         self._staged = _Staged()
         self._batching = False
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -161,6 +164,16 @@ class TurnWriter:
 
     async def transcript(self) -> list[Entry]:
         return [entry for entries in self._transcript.values() for entry in entries]
+
+    async def transcript_items(self) -> list[tuple[str, list[Entry]]]:
+        return list(self._transcript.items())
+
+    def _set_entries(self, item_id: str, entries: list[Entry]) -> None:
+        self._transcript[item_id] = list(entries)
+        if compaction_keep(entries) is not None:
+            self._transcript = dict(compact_history(list(self._transcript.items())))
+            # The next turn loads the history from the oldest item still seen.
+            self._staged.context_from = list(self._transcript)
 
     def _remember_config(self, config_json: str) -> None:
         if config_json != self._config_json:
@@ -205,6 +218,11 @@ class TurnWriter:
             for item_id, values in staged.item_updates.items():
                 await u.session.execute(
                     _update_item(tuple(values)), {"item_id": item_id, **set_params(values)}
+                )
+            if staged.context_from:
+                oldest = select(func.min(_ITEMS.c.pk)).where(_ITEMS.c.id.in_(staged.context_from)).scalar_subquery()
+                await u.session.execute(
+                    update(_SESSIONS).where(_SESSIONS.c.id == self.session_id).values(context_from_pk=oldest)
                 )
             await self.append(u, staged.events)
             for item_id in staged.finished:
@@ -255,12 +273,12 @@ class TurnWriter:
 
     def remember_entries(self, item_id: str, entries: list[Entry]) -> None:
         """Adds an item persisted elsewhere to the model's transcript."""
-        self._transcript[item_id] = list(entries)
+        self._set_entries(item_id, entries)
 
     def stage_item(self, handle: ItemHandle, item: dict[str, Any], entries: list[Entry], *, visible: bool) -> dict[str, Any]:
         row, full = self.item_row(handle, item, entries, visible=visible)
         self._staged.items[handle.id] = row
-        self._transcript[handle.id] = list(entries)
+        self._set_entries(handle.id, entries)
         return full
 
     def stage_call(self, call: FunctionCallRow) -> None:

@@ -298,6 +298,13 @@ async def test_every_route_returns_what_the_sdk_models_parse_strictly(stack: Sta
             "GET", "/v1/agents/sessions/{session_id}/turns/{turn_id}/items", session_id=session_id, turn_id=turn_id
         )
         artifacts = await api.call("GET", "/v1/agents/sessions/{session_id}/artifacts", session_id=session_id)
+
+        async def traced() -> Any:
+            traces = await api.call("GET", "/v1/agents/sessions/{session_id}/traces", session_id=session_id)
+            return traces["data"]
+
+        # Published right after the turn's end.
+        assert [t["id"] for t in await wait_until(traced, 30, what="the turn's trace")] == [turn_id]
         (artifact,) = artifacts["data"]
         ids = {"session_id": session_id, "artifact_id": artifact["id"]}
         await api.call("GET", "/v1/agents/sessions/{session_id}/artifacts/{artifact_id}", **ids)

@@ -24,8 +24,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("an asynchronous function", {"tools": [{**FUNCTION, "async": True}]}, "tools.0.async"),
     ("an unknown tool key", {"tools": [{**FUNCTION, "strict": True}]}, "tools.0.strict"),
     ("an unknown multi_agent key", {"multi_agent": {"enabled": True, "depth": 2}}, "multi_agent.depth"),
-    ("blocking compaction", {"compaction": {}}, "compaction"),
-    ("async compaction", {"compaction": {"async": True}}, "compaction"),
+    ("an unknown compaction key", {"compaction": {"async": True, "mode": "x"}}, "compaction.mode"),
     ("an unknown reasoning key", {"reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget"),
     ("an unknown experimental key", {"experimental": {"time_travel": True}}, "experimental.time_travel"),
 ]

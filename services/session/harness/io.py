@@ -89,7 +89,12 @@ class TurnIO(Protocol):
         ...
 
     async def transcript(self) -> list[Entry]:
-        """Model-facing entries of the whole session history, in order."""
+        """Model-facing entries of the session history, in order (after its
+        compactions, ``harness/context.py``)."""
+        ...
+
+    async def transcript_items(self) -> list[tuple[str, list[Entry]]]:
+        """The same, per item: (item ID, its entries)."""
         ...
 
     async def add_item(

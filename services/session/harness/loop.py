@@ -1,6 +1,9 @@
 """The agent loop of one turn: call the model with the session history and the
 tool definitions, execute the tool calls it makes, append items, and repeat
 until it answers without tool calls (at most ``MAX_ITERATIONS`` model calls).
+Before each model call the history is compacted when it would not fit the
+model's context window (``harness/compaction.py``), and the turn's spans
+are recorded (``harness/trace.py``).
 
 Each model call is streamed (``harness/stream.py`` turns its deltas into
 items and events as they arrive). The agent's MCP servers are connected
@@ -18,11 +21,14 @@ from typing import Any
 
 from services.core.logging import get_logger
 from services.session.agents import AgentConfig
+from services.session.harness.compaction import Compactor
+from services.session.harness.context import ContextLimits
 from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.mcp_tools import McpToolbox, is_mcp_call
 from services.session.harness.models.base import ModelError, ModelProvider, ModelRequest, ModelResponse, ToolCall
 from services.session.harness.stream import stream_model_call
 from services.session.harness.tools import PendingCall, execute_tool_call, tool_specs
+from services.session.harness.trace import TurnTrace
 
 __all__ = ["run_turn", "MAX_ITERATIONS", "DEFAULT_TOOL_CONCURRENCY", "instructions_for"]
 
@@ -89,7 +95,7 @@ class _Ordered:
 
 
 async def _run_tool_calls(
-    io: TurnIO, config: AgentConfig, mcp: McpToolbox, calls: list[ToolCall], concurrency: int
+    io: TurnIO, config: AgentConfig, mcp: McpToolbox, calls: list[ToolCall], concurrency: int, trace: TurnTrace
 ) -> list[PendingCall]:
     """Runs the calls of one model response; returns the pending
     application function calls, in order."""
@@ -107,10 +113,17 @@ async def _run_tool_calls(
         async with limit:
             started.set()
             try:
-                if is_mcp_call(call.name):
-                    await mcp.run(ordered, [call])
-                    return None
-                return await execute_tool_call(ordered, config, call)
+                with trace.span(
+                    "tool",
+                    f"execute_tool {call.name}",
+                    gen_ai__operation__name="execute_tool",
+                    gen_ai__tool__name=call.name,
+                    gen_ai__tool__call__id=call.id,
+                ):
+                    if is_mcp_call(call.name):
+                        await mcp.run(ordered, [call])
+                        return None
+                    return await execute_tool_call(ordered, config, call)
             finally:
                 ordered.added.set()
 
@@ -130,11 +143,62 @@ async def _run_tool_calls(
     return [r for r in results if r is not None]
 
 
+async def _call_model(
+    io: TurnIO, provider: ModelProvider, request: ModelRequest, compactor: Compactor, trace: TurnTrace
+) -> ModelResponse:
+    """One model call, traced; a context-length error compacts the history
+    and retries once."""
+    for attempt in range(2):
+        try:
+            with trace.span(
+                "model", f"chat {request.model}", gen_ai__operation__name="chat", gen_ai__request__model=request.model
+            ) as span:
+                response = await stream_model_call(io, provider, request)
+                if response.usage is not None:
+                    span.set(
+                        gen_ai__usage__input_tokens=response.usage.input_tokens,
+                        gen_ai__usage__output_tokens=response.usage.output_tokens,
+                    )
+                return response
+        except ModelError as exc:
+            compacted = None
+            if exc.code == "context_length_exceeded" and attempt == 0:
+                compacted = await compactor.overflowed(request)
+            if compacted is None:
+                raise TurnFailure(exc.code, exc.message) from exc
+            request = compacted
+    raise AssertionError("unreachable")
+
+
 async def run_turn(
-    io: TurnIO, provider_for: Callable[[str], ModelProvider], *, tool_concurrency: int = DEFAULT_TOOL_CONCURRENCY
+    io: TurnIO,
+    provider_for: Callable[[str], ModelProvider],
+    *,
+    tool_concurrency: int = DEFAULT_TOOL_CONCURRENCY,
+    limits: ContextLimits | None = None,
+    trace: TurnTrace | None = None,
 ) -> None:
     """Runs until the final answer. Raises TurnFailure for a failed turn;
-    cancellation arrives as CancelledError at any await."""
+    cancellation arrives as CancelledError at any await. Compaction
+    (``harness/compaction.py``) keeps each request within the model's
+    context window; ``trace`` records the turn's spans."""
+    trace = trace or TurnTrace(session_id=io.session_id, turn_id=io.turn_id)
+    compactor = Compactor(io, provider_for, limits or ContextLimits(), trace)
+    try:
+        await _iterate(io, provider_for, tool_concurrency, compactor, trace)
+    except BaseException:
+        compactor.cancel()
+        raise
+    await compactor.settle()
+
+
+async def _iterate(
+    io: TurnIO,
+    provider_for: Callable[[str], ModelProvider],
+    tool_concurrency: int,
+    compactor: Compactor,
+    trace: TurnTrace,
+) -> None:
     mcp = McpToolbox()
     for _ in range(MAX_ITERATIONS):
         config = await io.agent_config()
@@ -153,15 +217,15 @@ async def run_turn(
             prompt_cache_retention=io.prompt_cache_retention,
             prompt_cache_key=io.session_id if io.prompt_cache_retention else None,
         )
-        try:
-            response: ModelResponse = await stream_model_call(io, provider_for(config["model"]), request)
-        except ModelError as exc:
-            raise TurnFailure(exc.code, exc.message) from exc
+        request = await compactor.fit(config, request)
+        response = await _call_model(io, provider_for(config["model"]), request, compactor, trace)
         if response.usage is not None:
             io.record_usage(response.usage)
+            compactor.observe(response.usage)
         if not response.tool_calls:
             return
-        pending = await _run_tool_calls(io, config, mcp, response.tool_calls, tool_concurrency)
+        pending = await _run_tool_calls(io, config, mcp, response.tool_calls, tool_concurrency, trace)
         if pending:
-            await io.wait_function_results([p.call_id for p in pending])
+            with trace.span("wait", "wait function_results", berth__wait_for="function_results"):
+                await io.wait_function_results([p.call_id for p in pending])
     raise TurnFailure("internal_error", f"the agent did not finish within {MAX_ITERATIONS} model calls")

@@ -24,7 +24,9 @@ def clip_for_model(text: str) -> str:
     half = MAX_MODEL_OUTPUT // 2
     omitted = len(text) - 2 * half
     return (
-        f"{text[:half]}\n...[output truncated: {omitted} of {len(text)} characters omitted from the middle]...\n"
+        f"{text[:half]}\n...[output truncated: a tool result gives you at most {MAX_MODEL_OUTPUT} characters, "
+        f"so {omitted} of its {len(text)} characters were omitted from the middle; narrow the command "
+        f"(e.g. grep, head, tail or a line range) to see them]...\n"
         f"{text[-half:]}"
     )
 

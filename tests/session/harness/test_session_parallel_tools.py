@@ -16,6 +16,7 @@ from services.session.harness.io import ItemHandle
 from services.session.harness.loop import _run_tool_calls
 from services.session.harness.mcp_tools import McpToolbox
 from services.session.harness.models.base import ToolCall
+from services.session.harness.trace import TurnTrace
 
 
 class _Env:
@@ -76,8 +77,11 @@ async def test_tool_calls_run_at_most_bound_at_a_time_and_add_items_in_the_model
     io = _IO()
     config: Any = {"model": "m", "tools": []}
     async with asyncio.timeout(10):
-        pending = await _run_tool_calls(io, config, McpToolbox(), _calls(0.08, 0.04, 0.02, 0.0), bound)  # type: ignore[arg-type]
+        trace = TurnTrace(session_id="sess", turn_id="turn")
+        pending = await _run_tool_calls(io, config, McpToolbox(), _calls(0.08, 0.04, 0.02, 0.0), bound, trace)  # type: ignore[arg-type]
     assert pending == []
     assert io.env.most == most
     assert [item["command"] for _, item in io.items] == ["0.08", "0.04", "0.02", "0.0"]
     assert [index for index, _ in io.items] == [0, 1, 2, 3]
+    # One tool span per call, each a child of the turn.
+    assert sorted(str(s.attributes["gen_ai.tool.call.id"]) for s in trace.spans if s.kind == "tool") == [c.id for c in _calls(0, 0, 0, 0)]

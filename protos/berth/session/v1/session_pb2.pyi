@@ -1729,25 +1729,99 @@ class ReasoningItem(_message.Message):
 
     SUMMARY_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    COMPACTION_FIELD_NUMBER: _builtins.int
     status: _builtins.str
     """"in_progress", "completed" or "incomplete"."""
     @_builtins.property
     def summary(self) -> _containers.RepeatedCompositeFieldContainer[Global___SummaryText]:
         """The summary parts, in order."""
 
+    @_builtins.property
+    def compaction(self) -> Global___CompactionInfo:
+        """Set when this item is a context compaction: its summary replaced the
+        history before it for the model (an additive field of the SDK's item).
+        """
+
     def __init__(
         self,
         *,
         summary: _abc.Iterable[Global___SummaryText] | None = ...,
         status: _builtins.str = ...,
+        compaction: Global___CompactionInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compaction", b"compaction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction", b"compaction", "status", b"status", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReasoningItem: _TypeAlias = ReasoningItem  # noqa: Y015
+
+@_typing.final
+class CompactionInfo(_message.Message):
+    """CompactionInfo describes one context compaction."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUMMARIZED_ITEMS_FIELD_NUMBER: _builtins.int
+    TOKENS_BEFORE_FIELD_NUMBER: _builtins.int
+    BACKGROUND_FIELD_NUMBER: _builtins.int
+    summarized_items: _builtins.int
+    """How many items the summary replaced."""
+    tokens_before: _builtins.int
+    """Estimated tokens of the request that needed it."""
+    background: _builtins.bool
+    """Whether it ran in the background while the session went on."""
+    def __init__(
+        self,
+        *,
+        summarized_items: _builtins.int = ...,
+        tokens_before: _builtins.int = ...,
+        background: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["background", b"background", "summarized_items", b"summarized_items", "tokens_before", b"tokens_before"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompactionInfo: _TypeAlias = CompactionInfo  # noqa: Y015
+
+@_typing.final
+class SessionTrace(_message.Message):
+    """SessionTrace is the trace of one root turn (the SDK's `SessionTrace`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    OTLP_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The root turn ID."""
+    created_at: _builtins.int
+    """Creation time of the root turn, Unix seconds."""
+    session_id: _builtins.str
+    """The session."""
+    @_builtins.property
+    def otlp(self) -> _struct_pb2.Struct:
+        """An OTLP JSON ExportTraceServiceRequest (resourceSpans)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        created_at: _builtins.int = ...,
+        session_id: _builtins.str = ...,
+        otlp: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["otlp", b"otlp"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "id", b"id", "otlp", b"otlp", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionTrace: _TypeAlias = SessionTrace  # noqa: Y015
 
 @_typing.final
 class SummaryText(_message.Message):

@@ -26,6 +26,62 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ListTracesRequest(_message.Message):
+    """Request for ListTraces."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    @_builtins.property
+    def page(self) -> Global___PageRequest:
+        """Pagination (by root turn ID)."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        page: Global___PageRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["page", b"page"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page", b"page", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTracesRequest: _TypeAlias = ListTracesRequest  # noqa: Y015
+
+@_typing.final
+class ListTracesResponse(_message.Message):
+    """Response for ListTraces."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRACES_FIELD_NUMBER: _builtins.int
+    HAS_MORE_FIELD_NUMBER: _builtins.int
+    has_more: _builtins.bool
+    """More results exist."""
+    @_builtins.property
+    def traces(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.SessionTrace]:
+        """The page."""
+
+    def __init__(
+        self,
+        *,
+        traces: _abc.Iterable[_session_pb2.SessionTrace] | None = ...,
+        has_more: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_more", b"has_more", "traces", b"traces"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTracesResponse: _TypeAlias = ListTracesResponse  # noqa: Y015
+
+@_typing.final
 class PageRequest(_message.Message):
     """Cursor pagination shared by list requests."""
 

@@ -140,6 +140,11 @@ class SessionServiceStub:
                 request_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentRequest.SerializeToString,
                 response_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentResponse.FromString,
                 _registered_method=True)
+        self.ListTraces = channel.unary_unary(
+                '/berth.session.v1.SessionService/ListTraces',
+                request_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListTracesRequest.SerializeToString,
+                response_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListTracesResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -295,6 +300,13 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTraces(self, request, context):
+        """Lists the traces of a session's root turns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +414,11 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.GetSubagent,
                     request_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentRequest.FromString,
                     response_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentResponse.SerializeToString,
+            ),
+            'ListTraces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTraces,
+                    request_deserializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListTracesRequest.FromString,
+                    response_serializer=berth_dot_session_dot_v1_dot_session__service__pb2.ListTracesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -972,6 +989,33 @@ class SessionService:
             '/berth.session.v1.SessionService/GetSubagent',
             berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentRequest.SerializeToString,
             berth_dot_session_dot_v1_dot_session__service__pb2.GetSubagentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTraces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.session.v1.SessionService/ListTraces',
+            berth_dot_session_dot_v1_dot_session__service__pb2.ListTracesRequest.SerializeToString,
+            berth_dot_session_dot_v1_dot_session__service__pb2.ListTracesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,6 +82,8 @@ class SessionServiceStub:
     """
     GetSubagent: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.GetSubagentRequest, _session_service_pb2.GetSubagentResponse]
     """GetSubagent returns one subagent of a session."""
+    ListTraces: _grpc.UnaryUnaryMultiCallable[_session_service_pb2.ListTracesRequest, _session_service_pb2.ListTracesResponse]
+    """Lists the traces of a session's root turns."""
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -134,6 +136,8 @@ class SessionServiceAsyncStub(SessionServiceStub):
     """
     GetSubagent: _aio.UnaryUnaryMultiCallable[_session_service_pb2.GetSubagentRequest, _session_service_pb2.GetSubagentResponse]  # type: ignore[assignment]
     """GetSubagent returns one subagent of a session."""
+    ListTraces: _aio.UnaryUnaryMultiCallable[_session_service_pb2.ListTracesRequest, _session_service_pb2.ListTracesResponse]  # type: ignore[assignment]
+    """Lists the traces of a session's root turns."""
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     """SessionService is the Agents API's session surface."""
@@ -309,5 +313,13 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_session_service_pb2.GetSubagentResponse, _abc.Awaitable[_session_service_pb2.GetSubagentResponse]]:
         """GetSubagent returns one subagent of a session."""
+
+    @_abc_1.abstractmethod
+    def ListTraces(
+        self,
+        request: _session_service_pb2.ListTracesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_service_pb2.ListTracesResponse, _abc.Awaitable[_session_service_pb2.ListTracesResponse]]:
+        """Lists the traces of a session's root turns."""
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -2,7 +2,7 @@
 subagent a session or turn runs for.
 
 Revision ID: session_0007
-Revises: session_0005
+Revises: session_0006
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "session_0007"
-down_revision = "session_0005"
+down_revision = "session_0006"
 branch_labels = None
 depends_on = None
 
