@@ -4,6 +4,7 @@ baseline measured in the same run.
     python -m bench              # all
     python -m bench gateway exec # a selection
     python -m bench faults       # optional: each service killed under load (PostgreSQL)
+    python -m bench scale        # optional: berth serve under 1-200 concurrent sessions, and the scale figures
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from services.core.logging import configure_logging
 
 BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker", "replicas"]
 # Run only when named.
-OPTIONAL = ["faults"]
+OPTIONAL = ["faults", "scale"]
 
 
 async def _main(names: list[str]) -> None:

@@ -95,6 +95,20 @@ class Settings(BaseSettings):
     )
     rpc_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of unary gRPC calls.")
     grace_s: float = Field(default=5.0, ge=0, description="Graceful shutdown period.")
+    serve_processes: bool = Field(
+        default=True,
+        description=(
+            "`berth serve` runs each service in a process of its own under one supervisor, so they use every core; "
+            "false runs all four in one process and one event loop."
+        ),
+    )
+    serve_start_timeout_s: float = Field(
+        default=120.0, gt=0, description="Bound on each of `berth serve`'s service processes becoming ready."
+    )
+    serve_lifeline_fd: int | None = Field(
+        default=None,
+        description="Set by `berth serve` for its children: a pipe that ends when the supervisor is gone, and the child stops.",
+    )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest accepted HTTP body.")
     sse_keepalive_s: float = Field(default=15.0, gt=0, description="Idle interval between SSE keep-alive comments.")
 

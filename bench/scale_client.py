@@ -1,0 +1,167 @@
+"""The client side of ``bench scale``, in a process of its own: sessions with
+a live SSE stream each, running scripted ``$ true`` turns back to back.
+
+    python -m bench.scale_client --client BASE_URL KEY SESSIONS SECONDS
+
+It creates ``SESSIONS`` sessions (each with its own environment) and warms
+each with one turn (the sandbox is provisioned then). Then every session
+runs turns for ``SECONDS``: POST the input, wait for ``turn.completed`` on
+its stream, wait for ``session.idle``, again. It prints JSON: the turns
+completed in the window, the window, each turn's latency (ms, POST to
+``turn.completed``) and the count of events seen twice or missing (by
+sequence number), which must be zero."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+SCRIPT = "$ true"
+MESSAGE = {
+    "events": [
+        {
+            "type": "agent.session.input.message",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": SCRIPT}]}],
+        }
+    ]
+}
+_CREATE_CONCURRENCY = 16
+
+
+class _Stream:
+    """A session's SSE stream: each frame's sequence and type, in order; a
+    frame whose sequence is not the next one is counted as a gap or a repeat."""
+
+    def __init__(self, lines: AsyncIterator[str]) -> None:
+        self._lines = lines
+        self.last = 0
+        self.repeats = 0
+        self.gaps = 0
+
+    async def until(self, kind: str) -> None:
+        sequence, seen = -1, ""
+        async for line in self._lines:
+            if line.startswith("id: "):
+                sequence = int(line[4:])
+            elif line.startswith("event: "):
+                seen = line[7:]
+            elif line == "" and seen:
+                if sequence <= self.last:
+                    self.repeats += 1
+                elif sequence != self.last + 1:
+                    self.gaps += 1
+                self.last = max(self.last, sequence)
+                if seen == kind:
+                    return
+                seen = ""
+        raise RuntimeError("the event stream ended")
+
+
+async def _create(http: httpx.AsyncClient, gate: asyncio.Semaphore) -> str:
+    async with gate:
+        created = await http.post(
+            "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}}
+        )
+        created.raise_for_status()
+        return str(created.json()["id"])
+
+
+async def _session(
+    http: httpx.AsyncClient, session_id: str, gate: asyncio.Semaphore, warm: _Countdown, start: asyncio.Event, stop: asyncio.Event
+) -> tuple[list[float], list[float], _Stream]:
+    """Runs turns on one session; returns (turn latencies in the window,
+    completion times, the stream's counters)."""
+    samples: list[float] = []
+    ends: list[float] = []
+    async with http.stream(
+        "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
+    ) as response:
+        response.raise_for_status()
+        stream = _Stream(response.aiter_lines())
+
+        async def turn() -> None:
+            sent = await http.post(f"/agents/sessions/{session_id}/events", json=MESSAGE)
+            if sent.status_code != 202:
+                raise RuntimeError(f"input refused: {sent.status_code} {sent.text}")
+            await stream.until("agent.session.turn.completed")
+
+        async with gate:
+            # The first turn provisions the sandbox.
+            await turn()
+            await stream.until("agent.session.idle")
+        warm.done()
+        await start.wait()
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await turn()
+            t1 = time.perf_counter()
+            samples.append((t1 - t0) * 1000)
+            ends.append(t1)
+            await stream.until("agent.session.idle")
+    return samples, ends, stream
+
+
+async def run_load(base_url: str, key: str, sessions: int, seconds: float) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as http:
+        gate = asyncio.Semaphore(_CREATE_CONCURRENCY)
+        ids = await asyncio.gather(*(_create(http, gate) for _ in range(sessions)))
+        start, stop = asyncio.Event(), asyncio.Event()
+        warm = _Countdown(sessions)
+        tasks = [asyncio.create_task(_session(http, sid, gate, warm, start, stop)) for sid in ids]
+        await warm.wait(tasks)
+        t0 = time.perf_counter()
+        start.set()
+        await asyncio.sleep(seconds)
+        stop.set()
+        window_end = t0 + seconds
+        results = await asyncio.gather(*tasks)
+    latencies = [s for samples, _, _ in results for s in samples]
+    in_window = sum(1 for _, ends, _ in results for end in ends if end <= window_end)
+    return {
+        "sessions": sessions,
+        "seconds": seconds,
+        "turns": in_window,
+        "latencies_ms": latencies,
+        "repeats": sum(s.repeats for _, _, s in results),
+        "gaps": sum(s.gaps for _, _, s in results),
+    }
+
+
+class _Countdown:
+    def __init__(self, count: int) -> None:
+        self._left = count
+        self._zero = asyncio.Event()
+
+    def done(self) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._zero.set()
+
+    async def wait(self, tasks: list[asyncio.Task[Any]]) -> None:
+        """Returns when the count reaches zero; raises what a task raised first."""
+        waiter = asyncio.ensure_future(self._zero.wait())
+        while not waiter.done():
+            await asyncio.wait([waiter, *[t for t in tasks if not t.done()]], return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                if task.done() and task.exception() is not None:
+                    waiter.cancel()
+                    raise task.exception()  # type: ignore[misc]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--client", nargs=4, metavar=("BASE_URL", "KEY", "SESSIONS", "SECONDS"), required=True)
+    base_url, key, sessions, seconds = parser.parse_args().client
+    print(json.dumps(asyncio.run(run_load(base_url, key, int(sessions), float(seconds)))))
+
+
+if __name__ == "__main__":
+    main()
