@@ -109,7 +109,8 @@ async def _session(
 
 async def run_load(base_url: str, key: str, sessions: int, seconds: float) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # Idle connections are dropped before uvicorn's 5 s keep-alive closes them under a request.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as http:
         gate = asyncio.Semaphore(_CREATE_CONCURRENCY)
         ids = await asyncio.gather(*(_create(http, gate) for _ in range(sessions)))

@@ -7,7 +7,6 @@ import asyncio
 from gateway.app import start_gateway
 from services.core.grpc_server import wait_for_termination_signal
 from services.core.logging import configure_logging, get_logger
-from services.core.metrics import start_metrics_server
 from services.core.settings import Settings
 
 log = get_logger("berth.gateway")
@@ -18,7 +17,6 @@ def main() -> None:
     configure_logging(settings.log_level, json=settings.log_json)
 
     async def run() -> None:
-        start_metrics_server(settings.metrics_port)
         handle = await start_gateway(settings)
         log.info("service_ready", service="gateway", port=handle.port)
         await wait_for_termination_signal(settings.serve_lifeline_fd)

@@ -221,7 +221,7 @@ async def _serve_one_process(settings: Settings) -> None:
         await sandbox.stop(settings.grace_s)
 
 
-# Start order; the supervisor stops them in reverse.
+# The supervisor stops them in the reverse of this order, the gateway first.
 _CHILDREN = (("sandbox", "services.sandbox"), ("environment", "services.environment"), ("session", "services.session"))
 
 
@@ -283,11 +283,11 @@ async def _serve_processes(settings: Settings, *, token_made: bool) -> None:
         for index, (name, module) in enumerate(_CHILDREN)
     ]
     readyz = f"http://{settings.gateway_host}:{settings.gateway_port}/readyz"
-    children.append(Child("gateway", "gateway", ready=_http_ready(readyz), env=_metrics_env(settings, len(_CHILDREN))))
+    # The gateway serves its metrics on its own /metrics.
+    children.append(Child("gateway", "gateway", ready=_http_ready(readyz), env={"BERTH_METRICS_PORT": "0"}))
     stopped = asyncio.ensure_future(wait_for_termination_signal())
     try:
-        for child in children:
-            await supervisor.start(child, env)
+        await supervisor.start(children, env)
         _print_banner(settings, settings.gateway_port, key)
         exited = asyncio.ensure_future(supervisor.wait_for_exit())
         await asyncio.wait([stopped, exited], return_when=asyncio.FIRST_COMPLETED)
@@ -302,7 +302,7 @@ async def _serve_processes(settings: Settings, *, token_made: bool) -> None:
 
 
 def _metrics_env(settings: Settings, index: int) -> dict[str, str]:
-    """Each child serves its own metrics, on ``BERTH_METRICS_PORT`` plus its index."""
+    """Each gRPC service serves its own metrics, on ``BERTH_METRICS_PORT`` plus its index in start order."""
     return {"BERTH_METRICS_PORT": str(settings.metrics_port + index if settings.metrics_port else 0)}
 
 

@@ -3,10 +3,11 @@ the services use every core instead of sharing one event loop.
 
 The children are the services' stand-alone entry points (``python -m
 services.sandbox`` and so on) with the environment ``berth serve`` computed:
-the control sockets, the token file, the data directory. Each child runs in
+the control sockets, the token file, the data directory. They start together
+(they dial each other lazily) and serve once all are ready. Each child runs in
 a process group of its own, so a terminal's Ctrl-C or a ``kill`` of the
 group reaches the supervisor alone, which then stops the children in the
-reverse of their start order (the gateway first, the Sandbox service last),
+reverse of their order (the gateway first, the Sandbox service last),
 each with its grace period. Each child also holds the read end of a pipe
 whose write end only the supervisor holds (its *lifeline*): if the
 supervisor dies without stopping them, the pipe ends and the children stop
@@ -55,8 +56,7 @@ class _Running:
 
 
 class Supervisor:
-    """Starts children one after the other, each once the previous one is
-    ready; stops them in reverse order."""
+    """Starts children together; stops them in the reverse of their order."""
 
     def __init__(self, *, grace_s: float, start_timeout_s: float) -> None:
         self._grace_s = grace_s
@@ -73,25 +73,32 @@ class Supervisor:
     def pids(self) -> dict[str, int]:
         return {r.child.name: r.process.pid for r in self._running}
 
-    async def start(self, child: Child, base_env: Mapping[str, str]) -> None:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            child.module,
-            env={**base_env, **child.env},
-            pass_fds=(self._lifeline_read,),
-            process_group=0,
-        )
-        self._running.append(_Running(child, process))
-        log.info("serve_child_started", child=child.name, pid=process.pid)
+    async def start(self, children: list[Child], base_env: Mapping[str, str]) -> None:
+        """Starts every child at once (none needs another to start: they dial
+        each other lazily) and returns once all are ready."""
+        for child in children:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                child.module,
+                env={**base_env, **child.env},
+                pass_fds=(self._lifeline_read,),
+                process_group=0,
+            )
+            self._running.append(_Running(child, process))
+            log.info("serve_child_started", child=child.name, pid=process.pid)
         try:
             async with asyncio.timeout(self._start_timeout_s):
-                while not await child.ready():
-                    if process.returncode is not None:
-                        raise ChildFailed(f"{child.name} exited with {process.returncode} while starting")
-                    await asyncio.sleep(_READY_POLL_S)
+                await asyncio.gather(*(self._ready(r) for r in self._running))
         except TimeoutError:
-            raise ChildFailed(f"{child.name} did not become ready within {self._start_timeout_s:.0f} s") from None
+            raise ChildFailed(f"a service did not become ready within {self._start_timeout_s:.0f} s") from None
+
+    @staticmethod
+    async def _ready(running: _Running) -> None:
+        while not await running.child.ready():
+            if running.process.returncode is not None:
+                raise ChildFailed(f"{running.child.name} exited with {running.process.returncode} while starting")
+            await asyncio.sleep(_READY_POLL_S)
 
     async def wait_for_exit(self) -> str:
         """Returns the name of the first child that exits."""
