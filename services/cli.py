@@ -1,7 +1,9 @@
 """The ``berth`` command: ``serve``, ``keys``, ``status``, ``mcp`` and ``token``.
 
-``berth serve`` is the embedded default: all four servers in one process,
-each built by the same factory its stand-alone ``__main__`` uses, on SQLite
+``berth serve`` is the embedded default: all four servers, each in a process
+of its own under one supervisor (services/supervisor.py) running its
+stand-alone ``__main__``, or with ``BERTH_SERVE_PROCESSES=false`` all in this
+process, built by the same factories, on SQLite
 under ``BERTH_DATA_DIR`` and the local sandbox backend. Its gRPC services
 listen on unix sockets in ``<data_dir>/control`` (mode 0700, which no sandbox
 mounts) unless their ``*_ADDR`` is set, and use a fresh internal token per
