@@ -46,6 +46,7 @@ class Load:
     p95_ms: float
     repeats: int
     gaps: int
+    failed: bool = False
 
 
 def _free_port() -> int:
@@ -108,8 +109,14 @@ async def measure_loads(data_dir: Path, *, processes: bool, loads: list[int], se
     out: list[Load] = []
     for sessions in loads:
         # A fresh server per load: sandboxes of an earlier load do not weigh on this one.
-        async with berth_serve(data_dir / f"{'procs' if processes else 'single'}-{sessions}", processes=processes) as (url, key, _):
-            report = await run_client("bench.scale_client", url, key, str(sessions), str(seconds))
+        name = f"{'procs' if processes else 'single'}-{sessions}"
+        try:
+            async with berth_serve(data_dir / name, processes=processes) as (url, key, _):
+                report = await run_client("bench.scale_client", url, key, str(sessions), str(seconds))
+        except Exception as exc:  # an overloaded server fails one load, not the table
+            print(f"scale: {name} failed: {type(exc).__name__}: {exc}", flush=True)
+            out.append(Load(sessions, float("nan"), float("nan"), float("nan"), 0, 0, failed=True))
+            continue
         latencies = [float(v) for v in report["latencies_ms"]]
         out.append(
             Load(
@@ -121,6 +128,7 @@ async def measure_loads(data_dir: Path, *, processes: bool, loads: list[int], se
                 gaps=int(report["gaps"]),
             )
         )
+        print(f"scale: {name}: {out[-1]}", flush=True)
     return out
 
 
@@ -137,6 +145,7 @@ def print_scale(measured: list[Load], baseline: list[Load]) -> None:
     for m, b in zip(measured, baseline, strict=True):
         ratio = m.turns_per_s / b.turns_per_s if b.turns_per_s else float("nan")
         lost = "" if m.repeats == m.gaps == 0 else f"  ({m.repeats} repeated, {m.gaps} gaps!)"
+        lost += "  (failed: see above)" if m.failed else ""
         print(
             f"{m.sessions:<18} {m.turns_per_s:>9.1f} {m.p50_ms:>9.1f} {m.p95_ms:>9.1f}   "
             f"{b.turns_per_s:>22.1f} {b.p50_ms:>9.1f} {b.p95_ms:>9.1f} {ratio:>6.2f}  {_TARGETS.get(m.sessions, '')}{lost}"
@@ -159,8 +168,12 @@ ROW_BENCHMARKS = ["replicas", "sandboxes"]
 
 
 async def run(tmp: Path) -> list[Result]:
-    measured = await measure_loads(tmp / "m", processes=True, loads=LOADS, seconds=SECONDS)
-    baseline = await measure_loads(tmp / "b", processes=False, loads=LOADS, seconds=SECONDS)
+    measured: list[Load] = []
+    baseline: list[Load] = []
+    # Interleaved, so that both see the same machine load.
+    for sessions in LOADS:
+        measured += await measure_loads(tmp / "m", processes=True, loads=[sessions], seconds=SECONDS)
+        baseline += await measure_loads(tmp / "b", processes=False, loads=[sessions], seconds=SECONDS)
     print_scale(measured, baseline)
     print()
     rows: list[Result] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -289,7 +290,15 @@ async def _serve_processes(settings: Settings, *, token_made: bool) -> None:
     children.append(Child("gateway", "gateway", ready=_http_ready(readyz), env={"BERTH_METRICS_PORT": "0"}))
     stopped = asyncio.ensure_future(wait_for_termination_signal())
     try:
-        await supervisor.start(children, env)
+        starting = asyncio.ensure_future(supervisor.start(children, env))
+        await asyncio.wait([stopped, starting], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            # Stopped while starting: what started is stopped below.
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            return
+        starting.result()
         _print_banner(settings, settings.gateway_port, key)
         exited = asyncio.ensure_future(supervisor.wait_for_exit())
         await asyncio.wait([stopped, exited], return_when=asyncio.FIRST_COMPLETED)
