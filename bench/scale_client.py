@@ -17,89 +17,37 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-SCRIPT = "$ true"
-MESSAGE = {
-    "events": [
-        {
-            "type": "agent.session.input.message",
-            "input": [{"role": "user", "content": [{"type": "input_text", "text": SCRIPT}]}],
-        }
-    ]
-}
+from bench.turn_client import TurnStream, create_session, turn_stream
+
 _CREATE_CONCURRENCY = 16
-
-
-class _Stream:
-    """A session's SSE stream: each frame's sequence and type, in order; a
-    frame whose sequence is not the next one is counted as a gap or a repeat."""
-
-    def __init__(self, lines: AsyncIterator[str]) -> None:
-        self._lines = lines
-        self.last = 0
-        self.repeats = 0
-        self.gaps = 0
-
-    async def until(self, kind: str) -> None:
-        sequence, seen = -1, ""
-        async for line in self._lines:
-            if line.startswith("id: "):
-                sequence = int(line[4:])
-            elif line.startswith("event: "):
-                seen = line[7:]
-            elif line == "" and seen:
-                if sequence <= self.last:
-                    self.repeats += 1
-                elif sequence != self.last + 1:
-                    self.gaps += 1
-                self.last = max(self.last, sequence)
-                if seen == kind:
-                    return
-                seen = ""
-        raise RuntimeError("the event stream ended")
 
 
 async def _create(http: httpx.AsyncClient, gate: asyncio.Semaphore) -> str:
     async with gate:
-        created = await http.post(
-            "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}}
-        )
-        created.raise_for_status()
-        return str(created.json()["id"])
+        return str((await create_session(http))["id"])
 
 
 async def _session(
     http: httpx.AsyncClient, session_id: str, gate: asyncio.Semaphore, warm: _Countdown, start: asyncio.Event, stop: asyncio.Event
-) -> tuple[list[float], list[float], _Stream]:
+) -> tuple[list[float], list[float], TurnStream]:
     """Runs turns on one session; returns (turn latencies in the window,
     completion times, the stream's counters)."""
     samples: list[float] = []
     ends: list[float] = []
-    async with http.stream(
-        "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
-    ) as response:
-        response.raise_for_status()
-        stream = _Stream(response.aiter_lines())
-
-        async def turn() -> None:
-            sent = await http.post(f"/agents/sessions/{session_id}/events", json=MESSAGE)
-            if sent.status_code != 202:
-                raise RuntimeError(f"input refused: {sent.status_code} {sent.text}")
-            await stream.until("agent.session.turn.completed")
-
+    async with turn_stream(http, session_id) as stream:
         async with gate:
             # The first turn provisions the sandbox.
-            await turn()
+            await stream.turn()
             await stream.until("agent.session.idle")
         warm.done()
         await start.wait()
         while not stop.is_set():
             t0 = time.perf_counter()
-            await turn()
+            await stream.turn()
             t1 = time.perf_counter()
             samples.append((t1 - t0) * 1000)
             ends.append(t1)
