@@ -27,7 +27,8 @@ async def _main(names: list[str]) -> None:
     results: list[Result] = []
     for name in names:
         module = importlib.import_module(f"bench.bench_{name}")
-        with tempfile.TemporaryDirectory(prefix=f"berth-bench-{name}-") as tmp:
+        # A sandbox that failed half-way may leave a busy mount: the table still prints.
+        with tempfile.TemporaryDirectory(prefix=f"berth-bench-{name}-", ignore_cleanup_errors=True) as tmp:
             try:
                 results.extend(await module.run(Path(tmp)))
             except Exception as exc:  # one broken benchmark must not hide the others
