@@ -197,6 +197,7 @@ def _print_banner(settings: Settings, port: int, key: str | None) -> None:
 
 async def _serve_one_process(settings: Settings) -> None:
     """All four servers in this process and its event loop."""
+    settings = settings.model_copy(update={"session_sole_writer": True})
     from gateway.app import start_gateway
     from gateway.keys import ensure_dev_key
     from services.core.grpc_server import wait_for_termination_signal
@@ -251,6 +252,8 @@ def _child_env(settings: Settings, lifeline_fd: int, *, token_made: bool) -> dic
         "BERTH_ENVIRONMENT_ADDR": settings.environment_addr,
         "BERTH_SESSION_ADDR": settings.session_addr,
         "BERTH_SERVE_LIFELINE_FD": str(lifeline_fd),
+        # One Session service writes its SQLite database: its followers need not poll it.
+        "BERTH_SESSION_SOLE_WRITER": "true",
     }
     if token_made:
         # The children read the token berth serve made from its file, not from their environment.

@@ -85,6 +85,14 @@ class Settings(BaseSettings):
             "not keep sessions (PgBouncer in transaction mode): replicas then find each other's commits by polling."
         ),
     )
+    session_sole_writer: bool = Field(
+        default=False,
+        description=(
+            "The Session service is the only process writing its SQLite database (`berth serve` sets this): its "
+            "streams and turns hear every commit in process and re-read the database only every "
+            "`notify_safety_poll_s` instead of every 0.2 s. Never set it for replicas sharing one SQLite file."
+        ),
+    )
     notify_safety_poll_s: float = Field(
         default=5.0,
         gt=0,

@@ -4,15 +4,29 @@ and a turn running, lose no event and see none twice. Timings live in ``bench sc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import httpx
-from e2e_stack import Stack
+import pytest
+from e2e_stack import Stack, start_stack
 from turns_support import EVENT_ADAPTER, NO_ENVIRONMENT, SCRIPTED, SseEvent, message, open_events, strict_client
 
 SESSIONS = 200
 # Streams and posts of all sessions at once: more connections than httpx's default pool.
 _LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+
+@pytest.fixture(params=[False, True], ids=["polling", "sole_writer"])
+async def stack(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stack]:
+    """The stack as deployed, and as ``berth serve`` runs its Session service:
+    the only writer of its SQLite database, whose streams hear commits in
+    process and do not poll."""
+    s, stop = await start_stack(tmp_path / "berth", session_sole_writer=request.param)
+    try:
+        yield s
+    finally:
+        await stop()
 
 
 def _second_turn_idle() -> Callable[[SseEvent], bool]:
