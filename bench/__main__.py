@@ -5,6 +5,7 @@ baseline measured in the same run.
     python -m bench gateway exec # a selection
     python -m bench faults       # optional: each service killed under load (PostgreSQL)
     python -m bench sandboxes    # optional: density of local sandboxes (creates 200)
+    python -m bench scale        # optional: berth serve under 1-200 concurrent sessions, and the scale figures
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from services.core.logging import configure_logging
 
 BENCHMARKS = ["gateway", "exec", "environment", "turn", "harness", "docker", "replicas", "webhooks", "automations"]
 # Run only when named.
-OPTIONAL = ["faults", "sandboxes"]
+OPTIONAL = ["faults", "sandboxes", "scale"]
 
 
 async def _main(names: list[str]) -> None:
     results: list[Result] = []
     for name in names:
         module = importlib.import_module(f"bench.bench_{name}")
-        with tempfile.TemporaryDirectory(prefix=f"berth-bench-{name}-") as tmp:
+        # A sandbox that failed half-way may leave a busy mount: the table still prints.
+        with tempfile.TemporaryDirectory(prefix=f"berth-bench-{name}-", ignore_cleanup_errors=True) as tmp:
             try:
                 results.extend(await module.run(Path(tmp)))
             except Exception as exc:  # one broken benchmark must not hide the others

@@ -24,37 +24,13 @@ import httpx
 
 from bench.runner import Result, measure, run_client, summarize
 from bench.stack import internal_channel, running_stack
+from bench.turn_client import create_session, turn_stream
 from berth.environment.v1 import environment_service_pb2 as env_pb
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from gateway.keys import create_key
 
 RUNS = int(__import__("os").environ.get("BENCH_TURN_RUNS", "50"))
 WARMUP = 3
-SCRIPT = "$ true"
-
-
-class _EventReader:
-    """Reads ``(sequence, type)`` of SSE frames from an open response."""
-
-    def __init__(self, lines: AsyncIterator[str]) -> None:
-        self._lines = lines
-
-    async def next(self) -> tuple[int, str]:
-        sequence, kind = -1, ""
-        async for line in self._lines:
-            if line.startswith("id: "):
-                sequence = int(line[4:])
-            elif line.startswith("event: "):
-                kind = line[7:]
-            elif line == "" and kind:
-                return sequence, kind
-        raise RuntimeError("the event stream ended")
-
-    async def until(self, kind: str) -> int:
-        while True:
-            sequence, seen = await self.next()
-            if seen == kind:
-                return sequence
 
 
 async def _client(base_url: str, key: str, runs: int, warmup: int) -> dict[str, object]:
@@ -62,42 +38,19 @@ async def _client(base_url: str, key: str, runs: int, warmup: int) -> dict[str, 
     the turns; returns the samples (ms) and the IDs the baseline needs."""
     headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as http:
-        created = await http.post(
-            "/agents/sessions", json={"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted"}}
-        )
-        created.raise_for_status()
-        session_id = created.json()["id"]
-        environment_id = created.json()["environment"]["id"]
-        message = {
-            "events": [
-                {
-                    "type": "agent.session.input.message",
-                    "input": [{"role": "user", "content": [{"type": "input_text", "text": SCRIPT}]}],
-                }
-            ]
-        }
-        async with http.stream(
-            "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
-        ) as response:
-            response.raise_for_status()
-            events = _EventReader(response.aiter_lines())
-
-            async def turn() -> None:
-                sent = await http.post(f"/agents/sessions/{session_id}/events", json=message)
-                if sent.status_code != 202:
-                    raise RuntimeError(f"input refused: {sent.status_code} {sent.text}")
-                await events.until("agent.session.turn.completed")
-
+        created = await create_session(http)
+        session_id, environment_id = created["id"], created["environment"]["id"]
+        async with turn_stream(http, session_id) as events:
             # The first turn provisions the sandbox; the rest are warm. The
             # idle after each turn is not timed: the next turn starts on an
             # idle session.
             for _ in range(warmup):
-                await turn()
+                await events.turn()
                 await events.until("agent.session.idle")
             samples: list[float] = []
             for _ in range(runs):
                 t0 = time.perf_counter()
-                await turn()
+                await events.turn()
                 samples.append((time.perf_counter() - t0) * 1000)
                 await events.until("agent.session.idle")
         statuses = (await http.get(f"/agents/sessions/{session_id}/turns", params={"limit": 100})).json()["data"]

@@ -19,7 +19,7 @@ def main() -> None:
     async def run() -> None:
         handle = await start_gateway(settings)
         log.info("service_ready", service="gateway", port=handle.port)
-        await wait_for_termination_signal()
+        await wait_for_termination_signal(settings.serve_lifeline_fd)
         log.info("service_stopping", service="gateway")
         await handle.stop()
 

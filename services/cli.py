@@ -1,7 +1,9 @@
 """The ``berth`` command: ``serve``, ``keys``, ``status``, ``mcp`` and ``token``.
 
-``berth serve`` is the embedded default: all four servers in one process,
-each built by the same factory its stand-alone ``__main__`` uses, on SQLite
+``berth serve`` is the embedded default: all four servers, each in a process
+of its own under one supervisor (services/supervisor.py) running its
+stand-alone ``__main__``, or with ``BERTH_SERVE_PROCESSES=false`` all in this
+process, built by the same factories, on SQLite
 under ``BERTH_DATA_DIR`` and the local sandbox backend. Its gRPC services
 listen on unix sockets in ``<data_dir>/control`` (mode 0700, which no sandbox
 mounts) unless their ``*_ADDR`` is set, and use a fresh internal token per
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
 import socket
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -164,6 +167,37 @@ def _require_isolation(settings: Settings) -> None:
 
 
 async def _serve(settings: Settings) -> None:
+    _require_isolation(settings)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    token_made = not _token_configured(settings)
+    settings = _serve_settings(settings)
+    if settings.serve_processes:
+        await _serve_processes(settings, token_made=token_made)
+    else:
+        await _serve_one_process(settings)
+
+
+def _print_banner(settings: Settings, port: int, key: str | None) -> None:
+    base = f"http://{settings.gateway_host}:{port}"
+    print(f"Berth is running at {base}/v1 (data in {settings.data_dir.resolve()})", flush=True)
+    if settings.sandbox_isolation == "none":
+        print("WARNING: BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host.", flush=True)
+    if key is not None:
+        print(f"Created organization {settings.dev_org!r} with API key (shown once):\n  {key}", flush=True)
+        print(
+            "Try it:\n"
+            f"  curl -s {base}/v1/agents/environments \\\n"
+            f"    -H 'Authorization: Bearer {key}' -H 'OpenAI-Beta: agents=v1' \\\n"
+            "    -H 'Content-Type: application/json' -d '{\"environment\":{\"type\":\"openai_hosted\"}}'",
+            flush=True,
+        )
+    else:
+        print(f"Organization {settings.dev_org!r} exists; create a key with: berth keys create --org {settings.dev_org}", flush=True)
+
+
+async def _serve_one_process(settings: Settings) -> None:
+    """All four servers in this process and its event loop."""
+    settings = settings.model_copy(update={"session_sole_writer": True})
     from gateway.app import start_gateway
     from gateway.keys import ensure_dev_key
     from services.core.grpc_server import wait_for_termination_signal
@@ -172,9 +206,6 @@ async def _serve(settings: Settings) -> None:
     from services.sandbox.server import start_sandbox_service
     from services.session.server import start_session_service
 
-    _require_isolation(settings)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    settings = _serve_settings(settings)
     start_metrics_server(settings.metrics_port)
     # Each service may listen on port 0; the next one dials the real address.
     sandbox = await start_sandbox_service(settings)
@@ -185,28 +216,122 @@ async def _serve(settings: Settings) -> None:
     settings = settings.model_copy(update={"session_addr": _actual(settings.session_addr, session.port)})
     gateway = await start_gateway(settings)
     try:
-        key = await ensure_dev_key(gateway.database, settings.dev_org)
-        base = f"http://{settings.gateway_host}:{gateway.port}"
-        print(f"Berth is running at {base}/v1 (data in {settings.data_dir.resolve()})", flush=True)
-        if settings.sandbox_isolation == "none":
-            print("WARNING: BERTH_SANDBOX_ISOLATION=none: sandboxes run unconfined on this host.", flush=True)
-        if key is not None:
-            print(f"Created organization {settings.dev_org!r} with API key (shown once):\n  {key}", flush=True)
-            print(
-                "Try it:\n"
-                f"  curl -s {base}/v1/agents/environments \\\n"
-                f"    -H 'Authorization: Bearer {key}' -H 'OpenAI-Beta: agents=v1' \\\n"
-                "    -H 'Content-Type: application/json' -d '{\"environment\":{\"type\":\"openai_hosted\"}}'",
-                flush=True,
-            )
-        else:
-            print(f"Organization {settings.dev_org!r} exists; create a key with: berth keys create --org {settings.dev_org}", flush=True)
+        _print_banner(settings, gateway.port, await ensure_dev_key(gateway.database, settings.dev_org))
         await wait_for_termination_signal()
     finally:
         await gateway.stop()
         await session.stop(settings.grace_s)
         await environment.stop(settings.grace_s)
         await sandbox.stop(settings.grace_s)
+
+
+# The supervisor stops them in the reverse of this order, the gateway first.
+_CHILDREN = (("sandbox", "services.sandbox"), ("environment", "services.environment"), ("session", "services.session"))
+
+
+def _bound_port(address: str) -> str:
+    """A TCP address with port 0 gets a free port now: every child must know
+    the others' addresses before they start."""
+    if address.startswith("unix:") or not address.endswith(":0"):
+        return address
+    return f"{address.rsplit(':', 1)[0]}:{_free_port()}"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _child_env(settings: Settings, lifeline_fd: int, *, token_made: bool) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "BERTH_DATA_DIR": str(settings.data_dir.resolve()),
+        "BERTH_GATEWAY_PORT": str(settings.gateway_port),
+        "BERTH_SANDBOX_ADDR": settings.sandbox_addr,
+        "BERTH_ENVIRONMENT_ADDR": settings.environment_addr,
+        "BERTH_SESSION_ADDR": settings.session_addr,
+        "BERTH_SERVE_LIFELINE_FD": str(lifeline_fd),
+        # One Session service writes its SQLite database: its followers need not poll it.
+        "BERTH_SESSION_SOLE_WRITER": "true",
+    }
+    if token_made:
+        # The children read the token berth serve made from its file, not from their environment.
+        env.pop("BERTH_INTERNAL_TOKEN", None)
+        env["BERTH_INTERNAL_TOKEN_FILE"] = str(_control_path(settings) / _TOKEN_FILE)
+    return env
+
+
+async def _serve_processes(settings: Settings, *, token_made: bool) -> None:
+    """Each service in a process of its own (services/supervisor.py)."""
+    from gateway.keys import ensure_dev_key, open_gateway_database
+    from services.core.grpc_server import wait_for_termination_signal
+    from services.supervisor import Child, ChildFailed, Supervisor
+
+    settings = settings.model_copy(
+        update={
+            "sandbox_addr": _bound_port(settings.sandbox_addr),
+            "environment_addr": _bound_port(settings.environment_addr),
+            "session_addr": _bound_port(settings.session_addr),
+            "gateway_port": settings.gateway_port or _free_port(),
+        }
+    )
+    # The gateway's schema and the dev key, before the gateway starts.
+    database = await open_gateway_database(settings)
+    try:
+        key = await ensure_dev_key(database, settings.dev_org)
+    finally:
+        await database.dispose()
+    supervisor = Supervisor(grace_s=settings.grace_s, start_timeout_s=settings.serve_start_timeout_s)
+    env = _child_env(settings, supervisor.lifeline_fd, token_made=token_made)
+    children = [
+        Child(name, module, ready=_grpc_ready(str(getattr(settings, f"{name}_addr"))), env=_metrics_env(settings, index))
+        for index, (name, module) in enumerate(_CHILDREN)
+    ]
+    readyz = f"http://{settings.gateway_host}:{settings.gateway_port}/readyz"
+    # The gateway serves its metrics on its own /metrics.
+    children.append(Child("gateway", "gateway", ready=_http_ready(readyz), env={"BERTH_METRICS_PORT": "0"}))
+    stopped = asyncio.ensure_future(wait_for_termination_signal())
+    try:
+        starting = asyncio.ensure_future(supervisor.start(children, env))
+        await asyncio.wait([stopped, starting], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            # Stopped while starting: what started is stopped below.
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            return
+        starting.result()
+        _print_banner(settings, settings.gateway_port, key)
+        exited = asyncio.ensure_future(supervisor.wait_for_exit())
+        await asyncio.wait([stopped, exited], return_when=asyncio.FIRST_COMPLETED)
+        if exited.done():
+            raise ChildFailed(f"{exited.result()} exited; stopping the others")
+        exited.cancel()
+    except ChildFailed as exc:
+        raise ServeRefused(str(exc)) from None
+    finally:
+        stopped.cancel()
+        await supervisor.stop()
+
+
+def _metrics_env(settings: Settings, index: int) -> dict[str, str]:
+    """Each gRPC service serves its own metrics, on ``BERTH_METRICS_PORT`` plus its index in start order."""
+    return {"BERTH_METRICS_PORT": str(settings.metrics_port + index if settings.metrics_port else 0)}
+
+
+def _grpc_ready(address: str) -> Callable[[], Awaitable[bool]]:
+    async def ready() -> bool:
+        return await _check_grpc(address, None) == "SERVING"
+
+    return ready
+
+
+def _http_ready(url: str) -> Callable[[], Awaitable[bool]]:
+    async def ready() -> bool:
+        return await _check_http(url) == "SERVING"
+
+    return ready
 
 
 def _actual(address: str, port: int) -> str:
@@ -366,7 +491,7 @@ async def _mcp(settings: Settings, args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth", description="Berth: a self-hostable Agents API runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="run all four services in one process (embedded default)")
+    sub.add_parser("serve", help="run all four services, each in a process of its own (embedded default)")
     keys = sub.add_parser("keys", help="manage organization API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create an API key (shown once)")

@@ -4,6 +4,7 @@ and the one way to open a channel to another Berth service."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -116,12 +117,20 @@ def open_channel(
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
-async def wait_for_termination_signal() -> None:
-    """Returns on SIGTERM or SIGINT."""
+async def wait_for_termination_signal(lifeline_fd: int | None = None) -> None:
+    """Returns on SIGTERM or SIGINT, or once ``lifeline_fd`` (a pipe's read
+    end whose writer is the process's supervisor) reads EOF: the supervisor
+    is gone."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if lifeline_fd is not None:
+        # Nothing this process starts (a sandbox) inherits it.
+        os.set_inheritable(lifeline_fd, False)
+        loop.add_reader(lifeline_fd, stop.set)
     await stop.wait()
+    if lifeline_fd is not None:
+        loop.remove_reader(lifeline_fd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)

@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.core.db import Database
 from services.core.logging import get_logger
 
-__all__ = ["Notifier", "PostgresNotifier", "Waiter", "open_notifier"]
+__all__ = ["Notifier", "PostgresNotifier", "SoleWriterNotifier", "Waiter", "open_notifier"]
 
 log = get_logger(__name__)
 
@@ -109,6 +109,23 @@ class Notifier:
 
     async def close(self) -> None:
         pass
+
+
+class SoleWriterNotifier(Notifier):
+    """In process, for a database only this process writes (SQLite under
+    ``berth serve``): every commit is made here and wakes its waiters, so
+    waiters re-read the database only as a safety net, as with LISTEN."""
+
+    def __init__(self, *, safety_poll_s: float) -> None:
+        super().__init__()
+        self.safety_poll_s = safety_poll_s
+
+    @property
+    def listening(self) -> bool:
+        return True
+
+    def poll_s(self, fallback: float) -> float:
+        return max(fallback, self.safety_poll_s)
 
 
 class PostgresNotifier(Notifier):
@@ -236,10 +253,13 @@ class PostgresNotifier(Notifier):
         log.warning("notify_listener_lost", channel=self.channel)
 
 
-def open_notifier(db: Database, *, channel: str, safety_poll_s: float, listen: bool = True) -> Notifier:
+def open_notifier(
+    db: Database, *, channel: str, safety_poll_s: float, listen: bool = True, sole_writer: bool = False
+) -> Notifier:
     """The notifier for a service's database: LISTEN/NOTIFY on PostgreSQL
-    (unless ``listen`` is off), in process otherwise. The caller starts and
-    closes it."""
+    (unless ``listen`` is off), in process otherwise; with ``sole_writer``
+    (no other process writes this SQLite database) waiters poll only as a
+    safety net. The caller starts and closes it."""
     if listen and db.dialect == "postgresql":
         url = db.engine.url
         # The listener connects with asyncpg itself: keep the connection
@@ -247,4 +267,6 @@ def open_notifier(db: Database, *, channel: str, safety_poll_s: float, listen: b
         query = {k: v for k, v in url.query.items() if k in _DSN_OPTIONS}
         dsn = url.set(drivername="postgresql", query=query).render_as_string(hide_password=False)
         return PostgresNotifier(dsn, channel, safety_poll_s=safety_poll_s)
+    if sole_writer and db.dialect == "sqlite":
+        return SoleWriterNotifier(safety_poll_s=safety_poll_s)
     return Notifier()

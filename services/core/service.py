@@ -53,7 +53,7 @@ def run_service_main(name: str, start: Callable[[Settings], Awaitable[ServiceHan
         start_metrics_server(settings.metrics_port)
         handle = await start(settings)
         log.info("service_ready", service=name, port=handle.port)
-        await wait_for_termination_signal()
+        await wait_for_termination_signal(settings.serve_lifeline_fd)
         log.info("service_stopping", service=name)
         await handle.stop(settings.grace_s)
 

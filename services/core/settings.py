@@ -130,6 +130,14 @@ class Settings(BaseSettings):
             "not keep sessions (PgBouncer in transaction mode): replicas then find each other's commits by polling."
         ),
     )
+    session_sole_writer: bool = Field(
+        default=False,
+        description=(
+            "The Session service is the only process writing its SQLite database (`berth serve` sets this): its "
+            "streams and turns hear every commit in process and re-read the database only every "
+            "`notify_safety_poll_s` instead of every 0.2 s. Never set it for replicas sharing one SQLite file."
+        ),
+    )
     notify_safety_poll_s: float = Field(
         default=5.0,
         gt=0,
@@ -140,6 +148,20 @@ class Settings(BaseSettings):
     )
     rpc_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of unary gRPC calls.")
     grace_s: float = Field(default=5.0, ge=0, description="Graceful shutdown period.")
+    serve_processes: bool = Field(
+        default=True,
+        description=(
+            "`berth serve` runs each service in a process of its own under one supervisor, so they use every core; "
+            "false runs all four in one process and one event loop."
+        ),
+    )
+    serve_start_timeout_s: float = Field(
+        default=120.0, gt=0, description="Bound on each of `berth serve`'s service processes becoming ready."
+    )
+    serve_lifeline_fd: int | None = Field(
+        default=None,
+        description="Set by `berth serve` for its children: a pipe that ends when the supervisor is gone, and the child stops.",
+    )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0, description="Largest accepted HTTP body.")
     sse_keepalive_s: float = Field(default=15.0, gt=0, description="Idle interval between SSE keep-alive comments.")
 

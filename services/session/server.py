@@ -76,7 +76,11 @@ async def start_session_service(
     db = await open_database(settings.database_url("session"), "session", _MIGRATIONS)
     # Replicas hear each other's commits through it (LISTEN/NOTIFY on PostgreSQL).
     notifier = open_notifier(
-        db, channel="berth_session", safety_poll_s=settings.notify_safety_poll_s, listen=settings.notify_listen
+        db,
+        channel="berth_session",
+        safety_poll_s=settings.notify_safety_poll_s,
+        listen=settings.notify_listen,
+        sole_writer=settings.session_sole_writer,
     )
     await notifier.start()
     # Every unit of work writes the webhook deliveries of its events in its own transaction.

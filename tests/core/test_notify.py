@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 from services.core.db import Database, create_engine
-from services.core.notify import Notifier, PostgresNotifier, open_notifier
+from services.core.notify import Notifier, PostgresNotifier, SoleWriterNotifier, open_notifier
 
 
 async def test_a_wake_up_sets_the_events_subscribed_to_its_key_and_no_others() -> None:
@@ -68,5 +68,19 @@ async def test_sqlite_gets_the_in_process_notifier(tmp_path: Path) -> None:
     db = Database(create_engine(f"sqlite+berth:///{tmp_path / 'x.db'}"))
     try:
         assert type(open_notifier(db, channel="berth_session", safety_poll_s=5.0)) is Notifier
+    finally:
+        await db.dispose()
+
+
+async def test_a_sole_writer_of_sqlite_hears_its_own_commits_and_polls_only_as_a_safety_net(tmp_path: Path) -> None:
+    db = Database(create_engine(f"sqlite+berth:///{tmp_path / 'x.db'}"))
+    try:
+        notifier = open_notifier(db, channel="berth_session", safety_poll_s=5.0, sole_writer=True)
+        assert isinstance(notifier, SoleWriterNotifier)
+        assert notifier.listening
+        assert notifier.poll_s(0.2) == 5.0
+        woken = notifier.subscribe("session:a")
+        notifier.wake("session:a")
+        assert woken.is_set()
     finally:
         await db.dispose()
