@@ -37,6 +37,7 @@ from services.core.logging import get_logger
 from services.session.automations import (
     PAUSE_TARGET_SESSION_FAILED,
     SKIP_PENDING_DELIVERY,
+    announce_invocation,
     automation_message,
     invocation_message,
     new_invocation,
@@ -225,6 +226,7 @@ class AutomationScheduler:
                 invocation.status = InvocationStatus.SKIPPED
                 invocation.skip_reason = SKIP_PENDING_DELIVERY
             u.session.add(invocation)
+            await announce_invocation(u, invocation)
             fired.append(invocation.id)
             log.info(
                 "automation_occurrence_fired",
@@ -317,6 +319,7 @@ class AutomationScheduler:
                         )
                         .execution_options(synchronize_session=False)
                     )
+                await announce_invocation(u, row)
                 return invocation_message(row)
 
             done = await self.store.transact(finish)

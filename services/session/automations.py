@@ -40,6 +40,7 @@ from services.session.states import (
     InvocationStatus,
 )
 from services.session.store import Store, Unit
+from services.session.webhooks import enqueue as enqueue_webhook
 
 __all__ = [
     "Automations",
@@ -100,6 +101,16 @@ def invocation_message(row: InvocationRow) -> pb.AutomationInvocation:
     if row.snapshot_pb is not None:
         out.snapshot.ParseFromString(row.snapshot_pb)
     return out
+
+
+async def announce_invocation(u: Unit, row: InvocationRow) -> None:
+    """Enqueues the webhook event of the invocation's status, in ``u``'s
+    transaction (``agent.automation.invocation.<status>``); its data names
+    the invocation, as OpenAI's webhook events name their object."""
+    data: dict[str, Any] = {"id": row.id, "automation_id": row.automation_id, "status": str(row.status)}
+    if row.session_id:
+        data["session_id"] = row.session_id
+    await enqueue_webhook(u, row.org_id, f"agent.automation.invocation.{row.status}", data)
 
 
 def new_invocation(
@@ -398,6 +409,7 @@ class Automations:
             row = await _get(u.session, org, automation_id)
             invocation = new_invocation(row, self.clock())
             u.session.add(invocation)
+            await announce_invocation(u, invocation)
             return invocation_message(invocation)
 
         created = await self.store.transact(insert)

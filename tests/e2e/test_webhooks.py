@@ -282,3 +282,27 @@ async def test_scopes_split_webhook_reads_from_writes(stack: Stack, receiver: Re
     async with stack.http(writer) as http:
         for template in ["/webhook_endpoints", "/webhook_event_types", "/webhook_endpoints/{id}", "/webhook_endpoints/{id}/deliveries"]:
             assert_error(await http.get(template.format(id=endpoint_id)), 403, "insufficient_scopes")
+
+
+async def test_an_automation_invocation_is_announced_when_queued_and_when_delivered(stack: Stack, receiver: Receiver) -> None:
+    await _register(stack, receiver, ["agent.automation.invocation.queued", "agent.automation.invocation.completed"])
+    async with stack.http() as http:
+        session_id = await _session(http)
+        target = {"type": "existing_session", "session_id": session_id, "instructions": "again"}
+        automation = await http.post(
+            "/agents/automations",
+            json={"type": "periodic", "name": "hooks", "expression": "0 9 * * *", "timezone": "UTC", "target": target},
+        )
+        assert automation.status_code == 200, automation.text
+        invocation = await http.post(f"/agents/automations/{automation.json()['id']}/invocations")
+        assert invocation.status_code == 200, invocation.text
+    invocation_id = invocation.json()["id"]
+
+    def announced(kind: str) -> list[dict[str, Any]]:
+        return [e for e in receiver.events(kind) if e["data"]["id"] == invocation_id]
+
+    (queued,) = await wait_until(lambda: announced("agent.automation.invocation.queued"), 30, what="the queued invocation")
+    (completed,) = await wait_until(lambda: announced("agent.automation.invocation.completed"), 30, what="the delivered one")
+    assert queued["data"]["automation_id"] == automation.json()["id"] and queued["data"]["status"] == "queued"
+    assert completed["data"]["session_id"] == session_id
+    assert receiver.unsigned == []
