@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         description="File holding the internal token (e.g. a mounted secret), used when `internal_token` is empty.",
     )
 
-    # Vault secrets are encrypted at rest with Fernet keys (services/environment/vault_crypto.py).
+    # Vault secrets are encrypted at rest with Fernet keys (services/core/key_ring.py).
     vault_keys: SecretStr = Field(
         default=SecretStr(""),
         description=(
@@ -321,8 +321,9 @@ class Settings(BaseSettings):
     webhook_secret_key: SecretStr = Field(
         default=SecretStr(""),
         description=(
-            "Fernet key (urlsafe base64 of 32 bytes) that encrypts webhook signing secrets at rest. Every Session "
-            "replica needs the same one; unset, a key file under data_dir is created on first use."
+            "Fernet keys (urlsafe base64 of 32 bytes; comma-separated, newest first: the first encrypts, all "
+            "decrypt) that encrypt webhook signing secrets at rest. Every Session replica needs the same ones; "
+            "unset, a key file under data_dir is created on first use."
         ),
     )
     webhook_secret_key_file: str = Field(default="", description="File holding the webhook secret key instead.")

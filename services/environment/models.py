@@ -189,7 +189,7 @@ class VaultRow(Base):
 
 class VaultCredentialRow(Base):
     """A credential: its public configuration (a serialized CredentialAuth)
-    and its secrets as one Fernet token (services/environment/vault_crypto.py)."""
+    and its secrets as one Fernet token (services/core/key_ring.py)."""
 
     __tablename__ = "vault_credentials"
     __table_args__ = (Index("ix_vault_credentials_vault_id", "vault_id", "id"),)
@@ -202,7 +202,7 @@ class VaultCredentialRow(Base):
     auth_type: Mapped[str] = mapped_column(String(32))
     auth: Mapped[bytes] = mapped_column(LargeBinary)
     secret_ciphertext: Mapped[bytes] = mapped_column(LargeBinary)
-    # Which key encrypted secret_ciphertext (VaultCipher.key_id).
+    # Which key encrypted secret_ciphertext (KeyRing.key_id).
     key_id: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), default="active")
     create_time: Mapped[float] = mapped_column(Float)

@@ -31,9 +31,8 @@ from services.environment.sandbox_reconciler import SandboxReconciler
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
-from services.environment.vault_crypto import VaultCipher
 from services.environment.vault_servicer import VaultServicer
-from services.environment.vaults import VaultStore
+from services.environment.vaults import VaultStore, vault_key_ring
 from services.environment.templates import EnvironmentTemplates
 
 __all__ = ["start_environment_service", "ENVIRONMENT_CALLERS", "VAULT_CALLERS"]
@@ -156,7 +155,7 @@ async def start_environment_service(
         )
         guard.start()
         closers.append(guard.close)
-        vaults = VaultStore(db, VaultCipher.from_settings(settings))
+        vaults = VaultStore(db, vault_key_ring(settings))
         await vaults.rotate()
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, vaults=vaults, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store, EnvironmentTemplates(db, domain.validated_config))

@@ -1,7 +1,7 @@
 """Vaults and credentials: the rules, the encrypted storage, and resolving
 a credential for an MCP connection.
 
-Secrets live only in ``secret_ciphertext`` (``VaultCipher``); every other
+Secrets live only in ``secret_ciphertext`` (``KeyRing``); every other
 column and every message this module returns is public. Nothing here logs a
 secret, and errors never quote one.
 
@@ -26,10 +26,11 @@ from berth.environment.v1 import vault_pb2
 from services.core.db import Database
 from services.core.errors import InvalidArgument, NotFound
 from services.core.ids import has_prefix, new_id
+from services.core.key_ring import KeyRing
 from services.core.logging import get_logger
+from services.core.settings import Settings
 from services.environment import vault_repository as repo
 from services.environment.models import VaultCredentialRow, VaultRow
-from services.environment.vault_crypto import VaultCipher
 
 __all__ = ["VaultStore", "VaultListPage", "SecretInput", "CredentialRotation", "normalize_url", "UNSET"]
 
@@ -172,8 +173,14 @@ async def _filtered_page(
     return found[:limit], len(found) > limit
 
 
+def vault_key_ring(settings: Settings) -> KeyRing:
+    """The vault keys: ``vault_keys``, else ``vault_keys_file``, else
+    ``vault.keys`` under the data dir, created (0600) on first start."""
+    return KeyRing.load(settings.vault_keys.get_secret_value(), settings.vault_keys_file, settings.data_dir / "vault.keys")
+
+
 class VaultStore:
-    def __init__(self, db: Database, cipher: VaultCipher) -> None:
+    def __init__(self, db: Database, cipher: KeyRing) -> None:
         self._db = db
         self._cipher = cipher
 

@@ -17,8 +17,8 @@ from berth.environment.v1 import environment_service_pb2 as pb, vault_pb2, vault
 from services.core.db import Database, open_database
 from services.core.errors import NotFound
 from services.core.settings import normalize_database_url
-from services.environment.vault_crypto import VaultCipher
-from services.environment.vaults import SecretInput, VaultStore
+from services.core.key_ring import KeyRing
+from services.environment.vaults import SecretInput, VaultStore, vault_key_ring
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "environment" / "migrations" / "versions"
 TOKEN = "env-vault-token-3f9a0c"
@@ -30,7 +30,7 @@ def bearer(url: str = URL) -> vault_pb2.CredentialAuth:
 
 
 async def store_with(db: Database, *keys: bytes) -> VaultStore:
-    return VaultStore(db, VaultCipher(list(keys)))
+    return VaultStore(db, KeyRing(list(keys)))
 
 
 async def test_rotating_keys_re_encrypts_every_secret_with_the_new_key_and_the_old_key_can_go(database_url: str) -> None:
@@ -63,11 +63,11 @@ def test_the_embedded_key_file_is_created_once_private_to_its_owner(tmp_path: Pa
     from services.core.settings import Settings
 
     settings = Settings(data_dir=tmp_path)
-    first = VaultCipher.from_settings(settings)
+    first = vault_key_ring(settings)
     assert (tmp_path / "vault.keys").stat().st_mode & 0o777 == 0o600
-    assert VaultCipher.from_settings(settings).key_id == first.key_id
+    assert vault_key_ring(settings).key_id == first.key_id
     configured = Settings(data_dir=tmp_path, vault_keys=f"{Fernet.generate_key().decode()},{Fernet.generate_key().decode()}")
-    assert VaultCipher.from_settings(configured).key_id != first.key_id
+    assert vault_key_ring(configured).key_id != first.key_id
 
 
 async def vault_with_credential(service: EnvService, url: str = URL) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from webhook_support import Receiver
 
 from services.core.db import Database, open_database
 from services.core.errors import InvalidArgument
+from services.core.key_ring import KeyRing
 from services.core.notify import Notifier, open_notifier
 from services.core.settings import normalize_database_url
 from services.session.models import WebhookAttemptRow, WebhookDeliveryRow
@@ -46,7 +47,7 @@ class _Replica:
 
 @pytest.fixture
 async def replicas(database_url: str) -> AsyncIterator[list[_Replica]]:
-    box = SecretBox(Fernet.generate_key())
+    box = SecretBox(KeyRing([Fernet.generate_key()]))
     out: list[_Replica] = []
     for _ in range(2):
         db = await open_database(normalize_database_url(database_url), "session", _MIGRATIONS)

@@ -4,8 +4,9 @@ Signatures follow Standard Webhooks (the convention OpenAI's webhooks and
 ``client.webhooks.verify_signature`` use): a secret ``whsec_<base64 key>``,
 and ``webhook-signature: v1,<base64 HMAC-SHA256(key, "<id>.<timestamp>.<body>")>``.
 The secret must be usable to sign, so it is encrypted (Fernet), not hashed;
-the key comes from ``BERTH_WEBHOOK_SECRET_KEY``, a file, or a key file
-created under the data directory on first use.
+the keys come from ``BERTH_WEBHOOK_SECRET_KEY`` (newest first; older ones
+still decrypt), a file, or a key file created under the data directory on
+first use.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import os
 import secrets
 from pathlib import Path
 
-from cryptography.fernet import Fernet
-
+from services.core.key_ring import KeyRing
 from services.core.settings import Settings
 
 __all__ = ["SecretBox", "new_secret", "secret_hint", "signature", "signed_headers", "open_secret_box"]
@@ -49,33 +48,21 @@ def signed_headers(secret: str, message_id: str, timestamp: int, body: bytes) ->
 
 
 class SecretBox:
-    """Encrypts signing secrets for the database and decrypts them to sign."""
+    """Encrypts signing secrets for the database and decrypts them to sign
+    (with any key of the ring, so the key rotates: services/core/key_ring.py)."""
 
-    def __init__(self, key: bytes) -> None:
-        self._fernet = Fernet(key)
+    def __init__(self, ring: KeyRing) -> None:
+        self._ring = ring
 
     def seal(self, secret: str) -> str:
-        return self._fernet.encrypt(secret.encode()).decode()
+        return self._ring.encrypt(secret.encode()).decode()
 
     def open(self, sealed: str) -> str:
-        return self._fernet.decrypt(sealed.encode()).decode()
+        return self._ring.decrypt(sealed.encode()).decode()
 
 
 def open_secret_box(settings: Settings) -> SecretBox:
-    configured = settings.webhook_secret_key.get_secret_value()
-    if configured:
-        return SecretBox(configured.encode())
-    path = Path(settings.webhook_secret_key_file) if settings.webhook_secret_key_file else None
-    if path is None:
-        path = settings.data_dir.resolve() / "webhook_secret.key"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Created exclusively and private: a concurrent first start keeps the first key.
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                pass
-            else:
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(Fernet.generate_key())
-    return SecretBox(path.read_bytes().strip())
+    file = Path(settings.webhook_secret_key_file) if settings.webhook_secret_key_file else None
+    return SecretBox(
+        KeyRing.load(settings.webhook_secret_key.get_secret_value(), file, settings.data_dir.resolve() / "webhook_secret.key")
+    )
