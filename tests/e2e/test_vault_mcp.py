@@ -5,6 +5,7 @@ event, API response, log line or database file."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from e2e_stack import Stack, start_stack
 from e2e_support import attach_session, create_environment, run_script
 from mcp_test_support import http_mcp_server
 from openai.types.beta.agent_mcp_call_item import AgentMcpCallItem
+
+from services.core.logging import capture_json_logs
 
 TOKEN = "vault-mcp-bearer-e5d04b7a19c3"
 
@@ -60,8 +63,7 @@ async def everything_visible(stack: Stack, session_ids: list[str], vault_id: str
     return "\n".join(bodies)
 
 
-async def test_a_vault_bearer_reaches_the_mcp_server_and_nothing_else(stack: Stack, capfd: pytest.CaptureFixture[str]) -> None:
-    client = stack.aclient()
+async def _use_the_vault_bearer(stack: Stack, client: Any) -> None:
     env = await create_environment(client)
     async with http_mcp_server(required_bearer=TOKEN) as url:
         vault = await client.beta.agents.vaults.create(name="mcp")
@@ -88,9 +90,15 @@ async def test_a_vault_bearer_reaches_the_mcp_server_and_nothing_else(stack: Sta
         visible = await everything_visible(stack, [named.id, matched.id, bare.id], vault.id)
         assert "authorized" in visible
         assert TOKEN not in visible
-    logs = capfd.readouterr()
-    assert "vault_credential_created" in logs.out + logs.err
-    assert TOKEN not in logs.out and TOKEN not in logs.err
+
+
+async def test_a_vault_bearer_reaches_the_mcp_server_and_nothing_else(stack: Stack) -> None:
+    client = stack.aclient()
+    logs = io.StringIO()
+    with capture_json_logs(logs, level="DEBUG"):
+        await _use_the_vault_bearer(stack, client)
+    assert "vault_credential_created" in logs.getvalue()
+    assert TOKEN not in logs.getvalue()
     for path in stack.data_dir.rglob("*"):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
