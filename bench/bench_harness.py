@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.bench_turn import _EventReader
+from bench.turn_client import TurnStream
 from bench.runner import Result, summarize
 from bench.stack import running_stack
 
@@ -120,7 +120,7 @@ async def run(tmp: Path) -> list[Result]:
                 async with http.stream(
                     "GET", f"/agents/sessions/{session_id}/events", headers={"Last-Event-ID": "0"}, timeout=None
                 ) as response:
-                    events = _EventReader(response.aiter_lines())
+                    events = TurnStream(http, session_id, response.aiter_lines())
                     await events.until("agent.session.idle")
                     for n in range(DELTAS + 3):
                         hold = threading.Event()
