@@ -518,7 +518,6 @@ class TurnRunner:
             trace=trace,
         )
 
-
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:
         """Renews the turn's lease, and waits for cancels sent to other
         replicas (and for the turn having been ended elsewhere, e.g. by a
