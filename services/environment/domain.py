@@ -36,6 +36,7 @@ from services.core.errors import (
 from services.core.ids import has_prefix, new_id
 from services.core.logging import get_logger
 from services.core.settings import Settings
+from services.environment import paging
 from services.environment import repository as repo
 from services.environment.compute import Compute, ExecEvent, SandboxRef
 from services.environment.file_store import FileStore
@@ -277,8 +278,8 @@ class EnvironmentDomain:
     async def list_environments(
         self, org_id: str, *, page_size: int, after: str, order: str
     ) -> tuple[Sequence[EnvironmentRow], bool]:
-        limit = _page_size(page_size, param="limit")
-        ascending = _order(order) == "asc"
+        limit = paging.page_size(page_size)
+        ascending = paging.page_order(order) == "asc"
         async with self._db.transaction(read_only=True) as s:
             rows = await repo.list_environments(s, org_id, after=after, ascending=ascending, limit=limit + 1)
         return rows[:limit], len(rows) > limit
@@ -783,8 +784,8 @@ class EnvironmentDomain:
         self, org_id: str, environment_id: str, *, path: str, order: str, page_size: int, page_token: str
     ) -> tuple[list[LiveFile], str]:
         directory = workspace_dir_path(path)
-        order = _order(order)
-        limit = _page_size(page_size, param="limit")
+        order = paging.page_order(order)
+        limit = paging.page_size(page_size)
         after = _decode_token(page_token, directory=directory, order=order) if page_token else None
         row = await self._ready(org_id, environment_id)
         entries = [e for e in await self._list_or_empty(row, directory) if e.type == common_pb2.FILE_TYPE_FILE]
@@ -834,20 +835,6 @@ async def _detach_step(
         return row, http_labels, None
     marked = await repo.mark_deleting(s, environment_id, org_id, require_unbound=False, require_never_shared=True)
     return row, None, (await repo.get_environment_by_id(s, environment_id) if marked else None)
-
-
-def _page_size(page_size: int, *, param: str) -> int:
-    if page_size == 0:
-        return 20
-    if not 1 <= page_size <= 100:
-        raise InvalidArgument("limit must be between 1 and 100", param=param)
-    return page_size
-
-
-def _order(order: str) -> str:
-    if order not in ("", "asc", "desc"):
-        raise InvalidArgument("order must be asc or desc", param="order")
-    return order or "desc"
 
 
 def _encode_token(directory: str, order: str, last_path: str) -> str:

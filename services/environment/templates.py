@@ -31,6 +31,7 @@ from services.core.db import Database
 from services.core.errors import BerthError, InvalidArgument, NotFound
 from services.core.ids import has_prefix, new_id
 from services.core.logging import get_logger
+from services.environment import paging
 from services.environment import repository as repo
 from services.environment.models import TemplateRow
 
@@ -202,17 +203,11 @@ class EnvironmentTemplates:
     async def list(
         self, org_id: str, *, page_size: int, after: str, order: str
     ) -> tuple[Sequence[TemplateRow], bool]:
-        if page_size == 0:
-            page_size = 20
-        if not 1 <= page_size <= 100:
-            raise InvalidArgument("limit must be between 1 and 100", param="limit")
-        if order not in ("", "asc", "desc"):
-            raise InvalidArgument("order must be asc or desc", param="order")
+        limit = paging.page_size(page_size)
+        ascending = paging.page_order(order) == "asc"
         async with self._db.transaction(read_only=True) as s:
-            rows = await repo.list_templates(
-                s, org_id, after=after, ascending=order == "asc", limit=page_size + 1
-            )
-        return rows[:page_size], len(rows) > page_size
+            rows = await repo.list_templates(s, org_id, after=after, ascending=ascending, limit=limit + 1)
+        return rows[:limit], len(rows) > limit
 
     async def update(
         self,

@@ -29,6 +29,7 @@ from services.core.ids import has_prefix, new_id
 from services.core.key_ring import KeyRing
 from services.core.logging import get_logger
 from services.core.settings import Settings
+from services.environment import paging
 from services.environment import vault_repository as repo
 from services.environment.models import VaultCredentialRow, VaultRow
 
@@ -37,7 +38,6 @@ __all__ = ["VaultStore", "VaultListPage", "SecretInput", "CredentialRotation", "
 log = get_logger(__name__)
 
 _MAX_NAME_BYTES = 256
-_MAX_LIST = 100
 _STATUSES = ("active", "archived")
 _MCP_TYPES = ("static_bearer", "mcp_oauth")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -138,11 +138,7 @@ def _statuses(page: VaultListPage) -> list[str]:
 
 
 def _check_page(page: VaultListPage) -> tuple[int, bool]:
-    if not 0 <= page.limit <= _MAX_LIST:
-        raise InvalidArgument(f"limit must be between 1 and {_MAX_LIST}", param="limit")
-    if page.order not in ("", "asc", "desc"):
-        raise InvalidArgument("order must be asc or desc", param="order")
-    return page.limit or 20, page.order != "asc"
+    return paging.page_size(page.limit), paging.page_order(page.order) == "desc"
 
 
 def _matches(metadata_json: str, wanted: Mapping[str, str] | None) -> bool:
