@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, insert, select
+from sqlalchemy import Table, and_, bindparam, insert, select
 
 from services.core.ids import new_id
 from services.session.models import ArtifactRow, SessionRow, WebhookDeliveryRow, WebhookEndpointRow
@@ -31,6 +31,27 @@ WEBHOOKS_KEY = "webhooks"
 
 _DELIVERIES = cast(Table, WebhookDeliveryRow.__table__)
 _INSERT_DELIVERIES = insert(_DELIVERIES)
+# On the path of every transaction that ends a turn or changes a session's
+# status: built once (docs/CONVENTIONS.md), the session IDs bound at execute time.
+_SESSION_ENDPOINTS = (
+    select(
+        SessionRow.id,
+        SessionRow.org_id,
+        SessionRow.environment_kind,
+        SessionRow.environment_id,
+        WebhookEndpointRow.id,
+        WebhookEndpointRow.event_types_json,
+    )
+    .select_from(SessionRow)
+    .join(
+        WebhookEndpointRow,
+        and_(
+            WebhookEndpointRow.org_id == SessionRow.org_id,
+            WebhookEndpointRow.status == EndpointStatus.ENABLED.value,
+        ),
+    )
+    .where(SessionRow.id.in_(bindparam("session_ids", expanding=True)))
+)
 
 
 def _subscribed(rows: list[tuple[str, str]], event_type: str) -> list[str]:
@@ -114,25 +135,7 @@ async def capture(unit: Unit) -> None:
         return
     session_ids = sorted({sid for sid, _ in appended})
     # One read: each session's facts with its organization's enabled endpoints.
-    result = await unit.session.execute(
-        select(
-            SessionRow.id,
-            SessionRow.org_id,
-            SessionRow.environment_kind,
-            SessionRow.environment_id,
-            WebhookEndpointRow.id,
-            WebhookEndpointRow.event_types_json,
-        )
-        .select_from(SessionRow)
-        .join(
-            WebhookEndpointRow,
-            and_(
-                WebhookEndpointRow.org_id == SessionRow.org_id,
-                WebhookEndpointRow.status == EndpointStatus.ENABLED.value,
-            ),
-        )
-        .where(SessionRow.id.in_(session_ids))
-    )
+    result = await unit.session.execute(_SESSION_ENDPOINTS, {"session_ids": session_ids})
     facts: dict[str, tuple[str, catalog.SessionFacts]] = {}
     endpoints: dict[str, list[tuple[str, str]]] = {}
     for sid, org, env_kind, env_id, endpoint_id, types_json in result.all():
