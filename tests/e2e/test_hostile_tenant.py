@@ -318,6 +318,11 @@ async def _plant_secret(client: openai.AsyncOpenAI, session_id: str, secret: str
     assert planted.exit_code == 0, planted
 
 
+# The scan walks ~145,000 names (the host's /usr among them): about 4 s on an
+# idle machine, but it once took over 40 s under a loaded CI run.
+_SCAN_LIMIT_S = 180
+
+
 async def test_a_sandbox_finds_no_trace_of_another_organizations_workspace_or_processes(tenant_stack: Stack) -> None:
     mine = tenant_stack.aclient()
     theirs = await _other_organization(tenant_stack)
@@ -336,10 +341,20 @@ async def test_a_sandbox_finds_no_trace_of_another_organizations_workspace_or_pr
         mine,
         my_session.id,
         SCAN_PROBE,
-        {"needles": {"mine": my_secret, "theirs": their_secret, "their_sandbox": their_sandbox}, "paths": host_paths},
-        timeout=90,
+        {
+            "needles": {"mine": my_secret, "theirs": their_secret, "their_sandbox": their_sandbox},
+            "paths": host_paths,
+            "time_limit_s": _SCAN_LIMIT_S,
+        },
+        timeout=_SCAN_LIMIT_S + 60,
     )
-    control = await run_probe(theirs, their_session.id, SCAN_PROBE, {"needles": {"mine": their_secret}, "paths": []}, timeout=90)
+    control = await run_probe(
+        theirs,
+        their_session.id,
+        SCAN_PROBE,
+        {"needles": {"mine": their_secret}, "paths": [], "time_limit_s": _SCAN_LIMIT_S},
+        timeout=_SCAN_LIMIT_S + 60,
+    )
     found, theirs_found = attack.json(), control.json()
 
     assert found["hits"]["theirs"] == [] and found["hits"]["their_sandbox"] == [], found["hits"]
