@@ -73,7 +73,7 @@ from services.session.harness.trace import TurnTrace
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
-from services.session.session_controls import PriceTable, SessionControls, SpendBudget
+from services.session.session_controls import PriceTable, SessionControls, SpendBudget, budget_root, tree_spend_cents
 from services.session.store import Store, Unit, turn_key
 from services.session.traces import TraceStore
 from services.session.turn_io import DbTurnIO
@@ -147,6 +147,8 @@ class ClaimedTurn:
     turn_usage: dict[str, Any] | None = None
     # The session's own vaults: its service-origin MCP connections use them.
     vault_ids: list[str] = field(default_factory=list)
+    # The subagent the session runs for (None for a root session).
+    subagent_id: str | None = None
 
 
 @dataclass
@@ -407,9 +409,32 @@ class TurnRunner:
             row.usage_json,
             vault_ids=json.loads(row.vault_ids_json),
             controls_json=row.controls_json,
+            subagent_id=row.subagent_id,
         )
 
     # ----- running ----------------------------------------------------------------
+    async def _budget(self, claimed: ClaimedTurn) -> SpendBudget | None:
+        """The spend budget the turn runs under: its session's own, or for a
+        subagent's session its tree root's (read only then, so an unbudgeted
+        root session's turns cost no query)."""
+        if claimed.subagent_id is None and SessionControls.from_json(claimed.controls_json).spend_limit_cents is None:
+            return None
+
+        async def root(s: AsyncSession) -> SessionRow:
+            return await budget_root(s, await repo.get_session(s, claimed.org_id, claimed.session_id))
+
+        tree = await self.store.query(root)
+        limit = SessionControls.from_json(tree.controls_json).spend_limit_cents
+        if limit is None:
+            return None
+        model = str((json.loads(claimed.agent_config_json or "{}").get("config") or {}).get("model") or "")
+        return SpendBudget(
+            limit,
+            self.prices,
+            model,
+            lambda: self.store.query(lambda s: tree_spend_cents(s, tree, self.prices, except_turn_id=claimed.turn_id)),
+        )
+
     async def _run(self, claimed: ClaimedTurn) -> bool:
         """Runs the claimed turn to its end; returns whether the session may
         have another queued turn."""
@@ -451,9 +476,7 @@ class TurnRunner:
                 else None
             ),
             automations=self.automations,
-            budget=SpendBudget.for_turn(
-                claimed.controls_json, claimed.usage_json, claimed.agent_config_json, self.prices
-            ),
+            budget=await self._budget(claimed),
             prompt_cache_retention=SessionControls.from_json(claimed.controls_json).prompt_cache_retention,
         )
         trace = TurnTrace(session_id=claimed.session_id, turn_id=claimed.turn_id)
@@ -971,6 +994,7 @@ class TurnRunner:
             turn_usage=wire.parse_usage(turn.usage_json),
             vault_ids=json.loads(session.vault_ids_json),
             controls_json=session.controls_json,
+            subagent_id=session.subagent_id,
         )
 
 

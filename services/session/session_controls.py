@@ -8,9 +8,11 @@ session ID as ``prompt_cache_key`` (and nothing without a TTL).
 
 ``spend_control.limit`` is a budget in USD cents. Spend is the session's
 token usage priced with the price table (``BERTH_MODEL_PRICES`` over
-``DEFAULT_MODEL_PRICES``) at the session's current model. After every model
-call the running turn's spend is added to the session's; once it reaches the
-limit the turn fails with ``usage_limit_exceeded`` (the SDK's code for a
+``DEFAULT_MODEL_PRICES``) at the session's current model, plus that of every
+subagent's session under it (each at its own model), running turns included:
+subagents spend their root session's budget, so delegating work does not
+escape it. Before and after every model call the running turn's spend is
+added to the rest of the tree's; once it reaches the limit the turn fails with ``usage_limit_exceeded`` (the SDK's code for a
 reached usage limit) without running that response's tool calls, and the
 session refuses new input with 409 ``spend_limit_reached`` until the limit
 is raised or removed.
@@ -19,17 +21,30 @@ is raised or removed.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.session.v1 import session_pb2
 from services.core.errors import InvalidArgument, SpendLimitReached
 from services.core.settings import DEFAULT_MODEL_PRICES, ModelPrice
 from services.session.harness.io import TurnFailure
-from services.session.models import SessionRow
+from services.session.models import SessionRow, SubagentRow, TurnRow
+from services.session.states import RUNNING_TURN_STATUSES
+from services.session.wire import parse_usage
 
-__all__ = ["PriceTable", "SessionControls", "SpendBudget", "TURN_ERROR_CODE", "refuse_input_past_limit"]
+__all__ = [
+    "PriceTable",
+    "SessionControls",
+    "SpendBudget",
+    "TURN_ERROR_CODE",
+    "budget_root",
+    "refuse_input_past_limit",
+    "tree_spend_cents",
+]
 
 TURN_ERROR_CODE = "usage_limit_exceeded"
 _REVIEW_MODES = frozenset({"none"})
@@ -125,43 +140,86 @@ class SessionControls:
 
 
 class SpendBudget:
-    """One turn's view of its session's budget."""
+    """One turn's view of its budget: the limit of its tree's root session
+    and what the tree spent outside this turn, read again before every
+    model call (a subagent or the parent may have spent meanwhile)."""
 
-    def __init__(self, limit_cents: int, spent_before_cents: float, prices: PriceTable, model: str) -> None:
+    def __init__(
+        self,
+        limit_cents: int,
+        prices: PriceTable,
+        model: str,
+        read_elsewhere: Callable[[], Awaitable[float]],
+    ) -> None:
         self.limit_cents = limit_cents
-        self.spent_before_cents = spent_before_cents
+        self.spent_elsewhere_cents = 0.0
         self._prices = prices
         self._model = model
+        self._read_elsewhere = read_elsewhere
 
-    @classmethod
-    def for_turn(
-        cls, controls_json: str, session_usage_json: str, agent_config_json: str, prices: PriceTable
-    ) -> SpendBudget | None:
-        limit = SessionControls.from_json(controls_json).spend_limit_cents
-        if limit is None:
-            return None
-        model = str((json.loads(agent_config_json or "{}").get("config") or {}).get("model") or "")
-        usage = json.loads(session_usage_json) if session_usage_json else None
-        return cls(limit, prices.cost_cents(model, usage), prices, model)
+    async def refresh(self) -> None:
+        self.spent_elsewhere_cents = await self._read_elsewhere()
 
     def check(self, turn_usage: Mapping[str, Any] | None) -> None:
-        """Ends the turn once the session's spend reaches the limit."""
-        spent = self.spent_before_cents + self._prices.cost_cents(self._model, turn_usage)
+        """Ends the turn once the tree's spend reaches the limit."""
+        spent = self.spent_elsewhere_cents + self._prices.cost_cents(self._model, turn_usage)
         if spent >= self.limit_cents:
-            raise TurnFailure(
-                TURN_ERROR_CODE,
-                f"the session reached its spend_control limit of {self.limit_cents} USD cents ({spent:.2f} spent)",
+            raise TurnFailure(TURN_ERROR_CODE, _reached(self.limit_cents, spent))
+
+
+def _reached(limit: int, spent: float) -> str:
+    return f"the session reached its spend_control limit of {limit} USD cents ({spent:.2f} spent)"
+
+
+def _model(agent_config_json: str) -> str:
+    return str((json.loads(agent_config_json or "{}").get("config") or {}).get("model") or "")
+
+
+async def budget_root(s: AsyncSession, row: SessionRow) -> SessionRow:
+    """The session whose ``spend_control`` a session spends against: itself,
+    or for a subagent's session the root of its tree."""
+    if row.subagent_id is None:
+        return row
+    root_id = (
+        await s.execute(select(SubagentRow.root_session_id).where(SubagentRow.id == row.subagent_id))
+    ).scalar_one_or_none()
+    root = await s.scalar(select(SessionRow).where(SessionRow.id == root_id, SessionRow.org_id == row.org_id))
+    return root if root is not None else row
+
+
+async def tree_spend_cents(s: AsyncSession, root: SessionRow, prices: PriceTable, *, except_turn_id: str = "") -> float:
+    """What the tree of ``root`` (the root session and every subagent's
+    session under it) has spent: its sessions' finished turns, each priced
+    at its session's model, and the usage their running turns have saved so
+    far, but ``except_turn_id``'s, which that turn counts itself."""
+    children = select(SubagentRow.child_session_id).where(
+        SubagentRow.org_id == root.org_id, SubagentRow.root_session_id == root.id
+    )
+    sessions = (
+        await s.execute(
+            select(SessionRow.id, SessionRow.usage_json, SessionRow.agent_config_json).where(
+                SessionRow.org_id == root.org_id, or_(SessionRow.id == root.id, SessionRow.id.in_(children))
             )
-
-
-def refuse_input_past_limit(row: SessionRow, prices: PriceTable) -> None:
-    """New input is refused once the session's spend reached its limit."""
-    budget = SpendBudget.for_turn(row.controls_json, row.usage_json, row.agent_config_json, prices)
-    if budget is None:
-        return
-    limit, spent = budget.limit_cents, budget.spent_before_cents
-    if spent >= limit:
-        raise SpendLimitReached(
-            f"the session reached its spend_control limit of {limit} USD cents ({spent:.2f} spent)",
-            param="spend_control.limit",
         )
+    ).all()
+    models = {r.id: _model(r.agent_config_json) for r in sessions}
+    spent = sum(prices.cost_cents(models[r.id], parse_usage(r.usage_json)) for r in sessions)
+    running = await s.execute(
+        select(TurnRow.session_id, TurnRow.usage_json).where(
+            TurnRow.session_id.in_(list(models)),
+            TurnRow.status.in_(RUNNING_TURN_STATUSES),
+            TurnRow.id != except_turn_id,
+        )
+    )
+    return spent + sum(prices.cost_cents(models[t.session_id], parse_usage(t.usage_json)) for t in running)
+
+
+async def refuse_input_past_limit(s: AsyncSession, row: SessionRow, prices: PriceTable) -> None:
+    """New input is refused once the session's tree reached its limit."""
+    root = await budget_root(s, row)
+    limit = SessionControls.from_json(root.controls_json).spend_limit_cents
+    if limit is None:
+        return
+    spent = await tree_spend_cents(s, root, prices)
+    if spent >= limit:
+        raise SpendLimitReached(_reached(limit, spent), param="spend_control.limit")

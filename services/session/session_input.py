@@ -133,7 +133,7 @@ class SessionInput:
                     messages = [_user_parts(m, f"{p}.input[{j}].content") for j, m in enumerate(event.message.input)]
                     if not messages:
                         raise InvalidArgument(f"{p}.input must not be empty", param=f"{p}.input")
-                    refuse_input_past_limit(row, self.prices)
+                    await refuse_input_past_limit(u.session, row, self.prices)
                     turn_ids.append(await enqueue_turn(u, row, messages))
                     kick = True
                 elif kind == "cancel":

@@ -45,6 +45,7 @@ from services.session.agents import DEFAULT_MAX_CONCURRENT_SUBAGENTS
 from services.session.harness.subagents import SubagentPort, SubagentRefused, SubagentState
 from services.session.models import ItemRow, SessionRow, SubagentRow, TurnRow
 from services.session.repository import Page
+from services.session.session_controls import SessionControls, budget_root
 from services.session.session_input import SessionInput
 from services.session.sessions import Sessions
 from services.session.states import ACTIVE_TURN_STATUSES
@@ -257,6 +258,13 @@ class _SessionSubagents:
             config["model"] = model
         if reasoning_effort:
             config["reasoning"] = {**(config.get("reasoning") or {}), "effort": reasoning_effort}
+        # A subagent spends its tree's budget, so its model must be priced.
+        budgeted = await host.store.query(lambda s: budget_root(s, parent))
+        if SessionControls.from_json(budgeted.controls_json).spend_limit_cents is not None:
+            if host.input.prices.price(str(config.get("model") or "")) is None:
+                raise SubagentRefused(
+                    f"model {config.get('model')!r} has no price (BERTH_MODEL_PRICES), and this session has a spend_control limit"
+                )
         bound = _bound(parent)
         # A first look, so a refusal does not attach the environment.
         if await host.store.query(lambda s: _open_count(s, root, lock=False)) >= bound:

@@ -132,6 +132,7 @@ class DbTurnIO:
     async def agent_config(self) -> AgentConfig:
         # Read before every model call: a session past its budget makes no more.
         if self._budget is not None:
+            await self._budget.refresh()
             self._budget.check(self.writer.usage)
         return await self.writer.agent_config()
 

@@ -14,7 +14,8 @@ import pytest
 import pytest_asyncio
 from e2e_stack import Stack, destroy_sandboxes, start_stack
 from e2e_support import api_error, assert_error, run_script, send_script
-from turns_support import strict_client
+from openai.types.beta.agents.sessions.turn import Turn
+from turns_support import NO_ENVIRONMENT, new_turn, strict_client, turn_status
 
 from services.core.settings import ModelPrice
 
@@ -132,3 +133,66 @@ async def test_stream_events_carry_obfuscation_padding_unless_the_stream_opts_ou
     assert len({e.obfuscation for e in padded}) > 1  # type: ignore[union-attr]
     plain = await events(include_obfuscation=False)
     assert [getattr(e, "obfuscation", None) for e in plain] == [None] * len(padded)
+
+
+async def _tree_spend(client: Any, session_id: str) -> tuple[int, int, list[Any]]:
+    """(root's output tokens, its subagents' output tokens, their turns)."""
+    sessions = client.beta.agents.sessions
+    root = await sessions.retrieve(session_id)
+    child_turns = [
+        t
+        async for s in sessions.subagents.list(session_id)
+        async for t in sessions.subagents.turns.list(s.id, session_id=session_id)
+    ]
+    children = sum(t.usage.output_tokens for t in child_turns if t.usage is not None)
+    return (root.usage.output_tokens if root.usage else 0), children, child_turns
+
+
+async def _tree_turn(client: Any, script: str, limit: int) -> tuple[str, Turn]:
+    """A session of a multi-agent agent with budget ``limit`` whose first
+    turn runs ``script``: (its ID, that turn once it ended)."""
+    session = await client.beta.agents.sessions.create(
+        agent={"model": "scripted", "multi_agent": {"enabled": True}},
+        environment=NO_ENVIRONMENT,
+        input=script,
+        extra_body={"spend_control": {"limit": limit}},
+    )
+    turn_id = await new_turn(client, session.id, [])
+    return session.id, await turn_status(client, session.id, turn_id, ("completed", "failed", "cancelled"))
+
+
+async def test_subagents_spend_their_root_sessions_budget(stack: Stack) -> None:
+    client = strict_client(stack)
+    script = "subagent a: " + "w " * 100 + "\nsubagent wait\nfinished"
+
+    # Control: under a budget it never reaches, the tree completes; what the
+    # root and its subagent each spent sets a limit between the larger of
+    # the two and their sum.
+    roomy, done = await _tree_turn(client, script, 1_000_000)
+    assert done.status == "completed", done
+    root_tokens, child_tokens, _ = await _tree_spend(client, roomy)
+    assert root_tokens > 0 and child_tokens > 0
+    limit = max(root_tokens, child_tokens) + min(root_tokens, child_tokens) // 2
+
+    tight, turn = await _tree_turn(client, script, limit)
+    assert turn.status == "failed" and turn.error is not None and turn.error.code == "usage_limit_exceeded", turn
+    _, _, child_turns = await _tree_spend(client, tight)
+    assert [(t.status, t.error.code if t.error else None) for t in child_turns] == [("failed", "usage_limit_exceeded")]
+    async with stack.http() as http:
+        refused = await http.post(
+            f"/agents/sessions/{tight}/events",
+            json={"events": [{"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]}]},
+        )
+        assert_error(refused, 409, "spend_limit_reached")
+
+
+async def test_a_subagent_on_a_model_without_a_price_is_refused_under_a_budget(stack: Stack) -> None:
+    client = strict_client(stack)
+    session_id, turn = await _tree_turn(client, "subagent a/unpriced-model: hello\nsubagent b: hello\ndone", 1_000_000)
+    assert turn.status == "completed", turn
+    items: Any = [i async for i in client.beta.agents.sessions.turns.items.list(turn.id, session_id=session_id, order="asc")]
+    assert [(i.type, getattr(i, "status", None)) for i in items[1:3]] == [
+        ("create_subagent_call", "failed"),
+        ("create_subagent_call", "completed"),  # control: a priced model is created
+    ]
+    assert [s.name async for s in client.beta.agents.sessions.subagents.list(session_id)] == ["b"]

@@ -43,10 +43,11 @@ backticks, the content, and a closing line of three backticks)
     Close that process's stdin, then read its output.
 ``kill``
     Kill that process (``kill_process``).
-``subagent NAME: TASK``
+``subagent NAME[/MODEL]: TASK``
     Create a subagent nicknamed NAME (one word) with TASK as its first
-    message (``create_subagent``); ``\\n`` in TASK stands for a line break,
-    so a scripted subagent can run a script of several lines.
+    message (``create_subagent``), on MODEL when one is given; ``\\n`` in
+    TASK stands for a line break, so a scripted subagent can run a script of
+    several lines.
 ``subagent send NAME: TEXT``
     Send TEXT to subagent NAME (``send_subagent_input``).
 ``subagent wait [NAME ...]``
@@ -139,7 +140,9 @@ def _subagent_action(rest: str) -> ScriptAction | None:
     name, sep, task = rest.partition(":")
     if not sep or not name.strip() or " " in name.strip():
         return None
-    return ScriptAction("create_subagent", {"name": name.strip(), "task": task.strip().replace("\\n", "\n")})
+    name, _, model = name.strip().partition("/")
+    arguments = {"name": name, "task": task.strip().replace("\\n", "\n")}
+    return ScriptAction("create_subagent", {**arguments, "model": model} if model else arguments)
 
 
 def _yield_option(rest: str) -> tuple[dict[str, Any], str]:
