@@ -111,6 +111,9 @@ class TurnRow(Base):
     next_output_index: Mapped[int] = mapped_column(Integer)
     # The subagent that ran the turn (its session's subagent); None for root turns.
     subagent_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
+    # A subagent turn's place in its root turn's trace (harness/trace.py
+    # TraceLink as JSON); empty for a root turn.
+    trace_link_json: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class ItemRow(Base):
@@ -347,3 +350,6 @@ class TraceRow(Base):
     # Creation time of the root turn.
     created_at: Mapped[float] = mapped_column(Float)
     otlp_json: Mapped[str] = mapped_column(Text)
+    # For the spans of a subagent's turn: the root turn they are published
+    # under (the row's own ID is then the subagent's turn); None for a root turn.
+    root_turn_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None, index=True)

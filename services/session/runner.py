@@ -69,7 +69,7 @@ from services.session.harness.models import ProviderRegistry
 from services.session.harness.models.base import Entry, ToolCall
 from services.session.harness.subagents import SubagentPort
 from services.session.harness.tools import INTERRUPTED, resume_command
-from services.session.harness.trace import TurnTrace
+from services.session.harness.trace import TraceLink, TurnTrace
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
@@ -149,6 +149,8 @@ class ClaimedTurn:
     vault_ids: list[str] = field(default_factory=list)
     # The subagent the session runs for (None for a root session).
     subagent_id: str | None = None
+    # Where a subagent turn's trace continues its root turn's (TraceLink JSON).
+    trace_link_json: str = ""
 
 
 @dataclass
@@ -410,6 +412,7 @@ class TurnRunner:
             vault_ids=json.loads(row.vault_ids_json),
             controls_json=row.controls_json,
             subagent_id=row.subagent_id,
+            trace_link_json=turn.trace_link_json,
         )
 
     # ----- running ----------------------------------------------------------------
@@ -479,7 +482,9 @@ class TurnRunner:
             budget=await self._budget(claimed),
             prompt_cache_retention=SessionControls.from_json(claimed.controls_json).prompt_cache_retention,
         )
-        trace = TurnTrace(session_id=claimed.session_id, turn_id=claimed.turn_id)
+        trace = TurnTrace(
+            session_id=claimed.session_id, turn_id=claimed.turn_id, link=TraceLink.from_json(claimed.trace_link_json)
+        )
         task = asyncio.create_task(self._turn(io, claimed, trace), name=f"turn-{claimed.turn_id}")
         self._turns[claimed.turn_id] = task
         watcher = asyncio.create_task(self._watch(claimed.turn_id, task, io))
@@ -995,6 +1000,7 @@ class TurnRunner:
             vault_ids=json.loads(session.vault_ids_json),
             controls_json=session.controls_json,
             subagent_id=session.subagent_id,
+            trace_link_json=turn.trace_link_json,
         )
 
 

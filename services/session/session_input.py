@@ -16,6 +16,7 @@ from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, 
 from services.core.ids import new_id
 from services.core.structs import from_value
 from services.core.wire_json import to_wire
+from services.session.harness.trace import current_link
 from services.session.session_controls import PriceTable, refuse_input_past_limit
 from services.session import repository as repo
 from services.session import views, wire
@@ -95,6 +96,8 @@ async def enqueue_turn(u: Unit, row: SessionRow, messages: list[list[dict[str, A
         "input_json": json.dumps(messages),
         "next_output_index": 0,
         "subagent_id": row.subagent_id,
+        # A turn a subagent tool call queues continues that call's trace.
+        "trace_link_json": link.to_json() if row.subagent_id is not None and (link := current_link()) is not None else "",
     }
     # A Core insert: the ORM's unit of work costs more than the statement.
     await u.session.execute(_INSERT_TURN, values)

@@ -1,5 +1,6 @@
 """Root-turn traces: stored with the turn's outcome, listed as the SDK's
-``SessionTrace`` pages, and, with ``BERTH_TRACE_OTLP_ENDPOINT`` set, sent to
+``SessionTrace`` pages, with the spans of the subagent turns linked to each
+root turn (``harness/trace.py``) published under it as they end, and, with ``BERTH_TRACE_OTLP_ENDPOINT`` set, sent to
 an OpenTelemetry collector as OTLP/HTTP JSON (best effort: a collector that
 is down or slow costs a log line, never the turn)."""
 
@@ -9,7 +10,7 @@ import asyncio
 import json
 
 import httpx
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.logging import get_logger
@@ -22,6 +23,25 @@ from services.session.store import Store, Unit
 __all__ = ["TraceStore"]
 
 log = get_logger(__name__)
+
+
+def _with_linked(root: TraceRow, linked: list[TraceRow]) -> TraceRow:
+    """``root`` (untracked) with the spans of ``linked`` appended to its own."""
+    if not linked:
+        return root
+    otlp = json.loads(root.otlp_json)
+    spans = otlp["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    for row in linked:
+        for resource in json.loads(row.otlp_json)["resourceSpans"]:
+            for scope in resource["scopeSpans"]:
+                spans.extend(scope["spans"])
+    return TraceRow(
+        id=root.id,
+        org_id=root.org_id,
+        session_id=root.session_id,
+        created_at=root.created_at,
+        otlp_json=json.dumps(otlp, separators=(",", ":")),
+    )
 
 
 class TraceStore:
@@ -42,6 +62,7 @@ class TraceStore:
                 session_id=turn.session_id,
                 created_at=turn.created_at,
                 otlp_json=json.dumps(trace.otlp(), separators=(",", ":")),
+                root_turn_id=trace.root_turn_id if trace.link is not None else None,
             )
         )
 
@@ -63,9 +84,21 @@ class TraceStore:
             log.warning("trace_export_failed", turn_id=turn_id, error=type(exc).__name__)
 
     async def list(self, org: str, session_id: str, page: Page) -> tuple[list[TraceRow], bool]:
+        """A page of the session's root-turn traces, each with the spans its
+        subagent turns published so far."""
+
         async def run(s: AsyncSession) -> tuple[list[TraceRow], bool]:
             await repo.get_session(s, org, session_id)
-            return await repo.paginate(s, TraceRow, [TraceRow.session_id == session_id], page)
+            scope = [TraceRow.session_id == session_id, TraceRow.root_turn_id.is_(None)]
+            roots, more = await repo.paginate(s, TraceRow, scope, page)
+            linked = (
+                await s.scalars(
+                    select(TraceRow)
+                    .where(TraceRow.org_id == org, TraceRow.root_turn_id.in_([r.id for r in roots]))
+                    .order_by(TraceRow.pk)
+                )
+            ).all()
+            return [_with_linked(r, [t for t in linked if t.root_turn_id == r.id]) for r in roots], more
 
         return await self.store.query(run)
 

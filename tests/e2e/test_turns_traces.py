@@ -184,3 +184,45 @@ async def test_another_organizations_session_traces_are_not_found(stack: Stack, 
     with pytest.raises(openai.NotFoundError) as missing:
         await other.beta.agents.sessions.traces.list(session_id)
     assert missing.value.status_code == 404 and missing.value.code == "not_found"
+
+
+async def test_a_subagents_turns_are_spans_of_the_root_turn_that_created_it(stack: Stack) -> None:
+    client = strict_client(stack)
+    script = "subagent a: subagent b: deep answer\\nsubagent wait\\nmiddle answer\nsubagent wait\nall done"
+    session = await client.beta.agents.sessions.create(
+        agent={"model": "scripted", "multi_agent": {"enabled": True}}, environment=NO_ENVIRONMENT, input=script
+    )
+    turn_id = await new_turn(client, session.id, [])
+    assert (await turn_status(client, session.id, turn_id, ("completed", "failed"))).status == "completed"
+    subagents = {s.name or "": s.id async for s in client.beta.agents.sessions.subagents.list(session.id)}
+    child_turns = {
+        name: [t.id async for t in client.beta.agents.sessions.subagents.turns.list(sid, session_id=session.id)]
+        for name, sid in subagents.items()
+    }
+    assert sorted(child_turns) == ["a", "b"] and all(len(ids) == 1 for ids in child_turns.values())
+
+    # One trace, the root turn's: the subagents' turns are in it, not traces of their own.
+    (trace,) = [t async for t in client.beta.agents.sessions.traces.list(session.id)]
+    assert trace.id == turn_id
+    spans = _spans(trace.otlp)
+    by_id = {s["spanId"]: s for s in spans}
+    assert len({s["traceId"] for s in spans}) == 1
+    runs = {_attributes(s)["berth.turn_id"]: s for s in spans if _attributes(s)["berth.span_kind"] == "subagent"}
+    assert sorted(runs) == sorted([child_turns["a"][0], child_turns["b"][0]])
+
+    def creator(run: dict[str, Any]) -> dict[str, Any]:
+        return by_id[run["parentSpanId"]]
+
+    # Each subagent's turn hangs off the create_subagent call that started it:
+    # a's off the root turn's, b's off a's.
+    a_run, b_run = runs[child_turns["a"][0]], runs[child_turns["b"][0]]
+    assert _attributes(creator(a_run))["gen_ai.tool.name"] == "create_subagent"
+    assert _attributes(by_id[creator(a_run)["parentSpanId"]])["berth.span_kind"] == "turn"
+    assert _attributes(creator(b_run))["gen_ai.tool.name"] == "create_subagent"
+    assert by_id[creator(b_run)["parentSpanId"]] is a_run
+    # The subagents' model calls are in the root turn's trace, under their runs.
+    models_under = {
+        name: [s for s in spans if s.get("parentSpanId") == runs[ids[0]]["spanId"] and _attributes(s)["berth.span_kind"] == "model"]
+        for name, ids in child_turns.items()
+    }
+    assert all(models_under[name] for name in ("a", "b")), models_under

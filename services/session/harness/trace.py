@@ -7,23 +7,30 @@ with ``TurnTrace.span``, one kind each (``SPAN_KINDS``): a model call
 (``model``: model name, input and output tokens; its duration is the
 latency), a tool call (``tool``), a context compaction (``compaction``), a
 wait (``wait``: application function results, a background compaction)
-and a subagent (``subagent``: the hook for the subagent runner, which opens
-one span per subagent run and nests that run's spans under it). A span
-opened inside another (in the same task, or a task created inside it) is
-its child. Attributes follow the OpenTelemetry GenAI conventions where
-they have one; nothing a tool or model read or wrote is recorded."""
+and a subagent's turn (``subagent``). A span opened inside another (in the
+same task, or a task created inside it) is its child. Attributes follow the
+OpenTelemetry GenAI conventions where they have one; nothing a tool or model
+read or wrote is recorded.
+
+A subagent's turns belong to the root turn whose tool call queued them: a
+turn queued inside a span records that span's ``TraceLink`` (``current_link``)
+with it, and its trace then continues the root turn's: same trace ID, its
+root span a ``subagent`` span whose parent is the tool call that queued it,
+its spans published under the root turn (``services/session/traces.py``).
+A subagent's own subagents link the same way, to the same root turn."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["TurnTrace", "Span", "SpanKind", "SPAN_KINDS"]
+__all__ = ["TurnTrace", "TraceLink", "Span", "SpanKind", "SPAN_KINDS", "current_link"]
 
 SpanKind = Literal["turn", "model", "tool", "compaction", "wait", "subagent"]
 SPAN_KINDS: tuple[SpanKind, ...] = ("turn", "model", "tool", "compaction", "wait", "subagent")
@@ -40,6 +47,35 @@ Attribute = str | int | float | bool
 
 def _hex_id(size: int) -> str:
     return os.urandom(size).hex()
+
+
+@dataclass(frozen=True)
+class TraceLink:
+    """Where a queued turn's trace continues: the root turn, its trace and
+    the span (a tool call) that queued it."""
+
+    root_turn_id: str
+    trace_id: str
+    span_id: str
+
+    def to_json(self) -> str:
+        return json.dumps({"root_turn_id": self.root_turn_id, "trace_id": self.trace_id, "span_id": self.span_id})
+
+    @classmethod
+    def from_json(cls, raw: str) -> TraceLink | None:
+        if not raw:
+            return None
+        data = json.loads(raw)
+        return cls(str(data["root_turn_id"]), str(data["trace_id"]), str(data["span_id"]))
+
+
+# The innermost open span of whatever trace the running task is in.
+_LINK: contextvars.ContextVar[TraceLink | None] = contextvars.ContextVar("berth_trace_link", default=None)
+
+
+def current_link() -> TraceLink | None:
+    """The link a turn queued now would continue from (None outside a span)."""
+    return _LINK.get()
 
 
 @dataclass
@@ -79,15 +115,21 @@ def _attributes(attributes: dict[str, Attribute]) -> list[dict[str, Any]]:
 
 
 class TurnTrace:
-    """The spans of one root turn."""
+    """The spans of one turn: a root turn, or a subagent's turn that
+    ``link`` ties to its root turn's trace."""
 
-    def __init__(self, *, session_id: str, turn_id: str, service_name: str = "berth") -> None:
-        self.trace_id = _hex_id(16)
+    def __init__(
+        self, *, session_id: str, turn_id: str, service_name: str = "berth", link: TraceLink | None = None
+    ) -> None:
+        self.link = link
+        self.trace_id = link.trace_id if link is not None else _hex_id(16)
+        self.root_turn_id = link.root_turn_id if link is not None else turn_id
         self.service_name = service_name
-        self.root = Span("turn", "turn", _hex_id(8), None, time.time_ns())
-        self.root.set(berth__session_id=session_id, berth__turn_id=turn_id, berth__span_kind="turn")
+        kind: SpanKind = "subagent" if link is not None else "turn"
+        self.root = Span(kind, kind, _hex_id(8), link.span_id if link is not None else None, time.time_ns())
+        self.root.set(berth__session_id=session_id, berth__turn_id=turn_id, berth__span_kind=kind)
         self.spans: list[Span] = [self.root]
-        self._current: contextvars.ContextVar[Span] = contextvars.ContextVar(f"span-{self.trace_id}", default=self.root)
+        self._current: contextvars.ContextVar[Span] = contextvars.ContextVar(f"span-{turn_id}", default=self.root)
 
     @contextlib.contextmanager
     def span(self, kind: SpanKind, name: str, **attributes: Attribute | None) -> Iterator[Span]:
@@ -98,6 +140,7 @@ class TurnTrace:
         span.set(berth__span_kind=kind, **attributes)
         self.spans.append(span)
         token = self._current.set(span)
+        link = _LINK.set(TraceLink(self.root_turn_id, self.trace_id, span.span_id))
         try:
             yield span
         except BaseException as exc:
@@ -105,6 +148,7 @@ class TurnTrace:
                 span.fail(getattr(exc, "code", None) or type(exc).__name__)
             raise
         finally:
+            _LINK.reset(link)
             self._current.reset(token)
             span.end_ns = time.time_ns()
 
