@@ -43,7 +43,11 @@ from openai.types.responses import (
     Response,
     ResponseCompletedEvent,
     ResponseCreatedEvent,
+    ResponseError,
+    ResponseErrorEvent,
+    ResponseFailedEvent,
     ResponseFunctionToolCall,
+    ResponseIncompleteEvent,
     ResponseOutputItemAddedEvent,
     ResponseOutputItemDoneEvent,
     ResponseOutputMessage,
@@ -57,6 +61,7 @@ from openai.types.responses import (
     ResponseTextDoneEvent,
     ResponseUsage,
 )
+from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_reasoning_item import Summary
 from openai.types.responses.response_reasoning_summary_part_added_event import Part as AddedPart
 from openai.types.responses.response_reasoning_summary_part_done_event import Part as DonePart
@@ -74,6 +79,11 @@ class Answer:
     usage: tuple[int, int] = (10, 5)
     chunk_chars: int = 4
     hold: threading.Event | None = None
+    # Responses API only: how the stream ends (``response.completed``,
+    # ``response.failed`` with this error code, ``response.incomplete`` for
+    # max_output_tokens, or an ``error`` event with this code).
+    ending: str = "completed"
+    error_code: str = "server_error"
 
 
 @dataclass
@@ -328,7 +338,19 @@ def _responses_events(reply: Answer, model: str, index: int) -> list[tuple[str, 
         input_tokens_details=InputTokensDetails(cached_tokens=0, cache_write_tokens=0),
         output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
     )
-    events.append((ResponseCompletedEvent(type="response.completed", sequence_number=nxt(), response=response("completed", output, usage)), False))
+    if reply.ending == "failed":
+        failed = response("failed", output, usage)
+        # Constructed, not validated: the API adds error codes the SDK does not list yet.
+        failed.error = ResponseError.model_construct(code=reply.error_code, message="the model failed")
+        events.append((ResponseFailedEvent(type="response.failed", sequence_number=nxt(), response=failed), False))
+    elif reply.ending == "incomplete":
+        cut = response("incomplete", output, usage)
+        cut.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        events.append((ResponseIncompleteEvent(type="response.incomplete", sequence_number=nxt(), response=cut), False))
+    elif reply.ending == "error":
+        events.append((ResponseErrorEvent(type="error", sequence_number=nxt(), code=reply.error_code, message="stream error", param=None), False))
+    else:
+        events.append((ResponseCompletedEvent(type="response.completed", sequence_number=nxt(), response=response("completed", output, usage)), False))
     return [(e.model_dump_json(exclude_none=True), first_text) for e, first_text in events]
 
 

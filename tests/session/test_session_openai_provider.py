@@ -124,6 +124,26 @@ async def test_responses_api_provider_gives_reasoning_back_before_the_function_c
     await provider.close()
 
 
+@pytest.mark.parametrize(
+    ("ending", "error_code", "code"),
+    [
+        ("failed", "rate_limit_exceeded", "rate_limit_exceeded"),
+        ("failed", "some_new_code", "server_error"),
+        ("incomplete", "", "max_output_tokens"),
+        ("error", "context_length_exceeded", "context_length_exceeded"),
+    ],
+)
+async def test_a_responses_stream_that_ends_in_failure_raises_its_code(
+    model: FakeModel, ending: str, error_code: str, code: str
+) -> None:
+    model.script = [Answer(text="partial", ending=ending, error_code=error_code)]
+    provider = OpenAIProvider(base_url=model.base_url, api_key="sk", api="responses", retry=FAST)
+    with pytest.raises(ModelError) as failed:
+        await complete(provider, _request())
+    assert failed.value.code == code
+    await provider.close()
+
+
 async def test_chat_completions_leaves_reasoning_out_of_the_messages_it_sends(model: FakeModel) -> None:
     model.script = [Answer(text="ok")]
     provider = OpenAIProvider(base_url=model.base_url, api_key="sk", retry=FAST)

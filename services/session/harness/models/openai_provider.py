@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 import httpx2
 import openai
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from services.session.harness.models.base import (
     Completed,
@@ -295,12 +295,6 @@ def _tool_defs(tools: list[ToolSpec], api: str, names: _Names) -> list[dict[str,
     ]
 
 
-def _attr(obj: Any, *names: str) -> int:
-    for name in names:
-        obj = getattr(obj, name, None) if obj is not None else None
-    return int(obj or 0)
-
-
 class _ChatCall:
     """A tool call of a chat stream, put together from its deltas."""
 
@@ -310,32 +304,53 @@ class _ChatCall:
         self.arguments: list[str] = []
 
 
-def _chat_usage(u: Any) -> Usage:
+def _chat_usage(u: _Json) -> Usage:
     return Usage(
-        input_tokens=u.prompt_tokens or 0,
-        output_tokens=u.completion_tokens or 0,
-        cached_tokens=_attr(u, "prompt_tokens_details", "cached_tokens"),
-        reasoning_tokens=_attr(u, "completion_tokens_details", "reasoning_tokens"),
+        input_tokens=u.number("prompt_tokens"),
+        output_tokens=u.number("completion_tokens"),
+        cached_tokens=u.object("prompt_tokens_details").number("cached_tokens"),
+        reasoning_tokens=u.object("completion_tokens_details").number("reasoning_tokens"),
     )
 
 
-def _responses_usage(u: Any) -> Usage:
+def _responses_usage(u: _Json) -> Usage:
     return Usage(
-        input_tokens=u.input_tokens or 0,
-        output_tokens=u.output_tokens or 0,
-        cached_tokens=_attr(u, "input_tokens_details", "cached_tokens"),
-        reasoning_tokens=_attr(u, "output_tokens_details", "reasoning_tokens"),
+        input_tokens=u.number("input_tokens"),
+        output_tokens=u.number("output_tokens"),
+        cached_tokens=u.object("input_tokens_details").number("cached_tokens"),
+        reasoning_tokens=u.object("output_tokens_details").number("reasoning_tokens"),
     )
 
 
-def _chat_reasoning(delta: Any) -> str:
+class _Json:
+    """Typed reads of a streamed JSON object: a missing or mistyped field
+    reads as empty, as the SDK's lenient construction would leave it."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: object) -> None:
+        self.raw: dict[str, Any] = raw if isinstance(raw, dict) else {}
+
+    def text(self, key: str) -> str:
+        value = self.raw.get(key)
+        return value if isinstance(value, str) else ""
+
+    def number(self, key: str) -> int:
+        value = self.raw.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    def object(self, key: str) -> _Json:
+        return _Json(self.raw.get(key))
+
+    def objects(self, key: str) -> list[_Json]:
+        value = self.raw.get(key)
+        return [_Json(v) for v in value] if isinstance(value, list) else []
+
+
+def _chat_reasoning(delta: _Json) -> str:
     """Reasoning text of a chat delta: servers name it ``reasoning_content``
     (DeepSeek, vLLM) or ``reasoning`` (Ollama, OpenRouter, newer vLLM)."""
-    for name in ("reasoning_content", "reasoning"):
-        value = getattr(delta, name, None)
-        if isinstance(value, str) and value:
-            return value
-    return ""
+    return delta.text("reasoning_content") or delta.text("reasoning")
 
 
 class OpenAIProvider:
@@ -408,9 +423,12 @@ class OpenAIProvider:
         kwargs.update(_prompt_cache(request))
         # Posted as built: the client's typed ``create`` transforms every
         # message through typing introspection, which costs tens of
-        # milliseconds per call on a long transcript.
+        # milliseconds per call on a long transcript. Chunks are read as the
+        # JSON objects they are (``AsyncStream[object]``): building a typed
+        # chunk per event costs more than the rest of the harness's work
+        # between two model calls.
         stream = await self._client.post(
-            "/chat/completions", cast_to=ChatCompletion, body=kwargs, stream=True, stream_cls=openai.AsyncStream[ChatCompletionChunk]
+            "/chat/completions", cast_to=ChatCompletion, body=kwargs, stream=True, stream_cls=openai.AsyncStream[object]
         )
         text: list[str] = []
         reasoning: list[str] = []
@@ -418,30 +436,30 @@ class OpenAIProvider:
         usage: Usage | None = None
         choices_seen = False
         async with stream:
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    usage = _chat_usage(chunk.usage)
-                for choice in chunk.choices:
-                    if choice.index != 0:
+            async for raw in stream:
+                chunk = _Json(raw)
+                if isinstance(chunk.raw.get("usage"), dict):
+                    usage = _chat_usage(chunk.object("usage"))
+                for choice in chunk.objects("choices"):
+                    if choice.number("index") != 0:
                         continue
                     choices_seen = True
-                    delta = choice.delta
+                    delta = choice.object("delta")
                     thought = _chat_reasoning(delta)
                     if thought:
                         reasoning.append(thought)
                         yield ReasoningDelta(thought)
-                    if delta.content:
-                        text.append(delta.content)
-                        yield TextDelta(delta.content)
-                    for part in delta.tool_calls or ():
-                        call = calls.setdefault(part.index, _ChatCall())
-                        if part.id:
-                            call.id = part.id
-                        if part.function is not None:
-                            if part.function.name:
-                                call.name += part.function.name
-                            if part.function.arguments:
-                                call.arguments.append(part.function.arguments)
+                    content = delta.text("content")
+                    if content:
+                        text.append(content)
+                        yield TextDelta(content)
+                    for part in delta.objects("tool_calls"):
+                        call = calls.setdefault(part.number("index"), _ChatCall())
+                        function = part.object("function")
+                        call.id = part.text("id") or call.id
+                        call.name += function.text("name")
+                        if function.text("arguments"):
+                            call.arguments.append(function.text("arguments"))
         if not choices_seen:
             raise ModelError("server_error", "the model returned no choices")
         tool_calls = [
@@ -475,8 +493,9 @@ class OpenAIProvider:
             kwargs["reasoning"] = {
                 k: v for k, v in (("effort", request.reasoning_effort), ("summary", request.reasoning_summary)) if v
             }
+        # Events are read as the JSON objects they are, like chat chunks.
         stream = await self._client.post(
-            "/responses", cast_to=Response, body=kwargs, stream=True, stream_cls=openai.AsyncStream[ResponseStreamEvent]
+            "/responses", cast_to=Response, body=kwargs, stream=True, stream_cls=openai.AsyncStream[object]
         )
         texts: list[str] = []
         calls: list[ToolCall] = []
@@ -484,48 +503,56 @@ class OpenAIProvider:
         usage: Usage | None = None
         finished = False
         async with stream:
-            async for typed in stream:
-                # Narrowed by ``type`` below, which mypy cannot follow through the union.
-                event: Any = typed
-                kind = event.type
+            async for raw in stream:
+                if not isinstance(raw, dict):
+                    continue
+                event = _Json(raw)
+                kind = event.text("type")
                 if kind == "response.output_text.delta":
-                    yield TextDelta(event.delta)
+                    yield TextDelta(event.text("delta"))
                 elif kind == "response.reasoning_summary_text.delta":
-                    index = list(reasoning).index(event.output_index) if event.output_index in reasoning else len(reasoning)
-                    reasoning.setdefault(event.output_index, Reasoning())
-                    yield ReasoningDelta(event.delta, reasoning_index=index, summary_index=event.summary_index)
+                    output_index = event.number("output_index")
+                    index = list(reasoning).index(output_index) if output_index in reasoning else len(reasoning)
+                    reasoning.setdefault(output_index, Reasoning())
+                    yield ReasoningDelta(event.text("delta"), reasoning_index=index, summary_index=event.number("summary_index"))
                 elif kind == "response.output_item.done":
-                    item = event.item
-                    if item.type == "message":
-                        texts.extend(part.text for part in item.content if getattr(part, "type", "") == "output_text")
-                    elif item.type == "function_call":
-                        calls.append(ToolCall(id=item.call_id, name=names.from_wire(item.name), arguments=item.arguments or "{}"))
-                    elif item.type == "reasoning":
-                        entry = reasoning.setdefault(event.output_index, Reasoning())
-                        entry.id = item.id
-                        entry.summary = [s.text for s in item.summary]
-                        entry.encrypted_content = item.encrypted_content
+                    item = event.object("item")
+                    item_type = item.text("type")
+                    if item_type == "message":
+                        texts.extend(part.text("text") for part in item.objects("content") if part.text("type") == "output_text")
+                    elif item_type == "function_call":
+                        calls.append(
+                            ToolCall(
+                                id=item.text("call_id"),
+                                name=names.from_wire(item.text("name")),
+                                arguments=item.text("arguments") or "{}",
+                            )
+                        )
+                    elif item_type == "reasoning":
+                        entry = reasoning.setdefault(event.number("output_index"), Reasoning())
+                        entry.id = item.text("id") or None
+                        entry.summary = [part.text("text") for part in item.objects("summary")]
+                        entry.encrypted_content = item.text("encrypted_content") or None
                 elif kind in ("response.completed", "response.incomplete"):
                     finished = True
-                    if event.response.usage is not None:
-                        usage = _responses_usage(event.response.usage)
+                    if isinstance(event.object("response").raw.get("usage"), dict):
+                        usage = _responses_usage(event.object("response").object("usage"))
                     if kind == "response.incomplete":
-                        details = event.response.incomplete_details
-                        reason = details.reason if details is not None else None
+                        reason = event.object("response").object("incomplete_details").text("reason")
                         raise ModelError(
                             "max_output_tokens" if reason == "max_output_tokens" else "server_error",
                             f"the model response is incomplete: {reason or 'unknown reason'}",
                         )
                 elif kind == "response.failed":
-                    error = event.response.error
-                    code = error.code if error is not None else "server_error"
-                    message = error.message if error is not None else "the model response failed"
+                    error = event.object("response").object("error")
+                    code = error.text("code") or "server_error"
+                    message = error.text("message") or "the model response failed"
                     raise ModelError(code if code in _TURN_ERROR_CODES else "server_error", f"model call failed: {message}")
                 elif kind == "error":
-                    code = event.code or ""
-                    if any(marker in f"{code} {event.message}".lower() for marker in _CONTEXT_MESSAGES):
+                    code, message = event.text("code"), event.text("message")
+                    if any(marker in f"{code} {message}".lower() for marker in _CONTEXT_MESSAGES):
                         code = "context_length_exceeded"
-                    raise ModelError(code if code in _TURN_ERROR_CODES else "server_error", f"model call failed: {event.message}")
+                    raise ModelError(code if code in _TURN_ERROR_CODES else "server_error", f"model call failed: {message}")
         if not finished:
             raise ModelError("connection_failed", "the model stream ended before the response completed")
         response = ModelResponse(text="".join(texts) or None, tool_calls=calls, usage=usage)
