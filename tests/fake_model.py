@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 from openai.types.chat import ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import (
@@ -341,7 +341,7 @@ def _responses_events(reply: Answer, model: str, index: int) -> list[tuple[str, 
     if reply.ending == "failed":
         failed = response("failed", output, usage)
         # Constructed, not validated: the API adds error codes the SDK does not list yet.
-        failed.error = ResponseError.model_construct(code=reply.error_code, message="the model failed")
+        failed.error = ResponseError.model_construct(code=cast(Any, reply.error_code), message="the model failed")
         events.append((ResponseFailedEvent(type="response.failed", sequence_number=nxt(), response=failed), False))
     elif reply.ending == "incomplete":
         cut = response("incomplete", output, usage)
