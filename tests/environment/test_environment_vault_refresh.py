@@ -93,10 +93,18 @@ def oauth_auth(server: TokenServer, *, expires_at: str | None = PAST, **refresh:
         auth.expires_at = expires_at
     auth.refresh.CopyFrom(
         vault_pb2.OAuthRefresh(
-            client_id=server.client_id, token_endpoint=server.url, token_endpoint_auth_type=server.auth_method, **refresh
+            client_id=server.client_id,
+            token_endpoint=server.url,
+            token_endpoint_auth_type=server.auth_method,
+            **refresh,
         )
     )
     return auth
+
+
+async def resolved(vaults: VaultStore, vault_id: str) -> tuple[str, str]:
+    """What a connection to ``URL`` with the vault gets, matched by URL."""
+    return await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL)
 
 
 async def oauth_credential(
@@ -148,7 +156,7 @@ async def test_concurrent_connections_spend_the_refresh_token_once_and_the_rotat
         auth = vault_pb2.CredentialAuth.FromString(row.auth)
         assert auth.expires_at > "2026" and auth.refresh.client_id == "berth-client"
         # Still fresh: no grant.
-        assert await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL) == (f"Bearer {ACCESS_1}", credential_id)
+        assert await resolved(vaults, vault_id) == (f"Bearer {ACCESS_1}", credential_id)
         assert basic_server.calls == 1
 
         # Expired again: the refresh token the first grant rotated in is spent.
@@ -156,7 +164,7 @@ async def test_concurrent_connections_spend_the_refresh_token_once_and_the_rotat
             "org_a", vault_id, credential_id, metadata=None,
             rotation=CredentialRotation(type="mcp_oauth", secret=SecretInput(), expires_at=PAST),
         )
-        assert await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL) == (f"Bearer {ACCESS_2}", credential_id)
+        assert await resolved(vaults, vault_id) == (f"Bearer {ACCESS_2}", credential_id)
         assert basic_server.presented == [REFRESH_1, REFRESH_2]
     row = await vaults.get_credential("org_a", vault_id, credential_id)
     for secret in SECRETS:
@@ -187,7 +195,7 @@ async def test_two_replicas_on_postgresql_spend_a_single_use_refresh_token_once(
             replica_one.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL),
             replica_two.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL),
         )
-        assert results == [(f"Bearer {ACCESS_1}", credential_id)] * 2
+        assert list(results) == [(f"Bearer {ACCESS_1}", credential_id)] * 2
         assert basic_server.presented == [REFRESH_1] and basic_server.refused == []
     finally:
         await one.dispose()
@@ -206,12 +214,12 @@ async def test_each_client_authentication_method_reaches_the_token_endpoint_with
     ) as server:
         vaults = store(sqlite_db, oauth)
         vault_id, credential_id = await oauth_credential(vaults, server, resource=resource, scope=scope)
-        assert await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL) == (f"Bearer {ACCESS_1}", credential_id)
+        assert await resolved(vaults, vault_id) == (f"Bearer {ACCESS_1}", credential_id)
         assert server.presented == [REFRESH_1] and server.refused == []
     row = await vaults.get_credential("org_a", vault_id, credential_id)
     # No expires_in: the expiry is unknown from now on, and the refresh token was kept.
     assert not vault_pb2.CredentialAuth.FromString(row.auth).HasField("expires_at")
-    assert await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL) == (f"Bearer {ACCESS_1}", credential_id)
+    assert await resolved(vaults, vault_id) == (f"Bearer {ACCESS_1}", credential_id)
 
 
 @pytest.mark.parametrize("mode", ["invalid_grant", "http_500", "not_json", "hang"])
@@ -232,8 +240,8 @@ async def test_a_failing_refresh_fails_the_connection_naming_the_cause_and_no_se
     finally:
         await oauth.close()
     assert failed.value.reason == "OAUTH_REFRESH_FAILED" and credential_id in failed.value.message
-    expected = {"invalid_grant": "(invalid_grant)", "http_500": "HTTP 500", "not_json": "without JSON", "hang": "within"}
-    assert expected[mode] in failed.value.message
+    causes = {"invalid_grant": "(invalid_grant)", "http_500": "HTTP 500", "not_json": "without JSON", "hang": "within"}
+    assert causes[mode] in failed.value.message
     assert "vault_credential_refresh_failed" in logs.getvalue() and credential_id in logs.getvalue()
     for secret in SECRETS:
         assert secret not in failed.value.message and secret not in logs.getvalue()
@@ -252,7 +260,7 @@ async def test_a_failing_refresh_of_a_token_not_yet_expired_uses_the_token_while
     ) as server:
         vaults = store(sqlite_db, oauth)
         vault_id, credential_id = await oauth_credential(vaults, server, expires_at=expires_at)
-        assert await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL) == (f"Bearer {EXPIRED}", credential_id)
+        assert await resolved(vaults, vault_id) == (f"Bearer {EXPIRED}", credential_id)
         assert server.refused == [REFRESH_1]
 
 
@@ -262,7 +270,8 @@ async def test_a_token_endpoint_on_a_private_address_is_refused_without_the_sett
     strict = TokenEndpointClient(settings(ca, oauth_allow_private_endpoints=False))
     try:
         vaults = store(sqlite_db, strict)
-        for endpoint in (basic_server.url, "https://10.0.0.7/token", "https://[::1]/token", "https://169.254.169.254/t"):
+        private = ("https://10.0.0.7/token", "https://[::1]/token", "https://169.254.169.254/latest")
+        for endpoint in (basic_server.url, *private):
             auth = oauth_auth(basic_server)
             auth.refresh.token_endpoint = endpoint
             vault = await vaults.create_vault("org_a", name=None, metadata={})
@@ -290,21 +299,22 @@ async def test_a_token_endpoint_on_a_private_address_is_refused_without_the_sett
 
 
 def _create_cases() -> list[tuple[str, dict[str, Any], SecretInput, str]]:
-    good = {"client_id": "c", "token_endpoint": "https://auth.example.test/token", "token_endpoint_auth_type": "client_secret_basic"}
+    good = {
+        "client_id": "c",
+        "token_endpoint": "https://auth.example.test/token",
+        "token_endpoint_auth_type": "client_secret_basic",
+    }
+    full = SecretInput(value="a", refresh_token="r", client_secret="s")
+    secret_param = "auth.refresh.token_endpoint_auth.client_secret"
     return [
-        ("basic without a client secret", good, SecretInput(value="a", refresh_token="r"), "auth.refresh.token_endpoint_auth.client_secret"),
-        (
-            "none with a client secret",
-            {**good, "token_endpoint_auth_type": "none"},
-            SecretInput(value="a", refresh_token="r", client_secret="s"),
-            "auth.refresh.token_endpoint_auth.client_secret",
-        ),
+        ("basic without a client secret", good, SecretInput(value="a", refresh_token="r"), secret_param),
+        ("none with a client secret", {**good, "token_endpoint_auth_type": "none"}, full, secret_param),
         ("no refresh token", good, SecretInput(value="a", client_secret="s"), "auth.refresh.refresh_token"),
-        ("an http token endpoint", {**good, "token_endpoint": "http://127.0.0.1/token"}, SecretInput(value="a", refresh_token="r", client_secret="s"), "auth.refresh.token_endpoint"),
-        ("an unknown method", {**good, "token_endpoint_auth_type": "private_key_jwt"}, SecretInput(value="a", refresh_token="r", client_secret="s"), "auth.refresh.token_endpoint_auth.type"),
-        ("a scope with a quote", {**good, "scope": 'a "b'}, SecretInput(value="a", refresh_token="r", client_secret="s"), "auth.refresh.scope"),
-        ("a relative resource", {**good, "resource": "/mcp"}, SecretInput(value="a", refresh_token="r", client_secret="s"), "auth.refresh.resource"),
-        ("no client id", {**good, "client_id": ""}, SecretInput(value="a", refresh_token="r", client_secret="s"), "auth.refresh.client_id"),
+        ("an http token endpoint", {**good, "token_endpoint": "http://127.0.0.1/token"}, full, "auth.refresh.token_endpoint"),
+        ("an unknown method", {**good, "token_endpoint_auth_type": "private_key_jwt"}, full, "auth.refresh.token_endpoint_auth.type"),
+        ("a scope with a quote", {**good, "scope": 'a "b'}, full, "auth.refresh.scope"),
+        ("a relative resource", {**good, "resource": "/mcp"}, full, "auth.refresh.resource"),
+        ("no client id", {**good, "client_id": ""}, full, "auth.refresh.client_id"),
     ]
 
 
@@ -347,7 +357,7 @@ async def test_a_rotation_replaces_refresh_secrets_and_scope_but_not_the_method(
     )
     row = await vaults.get_credential("org_a", vault_id, credential_id)
     assert not vault_pb2.CredentialAuth.FromString(row.auth).refresh.HasField("scope")
-    assert await vaults.resolve_mcp("org_a", [vault_id], credential_id="", server_url=URL) == (f"Bearer {ACCESS_1}", credential_id)
+    assert await resolved(vaults, vault_id) == (f"Bearer {ACCESS_1}", credential_id)
     assert basic_server.presented == ["oauth-refresh-replaced-3d"]
 
     # A rotation that names refresh on a credential without it is refused.
@@ -359,6 +369,8 @@ async def test_a_rotation_replaces_refresh_secrets_and_scope_but_not_the_method(
     with pytest.raises(InvalidArgument) as none:
         await vaults.update_credential(
             "org_a", vault.id, plain.id, metadata=None,
-            rotation=CredentialRotation(type="mcp_oauth", secret=SecretInput(refresh_token="r"), refresh=True, scope=UNSET),
+            rotation=CredentialRotation(
+                type="mcp_oauth", secret=SecretInput(refresh_token="r"), refresh=True, scope=UNSET
+            ),
         )
     assert none.value.param == "auth.refresh"
