@@ -11,6 +11,7 @@ the cause and never quotes a secret, nor the endpoint's own error text.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import ssl
@@ -130,6 +131,16 @@ class TokenEndpointClient:
         await self._http.aclose()
 
     async def refresh(self, request: TokenRequest) -> TokenGrant:
+        """The grant, or OAuthRefreshFailed. httpx bounds each phase of the
+        request; this bounds the whole exchange, name resolution included
+        (a slow drip of bytes would otherwise hold the credential's lock)."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._exchange(request)
+        except TimeoutError:
+            raise OAuthRefreshFailed(f"the token endpoint did not answer within {self._timeout_s:g}s") from None
+
+    async def _exchange(self, request: TokenRequest) -> TokenGrant:
         url = httpx.URL(request.token_endpoint)
         parts = urlsplit(request.token_endpoint)
         host = parts.hostname or ""

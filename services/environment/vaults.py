@@ -60,7 +60,7 @@ _BATCH = 200
 # An access token this close to its expiry is refreshed before use.
 _REFRESH_MARGIN_S = 60.0
 # RFC 6749 section 3.3: scope-tokens of %x21 / %x23-5B / %x5D-7E, one space apart.
-_SCOPE = re.compile(r"^[\x21\x23-\x5b\x5d-\x7e]+( [\x21\x23-\x5b\x5d-\x7e]+)*$")
+_SCOPE = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+( [\x21\x23-\x5b\x5d-\x7e]+)*")
 _SECRET_PARAMS = {
     "refresh_token": "auth.refresh.refresh_token",
     "client_secret": "auth.refresh.token_endpoint_auth.client_secret",
@@ -193,7 +193,7 @@ def _resource(value: str, param: str) -> str:
 
 
 def _scope(value: str, param: str) -> str:
-    if not _SCOPE.match(value):
+    if not _SCOPE.fullmatch(value):
         raise InvalidArgument(f"{param} must be space-separated OAuth scope tokens", param=param)
     return value
 
