@@ -117,6 +117,9 @@ GRPC_ERROR_TABLE: Mapping[tuple[grpc.StatusCode, str], HttpError] = {
     (grpc.StatusCode.FAILED_PRECONDITION, "MCP_SERVER_DEAD"): HttpError(
         409, INVALID_REQUEST, "mcp_server_dead", retryable=False
     ),
+    (grpc.StatusCode.FAILED_PRECONDITION, "OAUTH_REFRESH_FAILED"): HttpError(
+        409, INVALID_REQUEST, "oauth_refresh_failed", retryable=False
+    ),
     (grpc.StatusCode.FAILED_PRECONDITION, ""): HttpError(409, INVALID_REQUEST, "conflict", retryable=False),
     (grpc.StatusCode.ALREADY_EXISTS, ""): HttpError(409, INVALID_REQUEST, "conflict", retryable=False),
     (grpc.StatusCode.ABORTED, ""): HttpError(409, INVALID_REQUEST, "conflict"),

@@ -405,6 +405,17 @@ def vault(v: vault_pb2.Vault) -> dict[str, Any]:
     }
 
 
+def _oauth_refresh(refresh: vault_pb2.OAuthRefresh) -> dict[str, Any]:
+    """Public refresh metadata: no refresh token, no client secret."""
+    return {
+        "client_id": refresh.client_id,
+        "token_endpoint": refresh.token_endpoint,
+        "token_endpoint_auth": {"type": refresh.token_endpoint_auth_type},
+        "resource": refresh.resource if refresh.HasField("resource") else None,
+        "scope": refresh.scope if refresh.HasField("scope") else None,
+    }
+
+
 def _credential_auth(auth: vault_pb2.CredentialAuth) -> dict[str, Any]:
     """The public part of a credential's auth; the secrets never reach the gateway."""
     if auth.type == "mcp_oauth":
@@ -412,7 +423,7 @@ def _credential_auth(auth: vault_pb2.CredentialAuth) -> dict[str, Any]:
             "type": auth.type,
             "mcp_server_url": auth.mcp_server_url,
             "expires_at": auth.expires_at if auth.HasField("expires_at") else None,
-            "refresh": None,
+            "refresh": _oauth_refresh(auth.refresh) if auth.HasField("refresh") else None,
         }
     return {"type": auth.type, "mcp_server_url": auth.mcp_server_url}
 

@@ -44,21 +44,56 @@ class _StaticBearer(_Strict):
         )
 
 
+class _AuthNone(_Strict):
+    type: Literal["none"]
+
+
+class _AuthClientSecret(_Strict):
+    # Required by the SDK's create types; a missing one is named by the
+    # Environment service, which owns the rule for every method.
+    type: Literal["client_secret_basic", "client_secret_post"]
+    client_secret: str | None = None
+
+
+class _Refresh(_Strict):
+    client_id: str
+    refresh_token: str
+    token_endpoint: str
+    token_endpoint_auth: Annotated[_AuthNone | _AuthClientSecret, Field(discriminator="type")]
+    resource: str | None = None
+    scope: str | None = None
+
+
 class _McpOauth(_Strict):
     type: Literal["mcp_oauth"]
     access_token: str
     mcp_server_url: str
     expires_at: str | None = None
-    refresh: dict[str, Any] | None = None
+    refresh: _Refresh | None = None
 
     def to_proto(self) -> tuple[vault_pb2.CredentialAuth, vault_pb2.CredentialSecret]:
         auth = vault_pb2.CredentialAuth(type=self.type, mcp_server_url=self.mcp_server_url)
+        secret = vault_pb2.CredentialSecret(value=self.access_token)
         if self.expires_at is not None:
             auth.expires_at = self.expires_at
         if self.refresh is not None:
-            # Recorded so the Environment service can refuse it by name.
-            auth.refresh.CopyFrom(vault_pb2.OAuthRefresh())
-        return auth, vault_pb2.CredentialSecret(value=self.access_token)
+            refresh = self.refresh
+            auth.refresh.CopyFrom(
+                vault_pb2.OAuthRefresh(
+                    client_id=refresh.client_id,
+                    token_endpoint=refresh.token_endpoint,
+                    token_endpoint_auth_type=refresh.token_endpoint_auth.type,
+                )
+            )
+            if refresh.resource is not None:
+                auth.refresh.resource = refresh.resource
+            if refresh.scope is not None:
+                auth.refresh.scope = refresh.scope
+            secret.refresh_token = refresh.refresh_token
+            if isinstance(refresh.token_endpoint_auth, _AuthClientSecret):
+                if refresh.token_endpoint_auth.client_secret is not None:
+                    secret.client_secret = refresh.token_endpoint_auth.client_secret
+        return auth, secret
 
 
 class _EnvironmentVariable(_Strict):
@@ -84,11 +119,22 @@ class _RotateStaticBearer(_Strict):
     token: str
 
 
+class _RotateClientSecret(_Strict):
+    type: Literal["client_secret_basic", "client_secret_post"]
+    client_secret: str | None = None
+
+
+class _RotateRefresh(_Strict):
+    refresh_token: str | None = None
+    scope: str | None = None
+    token_endpoint_auth: _RotateClientSecret | None = None
+
+
 class _RotateMcpOauth(_Strict):
     type: Literal["mcp_oauth"]
     access_token: str | None = None
     expires_at: str | None = None
-    refresh: dict[str, Any] | None = None
+    refresh: _RotateRefresh | None = None
 
 
 class _RotateEnvironmentVariable(_Strict):

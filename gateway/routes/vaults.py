@@ -23,6 +23,7 @@ from gateway.vault_validation import (
     VaultCreateBody,
     VaultUpdateBody,
     _RotateMcpOauth,
+    _RotateRefresh,
     _RotateStaticBearer,
 )
 
@@ -179,8 +180,7 @@ async def update_credential(vault_id: str, credential_id: str, request: Request,
             if auth.access_token is not None:
                 message.secret.value = auth.access_token
             if auth.refresh is not None:
-                # Marked so the Environment service refuses it by name.
-                message.secret.refresh_token = ""
+                _rotate_refresh(message, auth.refresh, data["auth"]["refresh"])
             message.update_expires_at = "expires_at" in data["auth"]
             if auth.expires_at is not None:
                 message.expires_at = auth.expires_at
@@ -188,6 +188,21 @@ async def update_credential(vault_id: str, credential_id: str, request: Request,
             message.secret.CopyFrom(vault_pb2.CredentialSecret())
     response = await stub.UpdateCredential(message)
     return render.vault_credential(response.credential)
+
+
+def _rotate_refresh(message: pb.UpdateCredentialRequest, refresh: _RotateRefresh, given: dict[str, Any]) -> None:
+    """``auth.refresh`` of a rotation: omitted or null secrets keep the
+    stored ones; an omitted scope is kept and a null one cleared."""
+    message.rotate_refresh = True
+    if refresh.refresh_token is not None:
+        message.secret.refresh_token = refresh.refresh_token
+    if refresh.token_endpoint_auth is not None:
+        message.rotate_token_endpoint_auth_type = refresh.token_endpoint_auth.type
+        if refresh.token_endpoint_auth.client_secret is not None:
+            message.secret.client_secret = refresh.token_endpoint_auth.client_secret
+    message.update_scope = "scope" in given
+    if refresh.scope is not None:
+        message.scope = refresh.scope
 
 
 @router.delete("/vaults/{vault_id}/credentials/{credential_id}")

@@ -24,6 +24,7 @@ __all__ = [
     "SpendLimitReached",
     "EnvironmentFailed",
     "McpServerDead",
+    "OAuthRefreshFailed",
     "Conflict",
     "Unavailable",
     "SandboxUnavailable",
@@ -117,6 +118,15 @@ class McpServerDead(FailedPrecondition):
     restarted with a later configuration."""
 
     reason = "MCP_SERVER_DEAD"
+
+
+class OAuthRefreshFailed(FailedPrecondition):
+    """A vault credential's access token expired and its OAuth refresh
+    failed: the token endpoint refused, was unreachable or not allowed, or
+    answered something other than a token. The message never quotes a
+    secret or the endpoint's own error text."""
+
+    reason = "OAUTH_REFRESH_FAILED"
 
 
 class Conflict(BerthError):

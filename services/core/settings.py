@@ -117,6 +117,23 @@ class Settings(BaseSettings):
             "the Environment service creates `vault.keys` under `data_dir` (one replica only)."
         ),
     )
+    oauth_allow_private_endpoints: bool = Field(
+        default=False,
+        description=(
+            "Let OAuth token endpoints of vault credentials be loopback, private or link-local addresses. The "
+            "Environment service calls them from the control plane, so they must be global by default (SSRF)."
+        ),
+    )
+    oauth_refresh_timeout_s: float = Field(
+        default=10.0, gt=0, description="Bound on one OAuth token refresh request (connect, send and read)."
+    )
+    outbound_ca_bundle: str = Field(
+        default="",
+        description=(
+            "CA bundle that TLS from the services to user-supplied endpoints (OAuth token endpoints) trusts; "
+            "default the host's /etc/ssl/certs/ca-certificates.crt, else the system default."
+        ),
+    )
 
     gateway_database_url: str = ""
     session_database_url: str = ""

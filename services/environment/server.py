@@ -32,6 +32,7 @@ from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
 from services.environment.vault_servicer import VaultServicer
+from services.environment.oauth_refresh import TokenEndpointClient
 from services.environment.vaults import VaultStore, vault_key_ring
 from services.environment.templates import EnvironmentTemplates
 
@@ -155,7 +156,9 @@ async def start_environment_service(
         )
         guard.start()
         closers.append(guard.close)
-        vaults = VaultStore(db, vault_key_ring(settings))
+        token_endpoints = TokenEndpointClient(settings)
+        closers.append(token_endpoints.close)
+        vaults = VaultStore(db, vault_key_ring(settings), oauth=token_endpoints)
         await vaults.rotate()
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, vaults=vaults, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store, EnvironmentTemplates(db, domain.validated_config))

@@ -108,7 +108,15 @@ class VaultServicer(vault_service_pb2_grpc.VaultServiceServicer):
             expires_at = (
                 (request.expires_at if request.HasField("expires_at") else None) if request.update_expires_at else UNSET
             )
-            rotation = CredentialRotation(type=request.rotate_type, secret=_secret(request.secret), expires_at=expires_at)
+            scope = (request.scope if request.HasField("scope") else None) if request.update_scope else UNSET
+            rotation = CredentialRotation(
+                type=request.rotate_type,
+                secret=_secret(request.secret),
+                expires_at=expires_at,
+                refresh=request.rotate_refresh,
+                scope=scope,
+                token_endpoint_auth_type=request.rotate_token_endpoint_auth_type,
+            )
         row = await self._store.update_credential(
             current_org(),
             request.vault_id,

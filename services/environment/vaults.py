@@ -7,16 +7,28 @@ secret, and errors never quote one.
 
 A credential is bound to its ``mcp_server_url``: it is resolved only for a
 connection to that URL, so a tool configuration cannot send it elsewhere.
+
+An ``mcp_oauth`` credential with ``refresh`` also seals its refresh token
+and client secret. Resolving it when its access token has expired, or
+expires within ``_REFRESH_MARGIN_S``, first makes a refresh-token grant
+(``oauth_refresh.py``) and stores the new access token, expiry and any
+rotated refresh token in one transaction. A refresh token may be single
+use, so one refresh runs at a time per credential: an in-process lock, and
+on PostgreSQL the credential row locked (``FOR UPDATE``) across the grant,
+re-read once locked, so a replica that waited finds the token fresh and
+makes no grant of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -24,7 +36,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import vault_pb2
 from services.core.db import Database
-from services.core.errors import InvalidArgument, NotFound
+from services.core.addresses import is_public_address, parse_host
+from services.core.errors import InvalidArgument, NotFound, OAuthRefreshFailed
 from services.core.ids import has_prefix, new_id
 from services.core.key_ring import KeyRing
 from services.core.logging import get_logger
@@ -32,6 +45,7 @@ from services.core.settings import Settings
 from services.environment import paging
 from services.environment import vault_repository as repo
 from services.environment.models import VaultCredentialRow, VaultRow
+from services.environment.oauth_refresh import AUTH_METHODS, TokenEndpointClient, TokenGrant, TokenRequest
 
 __all__ = ["VaultStore", "VaultListPage", "SecretInput", "CredentialRotation", "normalize_url", "UNSET"]
 
@@ -43,6 +57,14 @@ _MCP_TYPES = ("static_bearer", "mcp_oauth")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _HEADER_UNSAFE = re.compile(r"[\r\n\x00]")
 _BATCH = 200
+# An access token this close to its expiry is refreshed before use.
+_REFRESH_MARGIN_S = 60.0
+# RFC 6749 section 3.3: scope-tokens of %x21 / %x23-5B / %x5D-7E, one space apart.
+_SCOPE = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+( [\x21\x23-\x5b\x5d-\x7e]+)*")
+_SECRET_PARAMS = {
+    "refresh_token": "auth.refresh.refresh_token",
+    "client_secret": "auth.refresh.token_endpoint_auth.client_secret",
+}
 
 
 class _Unset:
@@ -67,6 +89,11 @@ class CredentialRotation:
     type: str
     secret: SecretInput
     expires_at: str | None | _Unset = UNSET
+    # mcp_oauth: whether ``auth.refresh`` was given, its new scope (None
+    # stops sending one) and the token_endpoint_auth type it names.
+    refresh: bool = False
+    scope: str | None | _Unset = UNSET
+    token_endpoint_auth_type: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,6 +157,85 @@ def _expires_at(value: str, param: str) -> str:
     return value
 
 
+def _token_endpoint(value: str, param: str, *, allow_private: bool) -> str:
+    """An https URL without userinfo or fragment (RFC 6749 section 3.2). A
+    host that is an address must be global unless ``allow_private``; a name
+    is checked each time it is resolved for a refresh."""
+    try:
+        parts = urlsplit(value.strip())
+        _ = parts.port
+    except ValueError as exc:
+        raise InvalidArgument(f"{param} is not a valid URL", param=param) from exc
+    if parts.scheme != "https" or not parts.hostname or parts.username is not None or parts.password is not None:
+        raise InvalidArgument(f"{param} must be an https:// URL without userinfo", param=param)
+    if parts.fragment:
+        raise InvalidArgument(f"{param} must not have a fragment", param=param)
+    host = parse_host(parts.hostname)
+    if host is None:
+        raise InvalidArgument(f"{param} does not name a valid host", param=param)
+    if not isinstance(host, str) and not allow_private and not is_public_address(host):
+        raise InvalidArgument(
+            f"{param} is a loopback, private, link-local or other non-global address, which Berth does not call",
+            param=param,
+        )
+    return value.strip()
+
+
+def _resource(value: str, param: str) -> str:
+    """An absolute URI without a fragment (RFC 8707 section 2)."""
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:
+        raise InvalidArgument(f"{param} is not a valid URI", param=param) from exc
+    if not parts.scheme or not parts.netloc or parts.fragment or _HEADER_UNSAFE.search(value) or " " in value:
+        raise InvalidArgument(f"{param} must be an absolute URI without a fragment", param=param)
+    return value
+
+
+def _scope(value: str, param: str) -> str:
+    if not _SCOPE.fullmatch(value):
+        raise InvalidArgument(f"{param} must be space-separated OAuth scope tokens", param=param)
+    return value
+
+
+def _refresh_secret(value: str | None, field: str) -> str:
+    param = _SECRET_PARAMS[field]
+    if not value:
+        raise InvalidArgument(f"{param} is required and must not be empty", param=param)
+    if _HEADER_UNSAFE.search(value):
+        raise InvalidArgument(f"{param} must not contain carriage returns, newlines or NUL bytes", param=param)
+    return value
+
+
+def _client_secret(method: str, value: str | None) -> str | None:
+    """The client secret a token endpoint auth method needs: required for
+    the client_secret methods, refused for ``none``."""
+    if method == "none":
+        if value is not None:
+            raise InvalidArgument(
+                "token_endpoint_auth type none sends no client secret; omit client_secret",
+                param=_SECRET_PARAMS["client_secret"],
+            )
+        return None
+    return _refresh_secret(value, "client_secret")
+
+
+def _expiry_time(value: str) -> float:
+    moment = datetime.fromisoformat(value)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _refresh_due(auth: vault_pb2.CredentialAuth, now: float) -> bool:
+    """Whether an mcp_oauth credential refreshes before use: it has refresh
+    configured and an expiry that has passed or is within the margin. An
+    unknown expiry is taken as valid."""
+    if not auth.HasField("refresh") or not auth.HasField("expires_at"):
+        return False
+    return _expiry_time(auth.expires_at) <= now + _REFRESH_MARGIN_S
+
+
 def _statuses(page: VaultListPage) -> list[str]:
     for status in page.statuses:
         if status not in _STATUSES:
@@ -149,6 +255,12 @@ def _matches(metadata_json: str, wanted: Mapping[str, str] | None) -> bool:
 
 
 _Row = TypeVar("_Row", VaultRow, VaultCredentialRow)
+
+
+def _settled(task: asyncio.Task[str]) -> None:
+    """Marks a shielded refresh's outcome as seen (its caller may be gone)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _filtered_page(
@@ -176,9 +288,15 @@ def vault_key_ring(settings: Settings) -> KeyRing:
 
 
 class VaultStore:
-    def __init__(self, db: Database, cipher: KeyRing) -> None:
+    def __init__(self, db: Database, cipher: KeyRing, *, oauth: TokenEndpointClient | None = None) -> None:
+        """``oauth`` makes refresh grants; without it, a credential whose
+        access token needs refreshing cannot be used."""
         self._db = db
         self._cipher = cipher
+        self._oauth = oauth
+        self._refresh_locks: dict[str, asyncio.Lock] = {}
+        self._refresh_holders: dict[str, int] = {}
+        self._refreshing: set[asyncio.Task[str]] = set()
 
     # Vaults -------------------------------------------------------------------
 
@@ -266,6 +384,14 @@ class VaultStore:
             stored = SecretInput(value=_header_secret(secret.value, "auth.token"))
         else:
             stored = SecretInput(value=_header_secret(secret.value, "auth.access_token"))
+            if public.HasField("refresh"):
+                stored = replace(
+                    stored,
+                    refresh_token=_refresh_secret(secret.refresh_token, "refresh_token"),
+                    client_secret=_client_secret(public.refresh.token_endpoint_auth_type, secret.client_secret),
+                )
+            elif secret.refresh_token is not None or secret.client_secret is not None:
+                raise InvalidArgument("a refresh token or client secret needs auth.refresh", param="auth.refresh")
         now = time.time()
         row = VaultCredentialRow(
             id=new_id("vcred"),
@@ -287,8 +413,7 @@ class VaultStore:
         log.info("vault_credential_created", vault_id=vault_id, credential_id=row.id, auth_type=row.auth_type)
         return row
 
-    @staticmethod
-    def _checked_auth(auth: vault_pb2.CredentialAuth) -> vault_pb2.CredentialAuth:
+    def _checked_auth(self, auth: vault_pb2.CredentialAuth) -> vault_pb2.CredentialAuth:
         """The public part of a new credential's auth, validated."""
         if auth.type == "environment_variable":
             # Fail closed: the egress substitution these need is not built, so
@@ -298,14 +423,38 @@ class VaultStore:
             )
         if auth.type not in _MCP_TYPES:
             raise InvalidArgument("auth.type must be static_bearer or mcp_oauth", param="auth.type")
-        if auth.HasField("refresh"):
-            raise InvalidArgument("OAuth refresh is not supported by this deployment", param="auth.refresh")
+        if auth.HasField("refresh") and auth.type != "mcp_oauth":
+            raise InvalidArgument("only mcp_oauth credentials refresh", param="auth.refresh")
         public = vault_pb2.CredentialAuth(
             type=auth.type, mcp_server_url=_server_url(auth.mcp_server_url, "auth.mcp_server_url")
         )
         if auth.type == "mcp_oauth" and auth.HasField("expires_at"):
             public.expires_at = _expires_at(auth.expires_at, "auth.expires_at")
+        if auth.HasField("refresh"):
+            public.refresh.CopyFrom(self._checked_refresh(auth.refresh))
         return public
+
+    def _checked_refresh(self, refresh: vault_pb2.OAuthRefresh) -> vault_pb2.OAuthRefresh:
+        if not refresh.client_id or _HEADER_UNSAFE.search(refresh.client_id):
+            raise InvalidArgument("auth.refresh.client_id must be a non-empty single line", param="auth.refresh.client_id")
+        if refresh.token_endpoint_auth_type not in AUTH_METHODS:
+            raise InvalidArgument(
+                "auth.refresh.token_endpoint_auth.type must be none, client_secret_basic or client_secret_post",
+                param="auth.refresh.token_endpoint_auth.type",
+            )
+        allow_private = self._oauth is not None and self._oauth.allow_private
+        checked = vault_pb2.OAuthRefresh(
+            client_id=refresh.client_id,
+            token_endpoint=_token_endpoint(
+                refresh.token_endpoint, "auth.refresh.token_endpoint", allow_private=allow_private
+            ),
+            token_endpoint_auth_type=refresh.token_endpoint_auth_type,
+        )
+        if refresh.HasField("resource"):
+            checked.resource = _resource(refresh.resource, "auth.refresh.resource")
+        if refresh.HasField("scope"):
+            checked.scope = _scope(refresh.scope, "auth.refresh.scope")
+        return checked
 
     async def get_credential(self, org_id: str, vault_id: str, credential_id: str) -> VaultCredentialRow:
         async with self._db.transaction(read_only=True) as s:
@@ -352,11 +501,9 @@ class VaultStore:
         if row.auth_type == "static_bearer":
             row.secret_ciphertext = self._seal(SecretInput(value=_header_secret(rotation.secret.value, "auth.token")))
         else:
-            if rotation.secret.refresh_token is not None or rotation.secret.client_secret is not None:
-                raise InvalidArgument("OAuth refresh is not supported by this deployment", param="auth.refresh")
-            value = current.value
+            stored = self._rotated_refresh(auth, current, rotation)
             if rotation.secret.value is not None:
-                value = _header_secret(rotation.secret.value, "auth.access_token")
+                stored = replace(stored, value=_header_secret(rotation.secret.value, "auth.access_token"))
                 # A new access token without an expiry clears the old one (the SDK's rule).
                 auth.ClearField("expires_at")
             if isinstance(rotation.expires_at, str):
@@ -364,8 +511,47 @@ class VaultStore:
             elif rotation.expires_at is None:
                 auth.ClearField("expires_at")
             row.auth = auth.SerializeToString()
-            row.secret_ciphertext = self._seal(SecretInput(value=value))
+            row.secret_ciphertext = self._seal(stored)
         row.key_id = self._cipher.key_id
+
+    @staticmethod
+    def _rotated_refresh(
+        auth: vault_pb2.CredentialAuth, current: SecretInput, rotation: CredentialRotation
+    ) -> SecretInput:
+        """The stored secrets with ``auth.refresh``'s replacements applied
+        (``auth`` gets the new scope). Refresh is configured at creation;
+        a rotation only replaces its secrets and scope."""
+        secret = rotation.secret
+        given = (
+            rotation.refresh
+            or secret.refresh_token is not None
+            or secret.client_secret is not None
+            or not isinstance(rotation.scope, _Unset)
+            or bool(rotation.token_endpoint_auth_type)
+        )
+        if not given:
+            return current
+        if not auth.HasField("refresh"):
+            raise InvalidArgument(
+                "the credential has no refresh configuration; create a credential with auth.refresh instead",
+                param="auth.refresh",
+            )
+        method = auth.refresh.token_endpoint_auth_type
+        if rotation.token_endpoint_auth_type and rotation.token_endpoint_auth_type != method:
+            raise InvalidArgument(
+                f"auth.refresh.token_endpoint_auth.type must be the credential's own method, {method}",
+                param="auth.refresh.token_endpoint_auth.type",
+            )
+        stored = current
+        if secret.refresh_token is not None:
+            stored = replace(stored, refresh_token=_refresh_secret(secret.refresh_token, "refresh_token"))
+        if secret.client_secret is not None:
+            stored = replace(stored, client_secret=_client_secret(method, secret.client_secret))
+        if isinstance(rotation.scope, str):
+            auth.refresh.scope = _scope(rotation.scope, "auth.refresh.scope")
+        elif rotation.scope is None:
+            auth.refresh.ClearField("scope")
+        return stored
 
     async def list_credentials(
         self, org_id: str, vault_id: str, page: VaultListPage
@@ -426,7 +612,129 @@ class VaultStore:
                 )
             chosen = matching[0]
         value = self._open(chosen).value or ""
+        if chosen.auth_type == "mcp_oauth" and _refresh_due(vault_pb2.CredentialAuth.FromString(chosen.auth), time.time()):
+            # A caller that gives up (a deadline) must not abandon a grant
+            # half done: the endpoint may have spent the refresh token
+            # already, so the refresh runs on and stores what it gets.
+            task = asyncio.create_task(self._refreshed(chosen), name=f"oauth-refresh-{chosen.id}")
+            self._refreshing.add(task)
+            task.add_done_callback(_settled)
+            task.add_done_callback(self._refreshing.discard)
+            value = await asyncio.shield(task)
         return f"Bearer {value}", chosen.id
+
+    # OAuth refresh ------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _refresh_lock(self, credential_id: str) -> AsyncIterator[None]:
+        """This process's refreshes of one credential, one at a time."""
+        lock = self._refresh_locks.setdefault(credential_id, asyncio.Lock())
+        self._refresh_holders[credential_id] = self._refresh_holders.get(credential_id, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._refresh_holders[credential_id] -= 1
+            if not self._refresh_holders[credential_id]:
+                del self._refresh_holders[credential_id]
+                del self._refresh_locks[credential_id]
+
+    async def _refreshed(self, row: VaultCredentialRow) -> str:
+        """The access token of ``row`` after a refresh if one is still due
+        once this caller holds the credential: another caller, or replica,
+        may have refreshed it meanwhile."""
+        async with self._refresh_lock(row.id):
+            if self._db.dialect == "postgresql":
+                async with self._db.transaction() as s:
+                    locked = await repo.get_credential(s, row.org_id, row.vault_id, row.id, for_update=True)
+                    if locked is None:
+                        raise NotFound(f"credential {row.id} not found", param="credential_id")
+                    auth, current = vault_pb2.CredentialAuth.FromString(locked.auth), self._open(locked)
+                    if not _refresh_due(auth, time.time()):
+                        return current.value or ""
+                    grant = await self._grant(locked, auth, current)
+                    if grant is None:
+                        return current.value or ""
+                    self._store_grant(locked, auth, current, grant)
+                    return grant.access_token
+            # SQLite: one process writes the file, so the lock above is the
+            # exclusion, and the write lock is not held across the grant
+            # (it would stall every writer of the service meanwhile).
+            async with self._db.transaction(read_only=True) as s:
+                fresh = await repo.get_credential(s, row.org_id, row.vault_id, row.id)
+            if fresh is None:
+                raise NotFound(f"credential {row.id} not found", param="credential_id")
+            auth, current = vault_pb2.CredentialAuth.FromString(fresh.auth), self._open(fresh)
+            if not _refresh_due(auth, time.time()):
+                return current.value or ""
+            grant = await self._grant(fresh, auth, current)
+            if grant is None:
+                return current.value or ""
+            async with self._db.transaction() as s:
+                locked = await repo.get_credential(s, row.org_id, row.vault_id, row.id, for_update=True)
+                latest = None if locked is None else self._open(locked)
+                # A refresh token replaced through the API meanwhile wins.
+                if locked is not None and latest is not None and latest.refresh_token == current.refresh_token:
+                    self._store_grant(locked, vault_pb2.CredentialAuth.FromString(locked.auth), latest, grant)
+            return grant.access_token
+
+    async def _grant(
+        self, row: VaultCredentialRow, auth: vault_pb2.CredentialAuth, current: SecretInput
+    ) -> TokenGrant | None:
+        """A refresh grant for ``row``; None when it failed but the current
+        access token has not expired yet (it is used while it lasts)."""
+        refresh = auth.refresh
+        try:
+            if self._oauth is None:
+                raise OAuthRefreshFailed("OAuth refresh is not available in this process")
+            return await self._oauth.refresh(
+                TokenRequest(
+                    token_endpoint=refresh.token_endpoint,
+                    client_id=refresh.client_id,
+                    auth_method=refresh.token_endpoint_auth_type,
+                    refresh_token=current.refresh_token or "",
+                    client_secret=current.client_secret,
+                    resource=refresh.resource if refresh.HasField("resource") else None,
+                    scope=refresh.scope if refresh.HasField("scope") else None,
+                )
+            )
+        except OAuthRefreshFailed as exc:
+            expired = _expiry_time(auth.expires_at) <= time.time()
+            log.warning(
+                "vault_credential_refresh_failed",
+                vault_id=row.vault_id,
+                credential_id=row.id,
+                error=exc.message,
+                access_token_expired=expired,
+            )
+            if not expired:
+                return None
+            raise OAuthRefreshFailed(
+                f"credential {row.id}: its access token expired and refreshing it failed: {exc.message}",
+                param="credential_id",
+            ) from None
+
+    def _store_grant(
+        self, row: VaultCredentialRow, auth: vault_pb2.CredentialAuth, current: SecretInput, grant: TokenGrant
+    ) -> None:
+        now = time.time()
+        if grant.expires_in is None:
+            auth.ClearField("expires_at")
+        else:
+            expiry = datetime.fromtimestamp(now + grant.expires_in, UTC)
+            auth.expires_at = expiry.isoformat(timespec="seconds").replace("+00:00", "Z")
+        stored = replace(current, value=grant.access_token, refresh_token=grant.refresh_token or current.refresh_token)
+        row.auth = auth.SerializeToString()
+        row.secret_ciphertext = self._seal(stored)
+        row.key_id = self._cipher.key_id
+        row.update_time = now
+        log.info(
+            "vault_credential_refreshed",
+            vault_id=row.vault_id,
+            credential_id=row.id,
+            refresh_token_rotated=grant.refresh_token is not None,
+            expires_in=grant.expires_in,
+        )
 
     # Encryption ---------------------------------------------------------------
 

@@ -34,7 +34,6 @@ import base64
 import contextlib
 import ipaddress
 import os
-import re
 import secrets
 import socket
 import ssl
@@ -42,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from services.core.addresses import IPAddress, is_public_address, parse_host
 from services.core.logging import get_logger
 from services.core.metrics import SANDBOX_EGRESS
 from services.core.settings import Settings
@@ -58,10 +58,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-_LABEL = re.compile(r"^[a-z0-9_-]{1,63}$")
-_NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1::/48"))
 _MAX_HEAD_BYTES = 64 * 1024
 _HEAD_TIMEOUT_S = 30.0
 _COPY_BYTES = 64 * 1024
@@ -72,45 +68,6 @@ _HOP_HEADERS = frozenset({"proxy-connection", "proxy-authorization", "keep-alive
 
 
 # ---------------------------------------------------------------- hosts and policy
-
-
-def parse_host(raw: str) -> str | IPAddress | None:
-    """The canonical form of a target host: an IP address, or a lower-case
-    ASCII domain name without a trailing dot. None when it is neither. Every
-    numeric IPv4 spelling the resolver would accept (``127.1``,
-    ``0x7f000001``) is an address here too, so no name slips past the
-    address rules."""
-    host = raw.strip()
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            return None
-    if "%" not in host:
-        with contextlib.suppress(ValueError):
-            return ipaddress.ip_address(host)
-    host = host.lower().removesuffix(".")
-    try:
-        host = host.encode("idna").decode("ascii")
-    except UnicodeError:
-        return None
-    if not host or len(host) > 253 or not all(_LABEL.match(label) for label in host.split(".")):
-        return None
-    with contextlib.suppress(OSError):
-        return ipaddress.IPv4Address(socket.inet_aton(host))
-    return host
-
-
-def is_public_address(address: IPAddress) -> bool:
-    """Whether ``address`` is a globally routable unicast address, looking
-    through IPv6 forms that embed an IPv4 address."""
-    if isinstance(address, ipaddress.IPv6Address):
-        embedded = address.ipv4_mapped or address.sixtofour
-        if embedded is None and any(address in net for net in _NAT64):
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-        if embedded is not None and not is_public_address(embedded):
-            return False
-    return address.is_global and not address.is_multicast
 
 
 @dataclass(frozen=True)

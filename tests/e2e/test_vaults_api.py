@@ -130,20 +130,25 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         {"type": "environment_variable", "secret_name": "API_KEY", "secret_value": "s", "networking": {"type": "unrestricted"}},
         "auth.type",
     ),
-    (
-        "OAuth refresh",
-        {
-            "type": "mcp_oauth",
-            "access_token": "a",
-            "mcp_server_url": MCP_URL,
-            "refresh": {"client_id": "c", "refresh_token": "r", "token_endpoint": MCP_URL, "token_endpoint_auth": {"type": "none"}},
-        },
-        "auth.refresh",
-    ),
     ("plain http off loopback", {"type": "static_bearer", "token": "t", "mcp_server_url": "http://mcp.example.test/"}, "auth.mcp_server_url"),
     ("a token that would split a header", {"type": "static_bearer", "token": "t\r\nX-Evil: 1", "mcp_server_url": MCP_URL}, "auth.token"),
     ("an empty token", {"type": "static_bearer", "token": "", "mcp_server_url": MCP_URL}, "auth.token"),
     ("an unknown auth field", {"type": "static_bearer", "token": "t", "mcp_server_url": MCP_URL, "scope": "x"}, "auth.scope"),
+    (
+        "an OAuth token endpoint on a loopback address (BERTH_OAUTH_ALLOW_PRIVATE_ENDPOINTS is off)",
+        {
+            "type": "mcp_oauth",
+            "access_token": "a",
+            "mcp_server_url": MCP_URL,
+            "refresh": {
+                "client_id": "c",
+                "refresh_token": "r",
+                "token_endpoint": "https://127.0.0.1:8443/token",
+                "token_endpoint_auth": {"type": "none"},
+            },
+        },
+        "auth.refresh.token_endpoint",
+    ),
 ]
 
 

@@ -561,6 +561,8 @@ class UpdateCredentialRequest(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     UPDATE_SCOPE_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    ROTATE_REFRESH_FIELD_NUMBER: _builtins.int
+    ROTATE_TOKEN_ENDPOINT_AUTH_TYPE_FIELD_NUMBER: _builtins.int
     vault_id: _builtins.str
     """The vault."""
     credential_id: _builtins.str
@@ -577,6 +579,14 @@ class UpdateCredentialRequest(_message.Message):
     """Replace the refresh scope (mcp_oauth)."""
     scope: _builtins.str
     """The new scope; unset with update_scope clears it."""
+    rotate_refresh: _builtins.bool
+    """Whether the rotation carries auth.refresh (mcp_oauth): its refresh
+    token, client secret and scope may be replaced.
+    """
+    rotate_token_endpoint_auth_type: _builtins.str
+    """The token_endpoint_auth type auth.refresh names, which must be the
+    credential's own; empty when none is given.
+    """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The new metadata."""
@@ -598,10 +608,12 @@ class UpdateCredentialRequest(_message.Message):
         expires_at: _builtins.str | None = ...,
         update_scope: _builtins.bool = ...,
         scope: _builtins.str | None = ...,
+        rotate_refresh: _builtins.bool = ...,
+        rotate_token_endpoint_auth_type: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_expires_at", b"_expires_at", "_scope", b"_scope", "expires_at", b"expires_at", "scope", b"scope", "secret", b"secret"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expires_at", b"_expires_at", "_scope", b"_scope", "credential_id", b"credential_id", "expires_at", b"expires_at", "metadata", b"metadata", "rotate_type", b"rotate_type", "scope", b"scope", "secret", b"secret", "update_expires_at", b"update_expires_at", "update_metadata", b"update_metadata", "update_scope", b"update_scope", "vault_id", b"vault_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expires_at", b"_expires_at", "_scope", b"_scope", "credential_id", b"credential_id", "expires_at", b"expires_at", "metadata", b"metadata", "rotate_refresh", b"rotate_refresh", "rotate_token_endpoint_auth_type", b"rotate_token_endpoint_auth_type", "rotate_type", b"rotate_type", "scope", b"scope", "secret", b"secret", "update_expires_at", b"update_expires_at", "update_metadata", b"update_metadata", "update_scope", b"update_scope", "vault_id", b"vault_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__expires_at: _TypeAlias = _typing.Literal["expires_at"]  # noqa: Y015
     _WhichOneofArgType__expires_at: _TypeAlias = _typing.Literal["_expires_at", b"_expires_at"]  # noqa: Y015
