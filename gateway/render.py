@@ -425,6 +425,11 @@ def _credential_auth(auth: vault_pb2.CredentialAuth) -> dict[str, Any]:
             "expires_at": auth.expires_at if auth.HasField("expires_at") else None,
             "refresh": _oauth_refresh(auth.refresh) if auth.HasField("refresh") else None,
         }
+    if auth.type == "environment_variable":
+        networking: dict[str, Any] = {"type": auth.networking.type}
+        if auth.networking.type == "limited":
+            networking["allowed_hosts"] = list(auth.networking.allowed_hosts)
+        return {"type": auth.type, "secret_name": auth.secret_name, "networking": networking}
     return {"type": auth.type, "mcp_server_url": auth.mcp_server_url}
 
 

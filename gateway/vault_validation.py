@@ -96,15 +96,29 @@ class _McpOauth(_Strict):
         return auth, secret
 
 
+class _Unrestricted(_Strict):
+    type: Literal["unrestricted"]
+
+
+class _Limited(_Strict):
+    type: Literal["limited"]
+    allowed_hosts: list[str]
+
+
 class _EnvironmentVariable(_Strict):
     type: Literal["environment_variable"]
-    networking: dict[str, Any]
+    networking: Annotated[_Unrestricted | _Limited, Field(discriminator="type")]
     secret_name: str
     secret_value: str
 
     def to_proto(self) -> tuple[vault_pb2.CredentialAuth, vault_pb2.CredentialSecret]:
-        # Never stored: the Environment service refuses this type (see vaults.py).
-        return vault_pb2.CredentialAuth(type=self.type, secret_name=self.secret_name), vault_pb2.CredentialSecret()
+        networking = vault_pb2.CredentialNetworking(type=self.networking.type)
+        if isinstance(self.networking, _Limited):
+            networking.allowed_hosts.extend(self.networking.allowed_hosts)
+        return (
+            vault_pb2.CredentialAuth(type=self.type, secret_name=self.secret_name, networking=networking),
+            vault_pb2.CredentialSecret(value=self.secret_value),
+        )
 
 
 class CredentialCreateBody(_Strict):

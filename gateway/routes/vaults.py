@@ -22,6 +22,7 @@ from gateway.vault_validation import (
     CredentialUpdateBody,
     VaultCreateBody,
     VaultUpdateBody,
+    _RotateEnvironmentVariable,
     _RotateMcpOauth,
     _RotateRefresh,
     _RotateStaticBearer,
@@ -184,6 +185,8 @@ async def update_credential(vault_id: str, credential_id: str, request: Request,
             message.update_expires_at = "expires_at" in data["auth"]
             if auth.expires_at is not None:
                 message.expires_at = auth.expires_at
+        elif isinstance(auth, _RotateEnvironmentVariable):
+            message.secret.value = auth.secret_value
         else:
             message.secret.CopyFrom(vault_pb2.CredentialSecret())
     response = await stub.UpdateCredential(message)

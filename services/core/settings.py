@@ -135,6 +135,14 @@ class Settings(BaseSettings):
         ),
     )
 
+    sandbox_secret_keys: SecretStr = Field(
+        default=SecretStr(""),
+        description=(
+            "Fernet keys that seal the environment_variable secrets a Sandbox service keeps for its sandboxes' egress "
+            "proxies, comma-separated, newest first. Empty: `sandbox-secrets.keys` under `data_dir`, created on first start."
+        ),
+    )
+
     gateway_database_url: str = ""
     session_database_url: str = ""
     environment_database_url: str = ""

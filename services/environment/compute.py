@@ -79,6 +79,8 @@ class SandboxSpec:
     network: common_pb2.NetworkPolicy = field(default_factory=common_pb2.NetworkPolicy)
     env: Mapping[str, str] = field(default_factory=dict)
     container_size: str = ""
+    # environment_variable credentials; secret values, so never in a repr.
+    secret_substitutions: Sequence[sandbox_pb2.SecretSubstitution] = field(default=(), repr=False)
 
 
 class Compute(Protocol):
@@ -258,6 +260,7 @@ class SandboxClient:
             network=spec.network,
             env=dict(spec.env),
             size=_SIZES.get(spec.container_size, sandbox_pb2.CONTAINER_SIZE_UNSPECIFIED),
+            secret_substitutions=list(spec.secret_substitutions),
         )
         with self._unreachable(sandbox_id):
             await self._stub.CreateSandbox(request, timeout=self._create_timeout_s)

@@ -39,6 +39,7 @@ from services.core.settings import Settings
 from services.environment import paging
 from services.environment import repository as repo
 from services.environment.compute import Compute, ExecEvent, SandboxRef
+from services.environment.environment_secrets import environment_secrets_problem
 from services.environment.file_store import FileStore
 from services.environment.vaults import VaultStore
 from services.environment.init_guard import InitGuard
@@ -176,6 +177,7 @@ class EnvironmentDomain:
         if len(vault_ids) > _MAX_VAULTS or any(not v for v in vault_ids):
             raise InvalidArgument(f"vault_ids takes up to {_MAX_VAULTS} non-empty IDs", param="vault_ids")
         await self._vaults.check_vaults(org_id, vault_ids)
+        await self._check_environment_secrets(org_id, config, vault_ids)
         if owner_session_id:
             validate_session_id(owner_session_id, param="owner_session_id")
         now = time.time()
@@ -221,6 +223,23 @@ class EnvironmentDomain:
         structlog.contextvars.bind_contextvars(environment_id=row.id)
         log.info("environment_created", owner_session_id=owner_session_id or None)
         return row, binding
+
+    async def _check_environment_secrets(
+        self, org_id: str, config: environment_pb2.EnvironmentConfig, vault_ids: Sequence[str]
+    ) -> None:
+        """environment_variable credentials are substituted by the egress
+        proxy, which only a ``restricted`` network has; any other network
+        would leave the placeholder useless or, worse, invite a weaker path.
+        The setup checks the same again (a credential can be added later)."""
+        credentials = await self._vaults.environment_variable_credentials(org_id, vault_ids)
+        if not credentials:
+            return
+        problem = environment_secrets_problem(config.network, [auth for _, auth in credentials])
+        if problem:
+            raise InvalidArgument(problem, param="vault_ids")
+        names = [auth.secret_name for _, auth in credentials]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("two environment_variable credentials set the same secret_name", param="vault_ids")
 
     async def validated_config(
         self, org_id: str, config: environment_pb2.EnvironmentConfig

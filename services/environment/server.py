@@ -146,9 +146,12 @@ async def start_environment_service(
         gauge = EnvironmentStatusGauge(db)
         gauge.start()
         closers.append(gauge.close)
+        token_endpoints = TokenEndpointClient(settings)
+        closers.append(token_endpoints.close)
+        vaults = VaultStore(db, vault_key_ring(settings), oauth=token_endpoints)
         guard = InitGuard(
             db,
-            EnvironmentSetup(compute, file_store, db, settings),
+            EnvironmentSetup(compute, file_store, db, settings, vaults=vaults),
             instance_id=_instance_id(),
             lease_s=settings.init_lease_s,
             setup_timeout_s=settings.setup_timeout_s,
@@ -156,9 +159,6 @@ async def start_environment_service(
         )
         guard.start()
         closers.append(guard.close)
-        token_endpoints = TokenEndpointClient(settings)
-        closers.append(token_endpoints.close)
-        vaults = VaultStore(db, vault_key_ring(settings), oauth=token_endpoints)
         await vaults.rotate()
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, vaults=vaults, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store, EnvironmentTemplates(db, domain.validated_config))

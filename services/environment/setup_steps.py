@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.common.v1 import common_pb2
-from berth.environment.v1 import environment_pb2
+from berth.environment.v1 import environment_pb2, vault_pb2
+from berth.sandbox.v1 import sandbox_pb2
 from services.core.db import Database
 from services.core.errors import BerthError, NotFound, SandboxUnavailable
 from services.core.ids import new_id
@@ -45,9 +46,11 @@ from services.core.logging import get_logger
 from services.core.settings import Settings
 from services.environment import repository as repo
 from services.environment.compute import ENVIRONMENT_LABEL, Compute, SandboxRef, SandboxSpec
+from services.environment.environment_secrets import environment_secrets_problem
 from services.environment.file_store import FileStore
 from services.environment.init_guard import SetupFailed, SetupFence, SetupUnavailable
 from services.environment.models import EnvironmentRow, RegisteredFileRow
+from services.environment.vaults import VaultStore
 from services.environment.workspace_paths import WORKSPACE
 
 __all__ = ["EnvironmentSetup", "Capability", "parse_capabilities", "sandbox_env", "SKILLS_DIR", "PLUGINS_DIR", "SANDBOX_STEP"]
@@ -157,11 +160,14 @@ Step = tuple[str, Callable[[SandboxRef], Awaitable[Sequence[RegisteredFileRow]]]
 class EnvironmentSetup:
     """The ``Setup`` callable the init guard runs."""
 
-    def __init__(self, compute: Compute, file_store: FileStore, db: Database, settings: Settings) -> None:
+    def __init__(
+        self, compute: Compute, file_store: FileStore, db: Database, settings: Settings, *, vaults: VaultStore | None = None
+    ) -> None:
         self._compute = compute
         self._files = file_store
         self._db = db
         self._settings = settings
+        self._vaults = vaults
 
     async def __call__(self, environment: EnvironmentRow, fence: SetupFence) -> None:
         config, done = await self._db.run(lambda s: _journal(s, environment.id), read_only=True)
@@ -205,6 +211,7 @@ class EnvironmentSetup:
             network=config.network,
             env=sandbox_env(config, self._settings),
             container_size=config.container_size,
+            secret_substitutions=await self._secret_substitutions(environment, config),
         )
         try:
             await self._compute.create_sandbox(sandbox, spec)
@@ -214,6 +221,45 @@ class EnvironmentSetup:
             raise SetupFailed("sandbox_create_failed", f"the sandbox could not be created: {exc.message}") from exc
         await fence.record_step(SANDBOX_STEP, ())
         return sandbox, done
+
+    async def _secret_substitutions(
+        self, environment: EnvironmentRow, config: environment_pb2.EnvironmentConfig
+    ) -> list[sandbox_pb2.SecretSubstitution]:
+        """The environment_variable credentials of the environment's own
+        vaults (never a referencing session's). One its network cannot keep
+        out of the sandbox (added to a vault after the environment was
+        created) fails the setup rather than create the sandbox."""
+        vault_ids = json.loads(environment.vault_ids_json or "[]")
+        if self._vaults is None or not vault_ids:
+            return []
+        try:
+            secrets = await self._vaults.environment_secrets(environment.org_id, vault_ids)
+        except BerthError as exc:
+            raise SetupFailed("sandbox_create_failed", f"the sandbox could not be created: {exc.message}") from exc
+        if not secrets:
+            return []
+        credentials = [
+            vault_pb2.CredentialAuth(
+                type="environment_variable",
+                secret_name=s.secret_name,
+                networking=vault_pb2.CredentialNetworking(type="unrestricted" if s.any_allowed_host else "limited"),
+            )
+            for s in secrets
+        ]
+        problem = environment_secrets_problem(config.network, credentials)
+        if problem:
+            raise SetupFailed("sandbox_create_failed", f"the sandbox could not be created: {problem}")
+        log.info("environment_secrets_resolved", credential_ids=[s.credential_id for s in secrets])
+        return [
+            sandbox_pb2.SecretSubstitution(
+                env_name=s.secret_name,
+                value=s.value,
+                any_allowed_host=s.any_allowed_host,
+                allowed_hosts=list(s.allowed_hosts),
+                credential_id=s.credential_id,
+            )
+            for s in secrets
+        ]
 
     def _steps(self, environment: EnvironmentRow, config: environment_pb2.EnvironmentConfig) -> list[Step]:
         """Every step after the sandbox, in order, each with its journal name."""

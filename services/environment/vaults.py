@@ -17,6 +17,10 @@ use, so one refresh runs at a time per credential: an in-process lock, and
 on PostgreSQL the credential row locked (``FOR UPDATE``) across the grant,
 re-read once locked, so a replica that waited finds the token fresh and
 makes no grant of its own.
+An ``environment_variable`` credential is resolved only for creating the
+sandbox of an environment whose own ``vault_ids`` hold it
+(``environment_secrets``); the Sandbox service's egress proxy substitutes
+it, and the sandbox gets a placeholder.
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ from services.environment import vault_repository as repo
 from services.environment.models import VaultCredentialRow, VaultRow
 from services.environment.oauth_refresh import AUTH_METHODS, TokenEndpointClient, TokenGrant, TokenRequest
 
-__all__ = ["VaultStore", "VaultListPage", "SecretInput", "CredentialRotation", "normalize_url", "UNSET"]
+__all__ = [
+    "VaultStore",
+    "VaultListPage",
+    "SecretInput",
+    "CredentialRotation",
+    "EnvironmentSecret",
+    "normalize_url",
+    "UNSET",
+]
 
 log = get_logger(__name__)
 
@@ -65,6 +77,21 @@ _SECRET_PARAMS = {
     "refresh_token": "auth.refresh.refresh_token",
     "client_secret": "auth.refresh.token_endpoint_auth.client_secret",
 }
+_ENV_TYPE = "environment_variable"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Variables Berth or the sandbox's tools depend on: a placeholder there would
+# break the sandbox (PATH, HOME), or send its traffic or trust elsewhere.
+_RESERVED_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "LANG", "TERM", "HOSTNAME", "TMPDIR",
+    "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH", "PYTHONHOME", "NODE_OPTIONS",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "FTP_PROXY",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+    "PIP_CERT", "GIT_SSL_CAINFO",
+})  # fmt: skip
+_RESERVED_PREFIXES = ("BERTH_", "REBYTE_", "CODEX_")
+_MAX_ALLOWED_HOSTS = 16
+_HOST_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+_IPV4 = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
 
 
 class _Unset:
@@ -94,6 +121,17 @@ class CredentialRotation:
     refresh: bool = False
     scope: str | None | _Unset = UNSET
     token_endpoint_auth_type: str = ""
+
+
+@dataclass(frozen=True)
+class EnvironmentSecret:
+    """An environment_variable credential as a sandbox's egress proxy needs it."""
+
+    credential_id: str
+    secret_name: str
+    value: str
+    any_allowed_host: bool
+    allowed_hosts: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -147,6 +185,49 @@ def _header_secret(value: str | None, param: str) -> str:
     if _HEADER_UNSAFE.search(value):
         raise InvalidArgument(f"{param} must not contain carriage returns, newlines or NUL bytes", param=param)
     return value
+
+
+def _secret_name(value: str, param: str) -> str:
+    if not _ENV_NAME.match(value):
+        raise InvalidArgument(
+            f"{param} must be 1 to 128 ASCII letters, digits and underscores, not starting with a digit", param=param
+        )
+    upper = value.upper()
+    if upper in _RESERVED_NAMES or upper.startswith(_RESERVED_PREFIXES):
+        raise InvalidArgument(f"{param} {value} is reserved by the sandbox", param=param)
+    return value
+
+
+def _allowed_host(value: str, param: str) -> str:
+    host = value.strip().lower()
+    if _IPV4.match(host):
+        if not all(int(part) <= 255 and (part == "0" or not part.startswith("0")) for part in host.split(".")):
+            raise InvalidArgument(f"{param} is not a valid IPv4 address", param=param)
+        return host
+    labels = host.split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.match(label) for label in labels) or labels[-1].isdigit():
+        raise InvalidArgument(
+            f"{param} must be a hostname or IPv4 address, without scheme, path, port or wildcard (no IPv6)",
+            param=param,
+        )
+    return host
+
+
+def _networking(networking: vault_pb2.CredentialNetworking, param: str) -> vault_pb2.CredentialNetworking:
+    if networking.type == "unrestricted":
+        if networking.allowed_hosts:
+            raise InvalidArgument("allowed_hosts is only for limited networking", param=f"{param}.allowed_hosts")
+        return vault_pb2.CredentialNetworking(type="unrestricted")
+    if networking.type != "limited":
+        raise InvalidArgument(f"{param}.type must be unrestricted or limited", param=f"{param}.type")
+    hosts = [_allowed_host(h, f"{param}.allowed_hosts[{i}]") for i, h in enumerate(networking.allowed_hosts)]
+    if not 1 <= len(hosts) <= _MAX_ALLOWED_HOSTS:
+        raise InvalidArgument(
+            f"{param}.allowed_hosts takes 1 to {_MAX_ALLOWED_HOSTS} hosts", param=f"{param}.allowed_hosts"
+        )
+    if len(set(hosts)) != len(hosts):
+        raise InvalidArgument(f"{param}.allowed_hosts must be distinct", param=f"{param}.allowed_hosts")
+    return vault_pb2.CredentialNetworking(type="limited", allowed_hosts=hosts)
 
 
 def _expires_at(value: str, param: str) -> str:
@@ -382,6 +463,8 @@ class VaultStore:
         public = self._checked_auth(auth)
         if auth.type == "static_bearer":
             stored = SecretInput(value=_header_secret(secret.value, "auth.token"))
+        elif auth.type == _ENV_TYPE:
+            stored = SecretInput(value=_header_secret(secret.value, "auth.secret_value"))
         else:
             stored = SecretInput(value=_header_secret(secret.value, "auth.access_token"))
             if public.HasField("refresh"):
@@ -415,11 +498,11 @@ class VaultStore:
 
     def _checked_auth(self, auth: vault_pb2.CredentialAuth) -> vault_pb2.CredentialAuth:
         """The public part of a new credential's auth, validated."""
-        if auth.type == "environment_variable":
-            # Fail closed: the egress substitution these need is not built, so
-            # Berth stores none rather than one it could not keep out of a sandbox.
-            raise InvalidArgument(
-                "environment_variable credentials are not supported by this deployment", param="auth.type"
+        if auth.type == _ENV_TYPE:
+            return vault_pb2.CredentialAuth(
+                type=_ENV_TYPE,
+                secret_name=_secret_name(auth.secret_name, "auth.secret_name"),
+                networking=_networking(auth.networking, "auth.networking"),
             )
         if auth.type not in _MCP_TYPES:
             raise InvalidArgument("auth.type must be static_bearer or mcp_oauth", param="auth.type")
@@ -500,6 +583,10 @@ class VaultStore:
         current = self._open(row)
         if row.auth_type == "static_bearer":
             row.secret_ciphertext = self._seal(SecretInput(value=_header_secret(rotation.secret.value, "auth.token")))
+        elif row.auth_type == _ENV_TYPE:
+            # Sandboxes made before keep the value they were given (see README).
+            secret_value = _header_secret(rotation.secret.value, "auth.secret_value")
+            row.secret_ciphertext = self._seal(SecretInput(value=secret_value))
         else:
             stored = self._rotated_refresh(auth, current, rotation)
             if rotation.secret.value is not None:
@@ -735,6 +822,45 @@ class VaultStore:
             refresh_token_rotated=grant.refresh_token is not None,
             expires_in=grant.expires_in,
         )
+    async def environment_variable_credentials(
+        self, org_id: str, vault_ids: Sequence[str]
+    ) -> list[tuple[str, vault_pb2.CredentialAuth]]:
+        """(credential ID, public auth) of every environment_variable
+        credential of ``vault_ids``, oldest first; no secret is opened."""
+        if not vault_ids:
+            return []
+        async with self._db.transaction(read_only=True) as s:
+            rows = await repo.credentials_of(s, org_id, vault_ids)
+        return [(r.id, vault_pb2.CredentialAuth.FromString(r.auth)) for r in rows if r.auth_type == _ENV_TYPE]
+
+    async def environment_secrets(self, org_id: str, vault_ids: Sequence[str]) -> list[EnvironmentSecret]:
+        """The environment_variable credentials of an environment's own
+        ``vault_ids``, with their secrets, for creating its sandbox. Two
+        credentials for one variable are refused: which one a sandbox got
+        would depend on the order of its vaults."""
+        if not vault_ids:
+            return []
+        async with self._db.transaction(read_only=True) as s:
+            rows = [r for r in await repo.credentials_of(s, org_id, vault_ids) if r.auth_type == _ENV_TYPE]
+        secrets: list[EnvironmentSecret] = []
+        seen: dict[str, str] = {}
+        for row in rows:
+            auth = vault_pb2.CredentialAuth.FromString(row.auth)
+            if auth.secret_name in seen:
+                raise InvalidArgument(
+                    f"credentials {seen[auth.secret_name]} and {row.id} both set {auth.secret_name}", param="vault_ids"
+                )
+            seen[auth.secret_name] = row.id
+            secrets.append(
+                EnvironmentSecret(
+                    credential_id=row.id,
+                    secret_name=auth.secret_name,
+                    value=self._open(row).value or "",
+                    any_allowed_host=auth.networking.type == "unrestricted",
+                    allowed_hosts=tuple(auth.networking.allowed_hosts),
+                )
+            )
+        return secrets
 
     # Encryption ---------------------------------------------------------------
 

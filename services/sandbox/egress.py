@@ -25,6 +25,10 @@ tunnels with ``CONNECT`` to the upstream, plain requests forwarded to it
 as they are; names are then resolved by the upstream, so the address check
 covers IP literals only. Hosts in ``BERTH_SANDBOX_NO_PROXY`` bypass the
 upstream.
+
+A sandbox with ``environment_variable`` vault credentials has its CONNECTs
+to their hosts on ports 443 and 8443 intercepted instead of tunnelled, to
+put the secrets in place of their placeholders (``egress_substitution.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import os
 import secrets
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -45,6 +49,7 @@ from services.core.addresses import IPAddress, is_public_address, parse_host
 from services.core.logging import get_logger
 from services.core.metrics import SANDBOX_EGRESS
 from services.core.settings import Settings
+from services.sandbox.egress_substitution import SUBSTITUTION_PORTS, InterceptFailed, Interceptor, Substitution
 
 __all__ = [
     "EgressPolicy",
@@ -371,11 +376,24 @@ def _bind_unix(path: str) -> tuple[socket.socket, int]:
 class EgressProxy:
     """The filtering proxy of one sandbox, on one unix socket."""
 
-    def __init__(self, sandbox_id: str, socket_path: str, policy: EgressPolicy, options: EgressOptions) -> None:
+    def __init__(
+        self,
+        sandbox_id: str,
+        socket_path: str,
+        policy: EgressPolicy,
+        options: EgressOptions,
+        *,
+        substitutions: Sequence[Substitution] = (),
+        interceptor: Interceptor | None = None,
+    ) -> None:
+        if substitutions and interceptor is None:
+            raise ValueError("secret substitution needs the egress CA")
         self.sandbox_id = sandbox_id
         self.socket_path = socket_path
         self.policy = policy
         self._options = options
+        self._substitutions = tuple(substitutions)
+        self._interceptor = interceptor
         self._http_upstream = _Upstream.parse(options.http_upstream or options.https_upstream)
         self._connect_upstream = _Upstream.parse(options.https_upstream or options.http_upstream)
         self._no_proxy = tuple(e.strip().lower() for e in options.no_proxy.split(",") if e.strip())
@@ -451,6 +469,13 @@ class EgressProxy:
             await self._respond(writer, refused.status)
             return
         self._decide(request.host, request.port, request.method, "allowed", "policy")
+        substitutions = self._substitutions_for(request)
+        if substitutions and self._interceptor is not None:
+            try:
+                await self._intercept(request, (reader, writer), (upstream_reader, upstream_writer), substitutions)
+            finally:
+                await _close(upstream_writer)
+            return
         try:
             if request.method == "CONNECT":
                 writer.write(b"HTTP/1.1 200 Connection Established\r\nProxy-Agent: berth-egress\r\n\r\n")
@@ -458,6 +483,32 @@ class EgressProxy:
             await asyncio.gather(_copy(reader, upstream_writer), _copy(upstream_reader, writer))
         finally:
             await _close(upstream_writer)
+
+    def _substitutions_for(self, request: _Request) -> list[Substitution]:
+        if request.method != "CONNECT" or request.port not in SUBSTITUTION_PORTS:
+            return []
+        return [s for s in self._substitutions if s.applies_to(request.host)]
+
+    async def _intercept(
+        self,
+        request: _Request,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        substitutions: list[Substitution],
+    ) -> None:
+        assert self._interceptor is not None
+        log.info(
+            "egress_substitution_started",
+            sandbox_id=self.sandbox_id,
+            host=str(request.host),
+            port=request.port,
+            credential_ids=[s.credential_id for s in substitutions],
+        )
+        try:
+            await self._interceptor.run(str(request.host), request.port, client, upstream, substitutions)
+        except InterceptFailed as exc:
+            log.info("egress_connect_failed", sandbox_id=self.sandbox_id, host=str(request.host), port=request.port, status=502, error=str(exc))
+            await self._respond(client[1], 502)
 
     def _decide(self, host: str | IPAddress | None, port: int | None, method: str, decision: str, reason: str) -> None:
         SANDBOX_EGRESS.labels(decision=decision, reason=reason).inc()
@@ -558,8 +609,11 @@ class EgressProxy:
 class EgressProxies:
     """The egress proxies of this service's restricted sandboxes, by sandbox ID."""
 
-    def __init__(self, options: EgressOptions) -> None:
+    def __init__(self, options: EgressOptions, *, interceptor: Interceptor | None = None) -> None:
+        """``interceptor`` (the egress CA) is what secret substitution needs;
+        without it a sandbox with substitutions gets no proxy at all."""
         self._options = options
+        self._interceptor = interceptor
         self._proxies: dict[str, EgressProxy] = {}
         for setting, url in (("sandbox_http_proxy", options.http_upstream), ("sandbox_https_proxy", options.https_upstream)):
             upstream = _Upstream.parse(url)
@@ -567,11 +621,15 @@ class EgressProxies:
                 # Fails closed: restricted sandboxes get 502 rather than a way around it.
                 log.warning("egress_upstream_proxy_unusable", setting=setting, reason=upstream.unusable)
 
-    async def start(self, sandbox_id: str, socket_path: str, policy: EgressPolicy) -> None:
+    async def start(
+        self, sandbox_id: str, socket_path: str, policy: EgressPolicy, substitutions: Sequence[Substitution] = ()
+    ) -> None:
         """Serves ``policy`` for ``sandbox_id`` on ``socket_path``, replacing
         the sandbox's earlier proxy."""
         await self.stop(sandbox_id)
-        proxy = EgressProxy(sandbox_id, socket_path, policy, self._options)
+        proxy = EgressProxy(
+            sandbox_id, socket_path, policy, self._options, substitutions=substitutions, interceptor=self._interceptor
+        )
         await proxy.start()
         self._proxies[sandbox_id] = proxy
         log.info(
@@ -579,6 +637,7 @@ class EgressProxies:
             sandbox_id=sandbox_id,
             allowed_domains=list(policy.allowed_domains),
             blocked_domains=list(policy.blocked_domains),
+            credential_ids=[s.credential_id for s in substitutions],
         )
 
     async def stop(self, sandbox_id: str) -> None:

@@ -9,6 +9,13 @@ process.
 A ``restricted`` sandbox also gets its egress proxy (``egress.py``) from the
 manager: started with the sandbox and again on adoption after a restart
 (from the policy stored in its row), stopped when it is destroyed.
+
+Its ``environment_variable`` vault credentials (``secrets``) get one new
+placeholder each, which goes into the sandbox's env under the credential's
+variable; the secrets themselves go only to its egress proxy, and to its
+row sealed with the sandbox key ring (``secrets_ciphertext``), so a
+restarted service substitutes them again. A sandbox with secrets and any
+network but ``restricted``, or without an enforced egress proxy, is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.core.db import Database
-from services.core.errors import Conflict, InvalidArgument, NotFound, SandboxUnavailable
+from services.core.errors import Conflict, FailedPrecondition, InvalidArgument, NotFound, SandboxUnavailable
+from services.core.key_ring import InvalidToken, KeyRing
 from services.core.logging import get_logger
 from services.core.metrics import SANDBOXES
 from services.sandbox import repository as repo
@@ -35,13 +43,14 @@ from services.sandbox.backends.base import (
     SandboxSpec,
 )
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable
-from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies
+from services.sandbox.egress import EgressOptions, EgressPolicy, EgressProxies, parse_host
+from services.sandbox.egress_substitution import Substitution, new_placeholder
 from services.sandbox.isolation.sizes import size_for
 from services.sandbox.mcp_http import SandboxHttpBrokers
 from services.sandbox.models import SandboxRow
 from services.sandbox.states import LIVE_STATES, SandboxState
 
-__all__ = ["SandboxManager", "SandboxRecord", "CreateParams"]
+__all__ = ["SandboxManager", "SandboxRecord", "CreateParams", "SecretParams"]
 
 # Every state but the last one: ``destroyed`` is final.
 _UNDESTROYED = (*LIVE_STATES, SandboxState.ERROR)
@@ -52,12 +61,24 @@ log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
+class SecretParams:
+    """An environment_variable credential for the sandbox's egress proxy."""
+
+    env_name: str
+    value: str = field(repr=False)
+    any_allowed_host: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    credential_id: str = ""
+
+
+@dataclass(frozen=True)
 class CreateParams:
     sandbox_id: str
     labels: Mapping[str, str]
     network: Mapping[str, object]
     env: Mapping[str, str]
     size: int
+    secrets: tuple[SecretParams, ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -124,10 +145,14 @@ class SandboxManager:
         idle_pause_s: float,
         egress: EgressProxies | None = None,
         mcp_ca_bundle: Path | None = None,
+        secret_keys: KeyRing | None = None,
     ) -> None:
         """``mcp_ca_bundle`` is what sandboxes trust (``BERTH_SANDBOX_CA_BUNDLE``),
-        so their HTTP MCP clients' TLS trusts the same; None is the host's store."""
+        so their HTTP MCP clients' TLS trusts the same; None is the host's store.
+        ``secret_keys`` seal the secrets of sandboxes; without them sandboxes
+        with secrets are refused."""
         self._db = db
+        self._secret_keys = secret_keys
         self._mcp_ca_bundle = mcp_ca_bundle
         self._backend = backend
         self._egress = egress or EgressProxies(EgressOptions())
@@ -143,7 +168,7 @@ class SandboxManager:
     async def start(self) -> None:
         """Reconnects to sandboxes that outlived a previous service process."""
         adopted = {h.sandbox_id: h for h in await self._backend.adopt()}
-        networks: list[tuple[str, BackendHandle, dict[str, object]]] = []
+        networks: list[tuple[str, BackendHandle, dict[str, object], list[Substitution]]] = []
         async with self._db.transaction() as s:
             for row in await repo.unsettled_sandboxes(s, LIVE_STATES):
                 handle = adopted.get(row.sandbox_id)
@@ -165,12 +190,13 @@ class SandboxManager:
                 )
                 live.paused = row.state == SandboxState.PAUSED
                 self._live[row.sandbox_id] = live
-                networks.append((row.sandbox_id, handle, json.loads(row.network_json)))
+                substitutions = [sub for _, sub in self._unseal(row)]
+                networks.append((row.sandbox_id, handle, json.loads(row.network_json), substitutions))
                 log.info("sandbox_adopted", sandbox_id=row.sandbox_id, state=row.state)
-        for sandbox_id, handle, network in networks:
+        for sandbox_id, handle, network, substitutions in networks:
             # sandboxd kept its relay; only the proxy died with the old process.
             try:
-                await self._start_egress(sandbox_id, handle, network, relay=None)
+                await self._start_egress(sandbox_id, handle, network, relay=None, substitutions=substitutions)
             except Exception as exc:  # the sandbox stays usable, only offline
                 log.warning("sandbox_egress_failed", sandbox_id=sandbox_id, error=str(exc))
         if self._idle_pause_s > 0:
@@ -231,14 +257,19 @@ class SandboxManager:
     async def create(self, org_id: str, params: CreateParams) -> SandboxRecord:
         if not params.sandbox_id or len(params.sandbox_id) > 64 or not params.sandbox_id.replace("_", "").replace("-", "").isalnum():
             raise InvalidArgument("sandbox_id must be 1-64 characters of [A-Za-z0-9_-]", param="sandbox_id")
+        self._check_secrets(params)
         lock = self._create_locks.setdefault(params.sandbox_id, asyncio.Lock())
         async with lock:
             network: dict[str, object] = dict(params.network)
+            # (variable, substitution) pairs; new placeholders unless a row has some.
+            secrets = [(secret.env_name, _substitution(secret)) for secret in params.secrets]
             async with self._db.transaction() as s:
                 row = await repo.get_sandbox(s, params.sandbox_id)
                 if row is not None:
-                    # A retried create enforces the policy the row reports.
+                    # A retried create enforces the policy the row reports,
+                    # with the placeholders and secrets of the first.
                     network = json.loads(row.network_json)
+                    secrets = self._unseal(row)
                     if row.org_id != org_id:
                         raise Conflict(f"sandbox {params.sandbox_id} already exists")
                     if row.state in (SandboxState.RUNNING, SandboxState.PAUSED) and params.sandbox_id in self._live:
@@ -256,6 +287,7 @@ class SandboxManager:
                         labels_json=json.dumps(dict(params.labels)),
                         network_json=json.dumps(dict(params.network)),
                         env_json=json.dumps(dict(params.env)),
+                        secrets_ciphertext=self._seal(secrets),
                         size=params.size,
                         handle_json="{}",
                         error="",
@@ -264,12 +296,14 @@ class SandboxManager:
                     )
                     repo.insert_sandbox(s, row)
             egress = _egress_policy(network)
+            placeholders = {name: sub.placeholder for name, sub in secrets}
+            substitutions = [sub for _, sub in secrets]
             spec = SandboxSpec(
                 sandbox_id=params.sandbox_id,
                 network=_network_policy(network),
                 allowed_domains=egress.allowed_domains,
                 blocked_domains=egress.blocked_domains,
-                env=dict(params.env),
+                env={**dict(params.env), **placeholders},
                 labels={**dict(params.labels), "berth.sandbox_id": params.sandbox_id, "berth.org": org_id},
                 size=size_for(params.size),
             )
@@ -281,7 +315,7 @@ class SandboxManager:
                 raise SandboxUnavailable(f"sandbox {params.sandbox_id} could not be created: {exc}") from exc
             client = DaemonClient(self._backend.socket_path(handle))
             try:
-                await self._start_egress(params.sandbox_id, handle, network, relay=client)
+                await self._start_egress(params.sandbox_id, handle, network, relay=client, substitutions=substitutions)
             except Exception as exc:
                 # Still without network, but a restricted sandbox that cannot
                 # reach its allowed domains is not what was asked for.
@@ -350,8 +384,75 @@ class SandboxManager:
         await self._set_state(sandbox_id, _UNDESTROYED, SandboxState.DESTROYED)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
+    def _check_secrets(self, params: CreateParams) -> None:
+        if not params.secrets:
+            return
+        if _network_policy(params.network) != "restricted":
+            raise InvalidArgument("secret substitution needs network access restricted", param="network.access")
+        if self._isolation == "none":
+            raise FailedPrecondition("secret substitution needs confined sandboxes (isolation none has no egress proxy)")
+        if self._secret_keys is None:
+            raise FailedPrecondition("secret substitution is not configured on this sandbox node")
+        names = [secret.env_name for secret in params.secrets]
+        if len(set(names)) != len(names) or not all(names):
+            raise InvalidArgument("secret substitutions need distinct variable names", param="secret_substitutions")
+
+    def _seal(self, secrets: list[tuple[str, Substitution]]) -> bytes | None:
+        if not secrets:
+            return None
+        assert self._secret_keys is not None
+        payload = [
+            {
+                "env_name": name,
+                "placeholder": sub.placeholder,
+                "value": sub.value,
+                "any_allowed_host": sub.any_allowed_host,
+                "allowed_hosts": sorted(str(h) for h in sub.allowed_hosts),
+                "credential_id": sub.credential_id,
+            }
+            for name, sub in secrets
+        ]
+        return self._secret_keys.encrypt(json.dumps(payload).encode())
+
+    def _unseal(self, row: SandboxRow) -> list[tuple[str, Substitution]]:
+        """The (variable, substitution) pairs sealed in ``row``; none when it
+        has none or no configured key opens them (its placeholders then
+        leave unsubstituted, which exposes nothing)."""
+        if not row.secrets_ciphertext:
+            return []
+        if self._secret_keys is None:
+            log.warning("sandbox_secrets_unreadable", sandbox_id=row.sandbox_id, error="no sandbox secret keys")
+            return []
+        try:
+            payload = json.loads(self._secret_keys.decrypt(row.secrets_ciphertext))
+        except (InvalidToken, ValueError):
+            log.warning("sandbox_secrets_unreadable", sandbox_id=row.sandbox_id, error="not sealed with a configured key")
+            return []
+        return [
+            (
+                str(item["env_name"]),
+                _substitution(
+                    SecretParams(
+                        env_name=str(item["env_name"]),
+                        value=str(item["value"]),
+                        any_allowed_host=bool(item["any_allowed_host"]),
+                        allowed_hosts=tuple(str(h) for h in item["allowed_hosts"]),
+                        credential_id=str(item["credential_id"]),
+                    ),
+                    placeholder=str(item["placeholder"]),
+                ),
+            )
+            for item in payload
+        ]
+
     async def _start_egress(
-        self, sandbox_id: str, handle: BackendHandle, network: Mapping[str, object], *, relay: DaemonClient | None
+        self,
+        sandbox_id: str,
+        handle: BackendHandle,
+        network: Mapping[str, object],
+        *,
+        relay: DaemonClient | None,
+        substitutions: list[Substitution],
     ) -> None:
         """Serves the egress proxy of a restricted sandbox and, given the
         daemon's client, starts the daemon's relay to it."""
@@ -362,7 +463,7 @@ class SandboxManager:
             # Unconfined (isolation none), or started before restricted was enforced.
             log.warning("sandbox_egress_not_enforced", sandbox_id=sandbox_id)
             return
-        await self._egress.start(sandbox_id, socket_path, _egress_policy(network))
+        await self._egress.start(sandbox_id, socket_path, _egress_policy(network), substitutions)
         if relay is not None:
             await relay.start_egress_relay(EGRESS_PROXY_PORT, EGRESS_SOCKET_IN_SANDBOX)
 
@@ -437,6 +538,16 @@ class SandboxManager:
                     log.info("sandbox_idle_paused", sandbox_id=sandbox_id)
                 except Exception as exc:  # one broken sandbox must not stop the reaper
                     log.warning("sandbox_idle_pause_failed", sandbox_id=sandbox_id, error=str(exc))
+
+
+def _substitution(secret: SecretParams, placeholder: str = "") -> Substitution:
+    return Substitution(
+        placeholder=placeholder or new_placeholder(),
+        value=secret.value,
+        any_allowed_host=secret.any_allowed_host,
+        allowed_hosts=frozenset(h for h in map(parse_host, secret.allowed_hosts) if h is not None),
+        credential_id=secret.credential_id,
+    )
 
 
 def _page_size(requested: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Float, Integer, String, Text
+from sqlalchemy import Float, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = ["Base", "SandboxRow"]
@@ -23,6 +23,8 @@ class SandboxRow(Base):
     labels_json: Mapped[str] = mapped_column(Text, default="{}")
     network_json: Mapped[str] = mapped_column(Text, default="{}")
     env_json: Mapped[str] = mapped_column(Text, default="{}")
+    # The environment_variable secrets of its egress proxy, sealed (KeyRing).
+    secrets_ciphertext: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, default=None)
     size: Mapped[int] = mapped_column(Integer, default=0)
     handle_json: Mapped[str] = mapped_column(Text, default="{}")
     error: Mapped[str] = mapped_column(Text, default="")

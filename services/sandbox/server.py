@@ -11,15 +11,18 @@ from services.core.context import internal_token
 from services.core.db import open_database
 from services.core.grpc_server import start_grpc_server
 from services.core.interceptors import allowed_callers
+from services.core.key_ring import KeyRing
 from services.core.logging import get_logger
 from services.core.service import ServiceHandle
 from services.core.settings import Settings
 from services.sandbox.backends.base import SandboxBackend, proxy_env
 from services.sandbox.egress import EgressOptions, EgressProxies
+from services.sandbox.egress_ca import EgressCA
+from services.sandbox.egress_substitution import Interceptor
 from services.sandbox.manager import SandboxManager
 from services.sandbox.servicer import SandboxServicer
 
-__all__ = ["start_sandbox_service", "build_backend", "SANDBOX_CALLERS"]
+__all__ = ["start_sandbox_service", "build_backend", "egress_ca", "SANDBOX_CALLERS"]
 
 log = get_logger(__name__)
 
@@ -31,12 +34,33 @@ _SERVICE = sandbox_service_pb2.DESCRIPTOR.services_by_name["SandboxService"]
 SANDBOX_CALLERS = allowed_callers(_SERVICE, {"environment": [method.name for method in _SERVICE.methods]})
 
 
+def egress_ca(settings: Settings) -> EgressCA:
+    """The CA of this node's egress proxies (made on first use)."""
+    return EgressCA(settings.data_dir.resolve() / "egress-ca")
+
+
+def _configured_ca_bundle(settings: Settings) -> Path | None:
+    return Path(settings.sandbox_ca_bundle) if settings.sandbox_ca_bundle.strip() else None
+
+
+def _sandbox_ca_bundle(settings: Settings) -> Path:
+    """What sandboxes trust: the configured bundle (default the host's) plus
+    the egress CA, so TLS that the egress proxy terminates to substitute a
+    secret verifies inside."""
+    base = _configured_ca_bundle(settings) or Path("/etc/ssl/certs/ca-certificates.crt")
+    if settings.sandbox_ca_bundle.strip() and not base.is_file():
+        # As before: the backend reports an unreadable configured bundle.
+        return base
+    return egress_ca(settings).bundle_with(base)
+
+
 def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
     """Returns (backend, backend name, isolation)."""
     if settings.sandbox_backend == "docker":
         from services.sandbox.backends.docker import DockerBackend
 
-        return DockerBackend(settings), "docker", "docker"
+        trusting = settings.model_copy(update={"sandbox_ca_bundle": str(_sandbox_ca_bundle(settings))})
+        return DockerBackend(trusting), "docker", "docker"
     from services.sandbox.backends.local import LocalBackend
 
     extra_env = _proxy_env(settings)
@@ -46,7 +70,7 @@ def build_backend(settings: Settings) -> tuple[SandboxBackend, str, str]:
         extra_env=extra_env,
         extra_ro_mounts=dict(settings.sandbox_extra_ro_mounts.items()),
         allow_cidrs=settings.sandbox_allow_cidrs,
-        ca_bundle=Path(settings.sandbox_ca_bundle) if settings.sandbox_ca_bundle.strip() else None,
+        ca_bundle=_sandbox_ca_bundle(settings),
         dormant_after_s=settings.sandbox_dormant_after_s,
         pool_size=settings.sandbox_pool_size,
     )
@@ -69,8 +93,14 @@ async def start_sandbox_service(settings: Settings, *, address: str | None = Non
         backend_name=name,
         isolation=isolation,
         idle_pause_s=settings.sandbox_idle_pause_s,
-        egress=EgressProxies(EgressOptions.from_settings(settings)),
-        mcp_ca_bundle=Path(settings.sandbox_ca_bundle) if settings.sandbox_ca_bundle.strip() else None,
+        egress=EgressProxies(
+            EgressOptions.from_settings(settings),
+            interceptor=Interceptor(egress_ca(settings), _configured_ca_bundle(settings)),
+        ),
+        mcp_ca_bundle=_configured_ca_bundle(settings),
+        secret_keys=KeyRing.load(
+            settings.sandbox_secret_keys.get_secret_value(), None, settings.data_dir / "sandbox-secrets.keys"
+        ),
     )
     await manager.start()
     # After adopt, which removes what an earlier process's pool left behind.

@@ -24,7 +24,7 @@ from services.sandbox.daemon_client import (
     OutputChunk,
     ProcessInfo,
 )
-from services.sandbox.manager import CreateParams, SandboxManager, SandboxRecord
+from services.sandbox.manager import CreateParams, SandboxManager, SandboxRecord, SecretParams
 from services.sandbox.states import McpBrokerState, mcp_broker_state_to_proto, sandbox_state_to_proto
 
 __all__ = ["SandboxServicer"]
@@ -178,6 +178,16 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
             },
             env=dict(request.env),
             size=int(request.size),
+            secrets=tuple(
+                SecretParams(
+                    env_name=secret.env_name,
+                    value=secret.value,
+                    any_allowed_host=secret.any_allowed_host,
+                    allowed_hosts=tuple(secret.allowed_hosts),
+                    credential_id=secret.credential_id,
+                )
+                for secret in request.secret_substitutions
+            ),
         )
         return pb.CreateSandboxResponse(sandbox=_sandbox(await self._m.create(current_org(), params)))
 

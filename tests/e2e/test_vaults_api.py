@@ -124,12 +124,26 @@ async def test_every_credential_method_round_trips_and_no_response_carries_a_sec
     assert (await api_error(credentials.retrieve(oauth.id, vault_id=vault.id))).status_code == 404
 
 
+LIMITED: dict[str, Any] = {"type": "limited", "allowed_hosts": ["api.example.com"]}
+_ENV_REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("a secret_name that is no variable name", {"secret_name": "1-API"}, "auth.secret_name"),
+    ("a secret_name Berth sets itself", {"secret_name": "HTTPS_PROXY"}, "auth.secret_name"),
+    ("a secret_name of Berth's own prefix", {"secret_name": "BERTH_TOKEN"}, "auth.secret_name"),
+    ("an empty secret_value", {"secret_value": ""}, "auth.secret_value"),
+    ("a secret_value that would split a header", {"secret_value": "s\r\nX-Evil: 1"}, "auth.secret_value"),
+    ("limited networking without hosts", {"networking": {"type": "limited", "allowed_hosts": []}}, "auth.networking.allowed_hosts"),
+    ("an allowed host with a port", {"networking": {"type": "limited", "allowed_hosts": ["api.example.com:443"]}}, "auth.networking.allowed_hosts[0]"),
+    ("an allowed host with a scheme", {"networking": {"type": "limited", "allowed_hosts": ["https://api.example.com"]}}, "auth.networking.allowed_hosts[0]"),
+    ("a wildcard allowed host", {"networking": {"type": "limited", "allowed_hosts": ["ok.example.com", "*.example.com"]}}, "auth.networking.allowed_hosts[1]"),
+    ("an IPv6 allowed host", {"networking": {"type": "limited", "allowed_hosts": ["::1"]}}, "auth.networking.allowed_hosts[0]"),
+    ("17 allowed hosts", {"networking": {"type": "limited", "allowed_hosts": [f"h{i}.example.com" for i in range(17)]}}, "auth.networking.allowed_hosts"),
+    ("allowed hosts that differ only in case", {"networking": {"type": "limited", "allowed_hosts": ["a.example.com", "A.example.com"]}}, "auth.networking.allowed_hosts"),
+]
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    (
-        "environment_variable (no egress substitution yet)",
-        {"type": "environment_variable", "secret_name": "API_KEY", "secret_value": "s", "networking": {"type": "unrestricted"}},
-        "auth.type",
-    ),
+    *[
+        (case, {"type": "environment_variable", "secret_name": "API_KEY", "secret_value": "s", "networking": LIMITED, **change}, param)
+        for case, change, param in _ENV_REFUSED
+    ],
     ("plain http off loopback", {"type": "static_bearer", "token": "t", "mcp_server_url": "http://mcp.example.test/"}, "auth.mcp_server_url"),
     ("a token that would split a header", {"type": "static_bearer", "token": "t\r\nX-Evil: 1", "mcp_server_url": MCP_URL}, "auth.token"),
     ("an empty token", {"type": "static_bearer", "token": "", "mcp_server_url": MCP_URL}, "auth.token"),

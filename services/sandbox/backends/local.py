@@ -215,6 +215,8 @@ def detect_freezers() -> list[FreezerKind]:
     return ["cgroup_v2" if host.version == "v2" else "cgroup_v1", "signal"]
 
 
+_CA_IN_SANDBOX = "/etc/ssl/certs/ca-certificates.crt"
+_CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT", "GIT_SSL_CAINFO")
 _RESERVED_TARGETS = ("/", "/proc", "/dev", "/etc", "/tmp", "/workspace", _RUN_IN_SANDBOX, _DAEMON_IN_SANDBOX)
 
 
@@ -688,6 +690,10 @@ class LocalBackend(SandboxBackend):
     def _write_env(self, paths: _Paths, spec: SandboxSpec, uid: int) -> None:
         """The sandbox's env.json: what every command of it gets."""
         egress = egress_env() if spec.network == "restricted" and self._isolation == "bwrap" else {}
+        if egress:
+            # Tools with a bundle of their own (requests' certifi, node) trust
+            # the generated one too, which holds the egress CA.
+            egress.update(dict.fromkeys(_CA_ENV, _CA_IN_SANDBOX))
         tmp = paths.mounted / "env.json.tmp"
         tmp.write_text(json.dumps({**self._extra_env, **egress, **dict(spec.env)}))
         tmp.chmod(0o600)

@@ -26,7 +26,7 @@ from berth.common.v1 import common_pb2 as berth_dot_common_dot_v1_dot_common__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65rth/sandbox/v1/sandbox.proto\x12\x10\x62\x65rth.sandbox.v1\x1a\x1c\x62\x65rth/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xac\x03\n\x07Sandbox\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.berth.sandbox.v1.SandboxState\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x35\n\x06labels\x18\x04 \x03(\x0b\x32%.berth.sandbox.v1.Sandbox.LabelsEntry\x12/\n\x07network\x18\x05 \x01(\x0b\x32\x1e.berth.common.v1.NetworkPolicy\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10last_active_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tisolation\x18\t \x01(\t\x12-\n\x04size\x18\n \x01(\x0e\x32\x1f.berth.sandbox.v1.ContainerSize\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa9\x01\n\x0eLabeledSandbox\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x13\n\x0blabel_value\x18\x03 \x01(\t\x12-\n\x05state\x18\x04 \x01(\x0e\x32\x1e.berth.sandbox.v1.SandboxState\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xdd\x01\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12)\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x1b.berth.common.v1.ExitStatus\x12\x11\n\tkeepalive\x18\x06 \x01(\x08\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08next_seq\x18\x08 \x01(\x03\x12\x12\n\nstdin_open\x18\t \x01(\x08\"\xb8\x01\n\x11McpStdioTransport\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\x0b\n\x03\x63wd\x18\x03 \x01(\t\x12\x39\n\x03\x65nv\x18\x04 \x03(\x0b\x32,.berth.sandbox.v1.McpStdioTransport.EnvEntry\x12\x10\n\x08\x65nv_vars\x18\x05 \x03(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x01\n\x10McpHttpTransport\x12\x12\n\nserver_url\x18\x01 \x01(\t\x12@\n\x07headers\x18\x02 \x03(\x0b\x32/.berth.sandbox.v1.McpHttpTransport.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x85\x01\n\x0cMcpTransport\x12\x34\n\x05stdio\x18\x01 \x01(\x0b\x32#.berth.sandbox.v1.McpStdioTransportH\x00\x12\x32\n\x04http\x18\x02 \x01(\x0b\x32\".berth.sandbox.v1.McpHttpTransportH\x00\x42\x0b\n\ttransport\"\xa8\x02\n\tMcpBroker\x12\r\n\x05label\x18\x01 \x01(\t\x12:\n\x0etransport_type\x18\x02 \x01(\x0e\x32\".berth.sandbox.v1.McpTransportType\x12/\n\x05state\x18\x03 \x01(\x0e\x32 .berth.sandbox.v1.McpBrokerState\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12.\n\nstart_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x04\x65xit\x18\x06 \x01(\x0b\x32\x1b.berth.common.v1.ExitStatus\x12\x0f\n\x07\x63lients\x18\x07 \x01(\x05\x12\x11\n\tin_flight\x18\x08 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\t \x01(\t*\xb4\x01\n\x0cSandboxState\x12\x1d\n\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SANDBOX_STATE_CREATING\x10\x01\x12\x19\n\x15SANDBOX_STATE_RUNNING\x10\x02\x12\x18\n\x14SANDBOX_STATE_PAUSED\x10\x03\x12\x1b\n\x17SANDBOX_STATE_DESTROYED\x10\x04\x12\x17\n\x13SANDBOX_STATE_ERROR\x10\x05*~\n\rContainerSize\x12\x1e\n\x1a\x43ONTAINER_SIZE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43ONTAINER_SIZE_SMALL\x10\x01\x12\x19\n\x15\x43ONTAINER_SIZE_MEDIUM\x10\x02\x12\x18\n\x14\x43ONTAINER_SIZE_LARGE\x10\x03*k\n\x0eMcpBrokerState\x12 \n\x1cMCP_BROKER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_BROKER_STATE_RUNNING\x10\x01\x12\x19\n\x15MCP_BROKER_STATE_DEAD\x10\x02*q\n\x10McpTransportType\x12\"\n\x1eMCP_TRANSPORT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_TRANSPORT_TYPE_STDIO\x10\x01\x12\x1b\n\x17MCP_TRANSPORT_TYPE_HTTP\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x62\x65rth/sandbox/v1/sandbox.proto\x12\x10\x62\x65rth.sandbox.v1\x1a\x1c\x62\x65rth/common/v1/common.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xac\x03\n\x07Sandbox\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.berth.sandbox.v1.SandboxState\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x35\n\x06labels\x18\x04 \x03(\x0b\x32%.berth.sandbox.v1.Sandbox.LabelsEntry\x12/\n\x07network\x18\x05 \x01(\x0b\x32\x1e.berth.common.v1.NetworkPolicy\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12/\n\x0b\x63reate_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10last_active_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tisolation\x18\t \x01(\t\x12-\n\x04size\x18\n \x01(\x0e\x32\x1f.berth.sandbox.v1.ContainerSize\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x12SecretSubstitution\x12\x11\n\x08\x65nv_name\x18\xd2\x01 \x01(\t\x12\x0e\n\x05value\x18\xd3\x01 \x01(\t\x12\x19\n\x10\x61ny_allowed_host\x18\xd4\x01 \x01(\x08\x12\x16\n\rallowed_hosts\x18\xd5\x01 \x03(\t\x12\x16\n\rcredential_id\x18\xd6\x01 \x01(\t\"\xa9\x01\n\x0eLabeledSandbox\x12\x12\n\nsandbox_id\x18\x01 \x01(\t\x12\x0e\n\x06org_id\x18\x02 \x01(\t\x12\x13\n\x0blabel_value\x18\x03 \x01(\t\x12-\n\x05state\x18\x04 \x01(\x0e\x32\x1e.berth.sandbox.v1.SandboxState\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xdd\x01\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12)\n\x04\x65xit\x18\x05 \x01(\x0b\x32\x1b.berth.common.v1.ExitStatus\x12\x11\n\tkeepalive\x18\x06 \x01(\x08\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08next_seq\x18\x08 \x01(\x03\x12\x12\n\nstdin_open\x18\t \x01(\x08\"\xb8\x01\n\x11McpStdioTransport\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x02 \x03(\t\x12\x0b\n\x03\x63wd\x18\x03 \x01(\t\x12\x39\n\x03\x65nv\x18\x04 \x03(\x0b\x32,.berth.sandbox.v1.McpStdioTransport.EnvEntry\x12\x10\n\x08\x65nv_vars\x18\x05 \x03(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x98\x01\n\x10McpHttpTransport\x12\x12\n\nserver_url\x18\x01 \x01(\t\x12@\n\x07headers\x18\x02 \x03(\x0b\x32/.berth.sandbox.v1.McpHttpTransport.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x85\x01\n\x0cMcpTransport\x12\x34\n\x05stdio\x18\x01 \x01(\x0b\x32#.berth.sandbox.v1.McpStdioTransportH\x00\x12\x32\n\x04http\x18\x02 \x01(\x0b\x32\".berth.sandbox.v1.McpHttpTransportH\x00\x42\x0b\n\ttransport\"\xa8\x02\n\tMcpBroker\x12\r\n\x05label\x18\x01 \x01(\t\x12:\n\x0etransport_type\x18\x02 \x01(\x0e\x32\".berth.sandbox.v1.McpTransportType\x12/\n\x05state\x18\x03 \x01(\x0e\x32 .berth.sandbox.v1.McpBrokerState\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12.\n\nstart_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x04\x65xit\x18\x06 \x01(\x0b\x32\x1b.berth.common.v1.ExitStatus\x12\x0f\n\x07\x63lients\x18\x07 \x01(\x05\x12\x11\n\tin_flight\x18\x08 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\t \x01(\t*\xb4\x01\n\x0cSandboxState\x12\x1d\n\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SANDBOX_STATE_CREATING\x10\x01\x12\x19\n\x15SANDBOX_STATE_RUNNING\x10\x02\x12\x18\n\x14SANDBOX_STATE_PAUSED\x10\x03\x12\x1b\n\x17SANDBOX_STATE_DESTROYED\x10\x04\x12\x17\n\x13SANDBOX_STATE_ERROR\x10\x05*~\n\rContainerSize\x12\x1e\n\x1a\x43ONTAINER_SIZE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43ONTAINER_SIZE_SMALL\x10\x01\x12\x19\n\x15\x43ONTAINER_SIZE_MEDIUM\x10\x02\x12\x18\n\x14\x43ONTAINER_SIZE_LARGE\x10\x03*k\n\x0eMcpBrokerState\x12 \n\x1cMCP_BROKER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_BROKER_STATE_RUNNING\x10\x01\x12\x19\n\x15MCP_BROKER_STATE_DEAD\x10\x02*q\n\x10McpTransportType\x12\"\n\x1eMCP_TRANSPORT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18MCP_TRANSPORT_TYPE_STDIO\x10\x01\x12\x1b\n\x17MCP_TRANSPORT_TYPE_HTTP\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,32 +39,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MCPSTDIOTRANSPORT_ENVENTRY']._serialized_options = b'8\001'
   _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._loaded_options = None
   _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_SANDBOXSTATE']._serialized_start=1720
-  _globals['_SANDBOXSTATE']._serialized_end=1900
-  _globals['_CONTAINERSIZE']._serialized_start=1902
-  _globals['_CONTAINERSIZE']._serialized_end=2028
-  _globals['_MCPBROKERSTATE']._serialized_start=2030
-  _globals['_MCPBROKERSTATE']._serialized_end=2137
-  _globals['_MCPTRANSPORTTYPE']._serialized_start=2139
-  _globals['_MCPTRANSPORTTYPE']._serialized_end=2252
+  _globals['_SANDBOXSTATE']._serialized_start=1853
+  _globals['_SANDBOXSTATE']._serialized_end=2033
+  _globals['_CONTAINERSIZE']._serialized_start=2035
+  _globals['_CONTAINERSIZE']._serialized_end=2161
+  _globals['_MCPBROKERSTATE']._serialized_start=2163
+  _globals['_MCPBROKERSTATE']._serialized_end=2270
+  _globals['_MCPTRANSPORTTYPE']._serialized_start=2272
+  _globals['_MCPTRANSPORTTYPE']._serialized_end=2385
   _globals['_SANDBOX']._serialized_start=116
   _globals['_SANDBOX']._serialized_end=544
   _globals['_SANDBOX_LABELSENTRY']._serialized_start=499
   _globals['_SANDBOX_LABELSENTRY']._serialized_end=544
-  _globals['_LABELEDSANDBOX']._serialized_start=547
-  _globals['_LABELEDSANDBOX']._serialized_end=716
-  _globals['_PROCESS']._serialized_start=719
-  _globals['_PROCESS']._serialized_end=940
-  _globals['_MCPSTDIOTRANSPORT']._serialized_start=943
-  _globals['_MCPSTDIOTRANSPORT']._serialized_end=1127
-  _globals['_MCPSTDIOTRANSPORT_ENVENTRY']._serialized_start=1085
-  _globals['_MCPSTDIOTRANSPORT_ENVENTRY']._serialized_end=1127
-  _globals['_MCPHTTPTRANSPORT']._serialized_start=1130
-  _globals['_MCPHTTPTRANSPORT']._serialized_end=1282
-  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_start=1236
-  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_end=1282
-  _globals['_MCPTRANSPORT']._serialized_start=1285
-  _globals['_MCPTRANSPORT']._serialized_end=1418
-  _globals['_MCPBROKER']._serialized_start=1421
-  _globals['_MCPBROKER']._serialized_end=1717
+  _globals['_SECRETSUBSTITUTION']._serialized_start=547
+  _globals['_SECRETSUBSTITUTION']._serialized_end=677
+  _globals['_LABELEDSANDBOX']._serialized_start=680
+  _globals['_LABELEDSANDBOX']._serialized_end=849
+  _globals['_PROCESS']._serialized_start=852
+  _globals['_PROCESS']._serialized_end=1073
+  _globals['_MCPSTDIOTRANSPORT']._serialized_start=1076
+  _globals['_MCPSTDIOTRANSPORT']._serialized_end=1260
+  _globals['_MCPSTDIOTRANSPORT_ENVENTRY']._serialized_start=1218
+  _globals['_MCPSTDIOTRANSPORT_ENVENTRY']._serialized_end=1260
+  _globals['_MCPHTTPTRANSPORT']._serialized_start=1263
+  _globals['_MCPHTTPTRANSPORT']._serialized_end=1415
+  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_start=1369
+  _globals['_MCPHTTPTRANSPORT_HEADERSENTRY']._serialized_end=1415
+  _globals['_MCPTRANSPORT']._serialized_start=1418
+  _globals['_MCPTRANSPORT']._serialized_end=1551
+  _globals['_MCPBROKER']._serialized_start=1554
+  _globals['_MCPBROKER']._serialized_end=1850
 # @@protoc_insertion_point(module_scope)

@@ -224,6 +224,50 @@ class Sandbox(_message.Message):
 Global___Sandbox: _TypeAlias = Sandbox  # noqa: Y015
 
 @_typing.final
+class SecretSubstitution(_message.Message):
+    """SecretSubstitution is one environment_variable vault credential of a
+    sandbox: the sandbox's commands get a placeholder in env_name, and its
+    egress proxy puts value in place of the placeholder in HTTPS requests to
+    the allowed hosts (ports 443 and 8443). The value never enters the sandbox.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENV_NAME_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    ANY_ALLOWED_HOST_FIELD_NUMBER: _builtins.int
+    ALLOWED_HOSTS_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_ID_FIELD_NUMBER: _builtins.int
+    env_name: _builtins.str
+    """The variable that receives the placeholder."""
+    value: _builtins.str
+    """The secret; write-only, never returned or logged."""
+    any_allowed_host: _builtins.bool
+    """True: every host the sandbox's network policy allows ("unrestricted")."""
+    credential_id: _builtins.str
+    """The vault credential it comes from ("vcred_..."), for logs and errors."""
+    @_builtins.property
+    def allowed_hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lowercase hostnames or IPv4 addresses ("limited")."""
+
+    def __init__(
+        self,
+        *,
+        env_name: _builtins.str = ...,
+        value: _builtins.str = ...,
+        any_allowed_host: _builtins.bool = ...,
+        allowed_hosts: _abc.Iterable[_builtins.str] | None = ...,
+        credential_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_hosts", b"allowed_hosts", "any_allowed_host", b"any_allowed_host", "credential_id", b"credential_id", "env_name", b"env_name", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecretSubstitution: _TypeAlias = SecretSubstitution  # noqa: Y015
+
+@_typing.final
 class LabeledSandbox(_message.Message):
     """LabeledSandbox is the reconciliation view of a sandbox that is not
     destroyed: its identity, its organization and the value of one label,

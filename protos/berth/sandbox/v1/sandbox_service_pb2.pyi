@@ -74,6 +74,7 @@ class CreateSandboxRequest(_message.Message):
     NETWORK_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
+    SECRET_SUBSTITUTIONS_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     """The identity to create; a second call with the same ID returns the first."""
     size: _sandbox_pb2.ContainerSize.ValueType
@@ -90,6 +91,12 @@ class CreateSandboxRequest(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Environment variables given to every command."""
 
+    @_builtins.property
+    def secret_substitutions(self) -> _containers.RepeatedCompositeFieldContainer[_sandbox_pb2.SecretSubstitution]:
+        """Secrets its egress proxy substitutes for placeholders (restricted
+        network only; any other network mode with substitutions is refused).
+        """
+
     def __init__(
         self,
         *,
@@ -98,10 +105,11 @@ class CreateSandboxRequest(_message.Message):
         network: _common_pb2.NetworkPolicy | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         size: _sandbox_pb2.ContainerSize.ValueType = ...,
+        secret_substitutions: _abc.Iterable[_sandbox_pb2.SecretSubstitution] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "labels", b"labels", "network", b"network", "sandbox_id", b"sandbox_id", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "labels", b"labels", "network", b"network", "sandbox_id", b"sandbox_id", "secret_substitutions", b"secret_substitutions", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
