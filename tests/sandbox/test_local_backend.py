@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -220,3 +221,42 @@ async def test_missing_bubblewrap_is_reported_as_backend_unavailable(
 
     with pytest.raises(BackendUnavailable, match="BERTH_SANDBOX_ISOLATION=none"):
         await backend.create(SandboxSpec(sandbox_id="nobwrap"))
+
+
+# A process whose children are started by the main thread and by a second,
+# still running thread (each task lists only the children it forked while
+# it lives), one of them with a child of its own.
+_FORKING_TREE = """
+import subprocess, threading, time
+kids = [subprocess.Popen(["sh", "-c", "sleep 30 & wait"])]
+spawned = threading.Event()
+def helper():
+    kids.append(subprocess.Popen(["sleep", "30"]))
+    spawned.set()
+    time.sleep(30)
+threading.Thread(target=helper, daemon=True).start()
+spawned.wait()
+time.sleep(0.2)
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+async def test_a_process_tree_is_found_whole_by_walking_down_from_its_root() -> None:
+    from services.sandbox.backends.local import _process_tree, _scanned_tree
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _FORKING_TREE, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"ready\n"
+        walked = _process_tree(proc.pid)
+        # root, sh and its sleep (main thread's), the helper thread's sleep
+        assert len(walked) == 4 and walked[0] == proc.pid, walked
+        assert sorted(walked) == sorted(_scanned_tree(proc.pid))
+    finally:
+        tree = _scanned_tree(proc.pid)
+        for pid in reversed(tree):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await proc.wait()
+    assert _process_tree(proc.pid) == []

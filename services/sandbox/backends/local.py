@@ -172,8 +172,44 @@ def _proc_stat(pid: int) -> _ProcStat | None:
     return _ProcStat(pid=pid, ppid=int(fields[1]), state=fields[0], start_time=int(fields[19]))
 
 
+def _children(pid: int) -> list[int]:
+    """The children of every thread of ``pid`` (``/proc/<pid>/task/<tid>/children``)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as handle:
+                found.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return found
+
+
+# Whether the kernel lists each task's children (CONFIG_PROC_CHILDREN); without
+# it a tree is found by reading every process's stat.
+_CHILDREN_LISTED = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
 def _process_tree(root: int) -> list[int]:
-    """``root`` and its live descendants, parents before children."""
+    """``root`` and its live descendants, parents before children. It walks
+    down from ``root``, so it costs the tree's size, not the host's process
+    count (a sandbox start polls it while hundreds of sandboxes run)."""
+    if not _CHILDREN_LISTED:
+        return _scanned_tree(root)
+    order, seen = [root], {root}
+    for pid in order:
+        for child in _children(pid):
+            if child not in seen:
+                seen.add(child)
+                order.append(child)
+    return [pid for pid in order if (stat := _proc_stat(pid)) is not None and stat.state not in ("Z", "X")]
+
+
+def _scanned_tree(root: int) -> list[int]:
+    """``_process_tree`` from a scan of every process's stat."""
     children: dict[int, list[int]] = {}
     states: dict[int, str] = {}
     for entry in os.listdir("/proc"):
