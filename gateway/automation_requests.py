@@ -61,10 +61,15 @@ class PeriodicCreateBody(_Body):
     metadata: Metadata = None
 
 
+# Unix seconds up to the end of year 9999: what the int64 contract and every
+# clock of the scheduler can hold.
+UnixSeconds = Annotated[int, Field(ge=1, le=253_402_300_799)]
+
+
 class OnceCreateBody(_Body):
     type: Literal["once"]
     name: Name
-    run_at: int
+    run_at: UnixSeconds
     target: TargetBody
     metadata: Metadata = None
 
@@ -78,7 +83,7 @@ class AutomationUpdateBody(_Body):
     expression: NonBlank | None = None
     metadata: Metadata = None
     name: Name | None = None
-    run_at: int | None = None
+    run_at: UnixSeconds | None = None
     target: TargetBody | None = None
     timezone: NonBlank | None = None
 
