@@ -99,6 +99,14 @@ class Compute(Protocol):
 
     async def destroy_sandbox(self, sandbox: SandboxRef) -> None: ...
 
+    async def update_secret_substitutions(
+        self, sandbox: SandboxRef, substitutions: Sequence[sandbox_pb2.SecretSubstitution]
+    ) -> bool:
+        """Replaces the secrets the sandbox's egress proxy substitutes (see
+        ``UpdateSecretSubstitutions``); False when the sandbox does not
+        exist (any more, or yet). An unreachable node is ``SandboxUnavailable``."""
+        ...
+
     async def sandbox_alive(self, sandbox: SandboxRef) -> bool:
         """Whether the sandbox exists and runs (or is paused): what a setup
         taking over from another owner may keep using. An unreachable node
@@ -267,6 +275,19 @@ class SandboxClient:
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         await self._destroy(sandbox_id, metadata=None)
+
+    async def update_secret_substitutions(
+        self, sandbox_id: str, substitutions: Sequence[sandbox_pb2.SecretSubstitution]
+    ) -> bool:
+        request = sandbox_service_pb2.UpdateSecretSubstitutionsRequest(
+            sandbox_id=sandbox_id, secret_substitutions=list(substitutions)
+        )
+        try:
+            with self._unreachable(sandbox_id):
+                await self._stub.UpdateSecretSubstitutions(request)
+        except NotFound:
+            return False
+        return True
 
     async def sandbox_alive(self, sandbox_id: str) -> bool:
         try:

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import bindparam, delete, false, func, select, update
+from sqlalchemy import bindparam, delete, false, func, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -138,6 +138,16 @@ async def list_environments(
         stmt = stmt.where(EnvironmentRow.id > after if ascending else EnvironmentRow.id < after)
     stmt = stmt.order_by(EnvironmentRow.id.asc() if ascending else EnvironmentRow.id.desc()).limit(limit)
     return (await session.execute(stmt)).scalars().all()
+
+
+async def sandboxed_environments(session: AsyncSession, org_id: str) -> Sequence[EnvironmentRow]:
+    """The organization's environments for which a sandbox was requested,
+    being deleted or not (a sandbox that outlives a failed delete still
+    substitutes secrets), without their configuration."""
+    stmt = _select_environment(False).where(
+        EnvironmentRow.org_id == org_id, EnvironmentRow.sandbox_requested == true()
+    )
+    return (await session.execute(stmt.order_by(EnvironmentRow.id.asc()))).scalars().all()
 
 
 async def count_environments_by_status(session: AsyncSession) -> dict[str, int]:

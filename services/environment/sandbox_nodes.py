@@ -113,6 +113,11 @@ class SandboxNodes:
     async def destroy_sandbox(self, sandbox: SandboxRef) -> None:
         await self._client(sandbox).destroy_sandbox(sandbox.sandbox_id)
 
+    async def update_secret_substitutions(
+        self, sandbox: SandboxRef, substitutions: Sequence[sandbox_pb2.SecretSubstitution]
+    ) -> bool:
+        return await self._client(sandbox).update_secret_substitutions(sandbox.sandbox_id, substitutions)
+
     async def sandbox_alive(self, sandbox: SandboxRef) -> bool:
         return await self._client(sandbox).sandbox_alive(sandbox.sandbox_id)
 

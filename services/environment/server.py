@@ -28,6 +28,7 @@ from services.environment.file_store import FileStore
 from services.environment.init_guard import InitGuard
 from services.environment.sandbox_nodes import SandboxNodes
 from services.environment.sandbox_reconciler import SandboxReconciler
+from services.environment.secret_sync import SandboxSecretSync
 from services.environment.servicer import EnvironmentServicer
 from services.environment.setup_steps import EnvironmentSetup
 from services.environment.status_gauge import EnvironmentStatusGauge
@@ -162,10 +163,11 @@ async def start_environment_service(
         await vaults.rotate()
         domain = EnvironmentDomain(db, guard, compute, file_store, settings, vaults=vaults, on_change=gauge.touch)
         servicer = EnvironmentServicer(domain, file_store, EnvironmentTemplates(db, domain.validated_config))
+        secret_sync = SandboxSecretSync(db, vaults, compute)
 
         def register(server: grpc.aio.Server) -> list[str]:
             environment_service_pb2_grpc.add_EnvironmentServiceServicer_to_server(servicer, server)
-            vault_service_pb2_grpc.add_VaultServiceServicer_to_server(VaultServicer(vaults), server)
+            vault_service_pb2_grpc.add_VaultServiceServicer_to_server(VaultServicer(vaults, secret_sync), server)
             return [_SERVICE.full_name, _VAULT_SERVICE.full_name]
 
         running = await start_grpc_server(

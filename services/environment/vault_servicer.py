@@ -11,6 +11,7 @@ from berth.environment.v1 import vault_pb2, vault_service_pb2 as pb, vault_servi
 from services.core.context import current_org
 from services.environment.models import VaultCredentialRow, VaultRow
 from services.environment.servicer import _timestamp
+from services.environment.secret_sync import SandboxSecretSync
 from services.environment.vaults import UNSET, CredentialRotation, SecretInput, VaultListPage, VaultStore
 
 __all__ = ["VaultServicer"]
@@ -54,8 +55,11 @@ def _secret(secret: vault_pb2.CredentialSecret) -> SecretInput:
 
 
 class VaultServicer(vault_service_pb2_grpc.VaultServiceServicer):
-    def __init__(self, store: VaultStore) -> None:
+    def __init__(self, store: VaultStore, sync: SandboxSecretSync | None = None) -> None:
+        """``sync`` takes rotations and deletions to running sandboxes;
+        without it (no compute) they apply to new sandboxes only."""
         self._store = store
+        self._sync = sync
 
     async def CreateVault(self, request: pb.CreateVaultRequest, context: _Context) -> pb.CreateVaultResponse:
         name = request.name if request.HasField("name") else None
@@ -80,7 +84,10 @@ class VaultServicer(vault_service_pb2_grpc.VaultServiceServicer):
         return pb.ListVaultsResponse(vaults=[_vault(r) for r in rows], has_more=has_more)
 
     async def DeleteVault(self, request: pb.DeleteVaultRequest, context: _Context) -> pb.DeleteVaultResponse:
-        await self._store.delete_vault(current_org(), request.vault_id)
+        if self._sync is not None:
+            await self._sync.delete_vault(current_org(), request.vault_id)
+        else:
+            await self._store.delete_vault(current_org(), request.vault_id)
         return pb.DeleteVaultResponse(vault_id=request.vault_id)
 
     async def CreateCredential(
@@ -124,6 +131,8 @@ class VaultServicer(vault_service_pb2_grpc.VaultServiceServicer):
             metadata=dict(request.metadata) if request.update_metadata else None,
             rotation=rotation,
         )
+        if rotation is not None and self._sync is not None:
+            await self._sync.credential_rotated(current_org(), request.vault_id, row.auth_type)
         return pb.UpdateCredentialResponse(credential=_credential(row))
 
     async def ListCredentials(
@@ -135,7 +144,10 @@ class VaultServicer(vault_service_pb2_grpc.VaultServiceServicer):
     async def DeleteCredential(
         self, request: pb.DeleteCredentialRequest, context: _Context
     ) -> pb.DeleteCredentialResponse:
-        await self._store.delete_credential(current_org(), request.vault_id, request.credential_id)
+        if self._sync is not None:
+            await self._sync.delete_credential(current_org(), request.vault_id, request.credential_id)
+        else:
+            await self._store.delete_credential(current_org(), request.vault_id, request.credential_id)
         return pb.DeleteCredentialResponse(credential_id=request.credential_id)
 
     async def CheckVaults(self, request: pb.CheckVaultsRequest, context: _Context) -> pb.CheckVaultsResponse:

@@ -17,10 +17,11 @@ use, so one refresh runs at a time per credential: an in-process lock, and
 on PostgreSQL the credential row locked (``FOR UPDATE``) across the grant,
 re-read once locked, so a replica that waited finds the token fresh and
 makes no grant of its own.
-An ``environment_variable`` credential is resolved only for creating the
-sandbox of an environment whose own ``vault_ids`` hold it
-(``environment_secrets``); the Sandbox service's egress proxy substitutes
-it, and the sandbox gets a placeholder.
+An ``environment_variable`` credential is resolved only for the sandbox of
+an environment whose own ``vault_ids`` hold it (``environment_secrets``):
+when it is created, and when the credential is rotated or deleted
+(``secret_sync.py``); the Sandbox service's egress proxy substitutes it,
+and the sandbox gets a placeholder.
 """
 
 from __future__ import annotations
@@ -584,7 +585,7 @@ class VaultStore:
         if row.auth_type == "static_bearer":
             row.secret_ciphertext = self._seal(SecretInput(value=_header_secret(rotation.secret.value, "auth.token")))
         elif row.auth_type == _ENV_TYPE:
-            # Sandboxes made before keep the value they were given (see README).
+            # The running sandboxes get it after the commit (secret_sync.py).
             secret_value = _header_secret(rotation.secret.value, "auth.secret_value")
             row.secret_ciphertext = self._seal(SecretInput(value=secret_value))
         else:
@@ -833,11 +834,15 @@ class VaultStore:
             rows = await repo.credentials_of(s, org_id, vault_ids)
         return [(r.id, vault_pb2.CredentialAuth.FromString(r.auth)) for r in rows if r.auth_type == _ENV_TYPE]
 
-    async def environment_secrets(self, org_id: str, vault_ids: Sequence[str]) -> list[EnvironmentSecret]:
+    async def environment_secrets(
+        self, org_id: str, vault_ids: Sequence[str], *, distinct_names: bool = True
+    ) -> list[EnvironmentSecret]:
         """The environment_variable credentials of an environment's own
         ``vault_ids``, with their secrets, for creating its sandbox. Two
         credentials for one variable are refused: which one a sandbox got
-        would depend on the order of its vaults."""
+        would depend on the order of its vaults. Updating a running sandbox
+        (``distinct_names=False``) matches by credential ID instead, so
+        there they do not matter."""
         if not vault_ids:
             return []
         async with self._db.transaction(read_only=True) as s:
@@ -846,7 +851,7 @@ class VaultStore:
         seen: dict[str, str] = {}
         for row in rows:
             auth = vault_pb2.CredentialAuth.FromString(row.auth)
-            if auth.secret_name in seen:
+            if distinct_names and auth.secret_name in seen:
                 raise InvalidArgument(
                     f"credentials {seen[auth.secret_name]} and {row.id} both set {auth.secret_name}", param="vault_ids"
                 )

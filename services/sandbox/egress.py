@@ -489,6 +489,11 @@ class EgressProxy:
             return []
         return [s for s in self._substitutions if s.applies_to(request.host)]
 
+    def replace_substitutions(self, substitutions: Sequence[Substitution]) -> None:
+        """New connections, and the next request on an intercepted one, use
+        ``substitutions``; a tunnel opened before stays a tunnel."""
+        self._substitutions = tuple(substitutions)
+
     async def _intercept(
         self,
         request: _Request,
@@ -505,7 +510,9 @@ class EgressProxy:
             credential_ids=[s.credential_id for s in substitutions],
         )
         try:
-            await self._interceptor.run(str(request.host), request.port, client, upstream, substitutions)
+            await self._interceptor.run(
+                str(request.host), request.port, client, upstream, lambda: self._substitutions_for(request)
+            )
         except InterceptFailed as exc:
             log.info("egress_connect_failed", sandbox_id=self.sandbox_id, host=str(request.host), port=request.port, status=502, error=str(exc))
             await self._respond(client[1], 502)
@@ -639,6 +646,18 @@ class EgressProxies:
             blocked_domains=list(policy.blocked_domains),
             credential_ids=[s.credential_id for s in substitutions],
         )
+
+    def replace_substitutions(self, sandbox_id: str, substitutions: Sequence[Substitution]) -> bool:
+        """Whether ``sandbox_id`` has a proxy here, which now substitutes
+        ``substitutions`` (see ``EgressProxy.replace_substitutions``)."""
+        proxy = self._proxies.get(sandbox_id)
+        if proxy is None:
+            return False
+        if substitutions and self._interceptor is None:
+            raise ValueError("secret substitution needs the egress CA")
+        proxy.replace_substitutions(substitutions)
+        log.info("egress_substitutions_replaced", sandbox_id=sandbox_id, credential_ids=[s.credential_id for s in substitutions])
+        return True
 
     async def stop(self, sandbox_id: str) -> None:
         proxy = self._proxies.pop(sandbox_id, None)

@@ -36,13 +36,13 @@ import contextlib
 import re
 import secrets
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.sandbox.egress_ca import EgressCA
 
-__all__ = ["Substitution", "SUBSTITUTION_PORTS", "new_placeholder", "Interceptor", "InterceptFailed"]
+__all__ = ["Substitution", "Substitutions", "SUBSTITUTION_PORTS", "new_placeholder", "Interceptor", "InterceptFailed"]
 
 SUBSTITUTION_PORTS = frozenset({443, 8443})
 _PLACEHOLDER_PREFIX = "berth-secret-"
@@ -70,6 +70,15 @@ class Substitution:
 
     def applies_to(self, host: object) -> bool:
         return self.any_allowed_host or host in self.allowed_hosts
+
+
+# What applies to a connection, asked again for each request, so that a
+# rotated or deleted credential applies on a kept-alive connection too.
+Substitutions = Sequence[Substitution] | Callable[[], Sequence[Substitution]]
+
+
+def _current(substitutions: Substitutions) -> Sequence[Substitution]:
+    return substitutions() if callable(substitutions) else substitutions
 
 
 class InterceptFailed(Exception):
@@ -177,11 +186,13 @@ class Interceptor:
         port: int,
         client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-        substitutions: Sequence[Substitution],
+        substitutions: Substitutions,
     ) -> None:
         """``upstream`` is a TCP connection to ``host:port`` (or a tunnel to
         it through the upstream proxy); ``client`` has sent its CONNECT and
-        waits for the answer. Raises InterceptFailed before answering."""
+        waits for the answer. A callable ``substitutions`` is asked for the
+        current ones before each request head. Raises InterceptFailed
+        before answering."""
         client_reader, client_writer = client
         upstream_reader, upstream_writer = upstream
         try:
@@ -221,14 +232,14 @@ class Interceptor:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         authority: str,
-        substitutions: Sequence[Substitution],
+        substitutions: Substitutions,
     ) -> None:
         while True:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _HEAD_TIMEOUT_S)
             except asyncio.IncompleteReadError:
                 return
-            rewritten = _rewrite_head(head, authority, substitutions)
+            rewritten = _rewrite_head(head, authority, _current(substitutions))
             writer.write(rewritten.data)
             await writer.drain()
             if rewritten.body == "length":

@@ -257,7 +257,7 @@ class SandboxManager:
     async def create(self, org_id: str, params: CreateParams) -> SandboxRecord:
         if not params.sandbox_id or len(params.sandbox_id) > 64 or not params.sandbox_id.replace("_", "").replace("-", "").isalnum():
             raise InvalidArgument("sandbox_id must be 1-64 characters of [A-Za-z0-9_-]", param="sandbox_id")
-        self._check_secrets(params)
+        self._check_secrets(params.network, params.secrets)
         lock = self._create_locks.setdefault(params.sandbox_id, asyncio.Lock())
         async with lock:
             network: dict[str, object] = dict(params.network)
@@ -384,16 +384,54 @@ class SandboxManager:
         await self._set_state(sandbox_id, _UNDESTROYED, SandboxState.DESTROYED)
         log.info("sandbox_destroyed", sandbox_id=sandbox_id)
 
-    def _check_secrets(self, params: CreateParams) -> None:
-        if not params.secrets:
+    async def update_secrets(
+        self, org_id: str, sandbox_id: str, secrets: tuple[SecretParams, ...]
+    ) -> tuple[list[str], list[str]]:
+        """Replaces the sandbox's substitutions after its credentials were
+        rotated or deleted: (credential IDs substituted now, listed ones
+        ignored). Matched by credential ID, a kept credential keeps its
+        variable and placeholder (the sandbox's env does not change) and
+        takes the new value and hosts; an unlisted one is removed; a listed
+        one the sandbox was not created with is ignored, since only a new
+        sandbox gets a new variable. Sealed in the row first, so a restarted
+        service substitutes the new set, then given to the running proxy."""
+        ids = [secret.credential_id for secret in secrets]
+        if not all(ids) or len(set(ids)) != len(ids):
+            raise InvalidArgument("secret substitutions need distinct credential IDs", param="secret_substitutions")
+        given = {secret.credential_id: secret for secret in secrets}
+        async with self._create_locks.setdefault(sandbox_id, asyncio.Lock()):
+            async with self._db.transaction() as s:
+                row = await repo.get_sandbox(s, sandbox_id)
+                if row is None or row.org_id != org_id or row.state == SandboxState.DESTROYED:
+                    raise NotFound(f"sandbox {sandbox_id} not found")
+                # An unreadable row substitutes nothing; it is left as it is.
+                existing = self._unseal(row)
+                kept = [
+                    (name, _substitution(given[sub.credential_id], placeholder=sub.placeholder))
+                    for name, sub in existing
+                    if sub.credential_id in given
+                ]
+                if kept:
+                    self._check_secrets(json.loads(row.network_json), tuple(given[sub.credential_id] for _, sub in kept))
+                if existing:
+                    row.secrets_ciphertext = self._seal(kept)
+            substitutions = [sub for _, sub in kept]
+            self._egress.replace_substitutions(sandbox_id, substitutions)
+        applied = [sub.credential_id for sub in substitutions]
+        ignored = [i for i in ids if i not in applied]
+        log.info("sandbox_secrets_updated", sandbox_id=sandbox_id, credential_ids=applied, ignored_credential_ids=ignored)
+        return applied, ignored
+
+    def _check_secrets(self, network: Mapping[str, object], secrets: tuple[SecretParams, ...]) -> None:
+        if not secrets:
             return
-        if _network_policy(params.network) != "restricted":
+        if _network_policy(network) != "restricted":
             raise InvalidArgument("secret substitution needs network access restricted", param="network.access")
         if self._isolation == "none":
             raise FailedPrecondition("secret substitution needs confined sandboxes (isolation none has no egress proxy)")
         if self._secret_keys is None:
             raise FailedPrecondition("secret substitution is not configured on this sandbox node")
-        names = [secret.env_name for secret in params.secrets]
+        names = [secret.env_name for secret in secrets]
         if len(set(names)) != len(names) or not all(names):
             raise InvalidArgument("secret substitutions need distinct variable names", param="secret_substitutions")
 

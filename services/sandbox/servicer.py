@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -72,6 +72,19 @@ def _sandbox(rec: SandboxRecord) -> sandbox_pb2.Sandbox:
         last_active_time=_ts(rec.last_active_at),
         isolation=rec.isolation,
         size=rec.size,
+    )
+
+
+def _secrets(substitutions: Iterable[sandbox_pb2.SecretSubstitution]) -> tuple[SecretParams, ...]:
+    return tuple(
+        SecretParams(
+            env_name=secret.env_name,
+            value=secret.value,
+            any_allowed_host=secret.any_allowed_host,
+            allowed_hosts=tuple(secret.allowed_hosts),
+            credential_id=secret.credential_id,
+        )
+        for secret in substitutions
     )
 
 
@@ -178,16 +191,7 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
             },
             env=dict(request.env),
             size=int(request.size),
-            secrets=tuple(
-                SecretParams(
-                    env_name=secret.env_name,
-                    value=secret.value,
-                    any_allowed_host=secret.any_allowed_host,
-                    allowed_hosts=tuple(secret.allowed_hosts),
-                    credential_id=secret.credential_id,
-                )
-                for secret in request.secret_substitutions
-            ),
+            secrets=_secrets(request.secret_substitutions),
         )
         return pb.CreateSandboxResponse(sandbox=_sandbox(await self._m.create(current_org(), params)))
 
@@ -298,6 +302,14 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
         async with self._m.operation(current_org(), request.sandbox_id) as client:
             entries = await client.list_files(request.path or "/workspace", recursive=request.recursive)
         return pb.ListFilesResponse(entries=[_entry(e) for e in entries])
+
+    async def UpdateSecretSubstitutions(
+        self, request: pb.UpdateSecretSubstitutionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateSecretSubstitutionsResponse:
+        applied, ignored = await self._m.update_secrets(
+            current_org(), request.sandbox_id, _secrets(request.secret_substitutions)
+        )
+        return pb.UpdateSecretSubstitutionsResponse(credential_ids=applied, ignored_credential_ids=ignored)
 
     async def DestroySandbox(self, request: pb.DestroySandboxRequest, context: grpc.aio.ServicerContext) -> pb.DestroySandboxResponse:
         await self._m.destroy(current_org(), request.sandbox_id)

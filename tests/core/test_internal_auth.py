@@ -142,6 +142,12 @@ RPCS: dict[str, tuple[str, Rpc]] = {
         "sandbox",
         lambda ch, md: sbx_grpc.SandboxServiceStub(ch).CountSandboxes(sbx_pb.CountSandboxesRequest(), metadata=md, timeout=10),
     ),
+    "UpdateSecretSubstitutions": (
+        "sandbox",
+        lambda ch, md: sbx_grpc.SandboxServiceStub(ch).UpdateSecretSubstitutions(
+            sbx_pb.UpdateSecretSubstitutionsRequest(sandbox_id="sbx_x"), metadata=md, timeout=10
+        ),
+    ),
     "Exec": (
         "sandbox",
         lambda ch, md: _drain(
@@ -259,6 +265,8 @@ async def test_a_refused_internal_hop_is_passed_on_as_internal_not_as_the_users_
         ("environment", "ListItems"),
         ("session", "ListAgents"),
         ("sandboxd", "CountSandboxes"),
+        ("session", "UpdateSecretSubstitutions"),
+        ("gateway", "UpdateSecretSubstitutions"),
     ],
 )
 async def test_an_authenticated_peer_that_does_not_need_a_method_is_permission_denied(
@@ -273,6 +281,7 @@ async def test_an_authenticated_peer_that_does_not_need_a_method_is_permission_d
         ("environment", "ListLabeledSandboxes", grpc.StatusCode.OK),
         ("environment", "CountSandboxes", grpc.StatusCode.OK),
         ("environment", "Exec", grpc.StatusCode.NOT_FOUND),
+        ("environment", "UpdateSecretSubstitutions", grpc.StatusCode.NOT_FOUND),
         ("session", "ExecCommand", grpc.StatusCode.NOT_FOUND),
         ("gateway", "ListEnvironments", grpc.StatusCode.OK),
         ("cli", "ListMcpServers", grpc.StatusCode.NOT_FOUND),

@@ -333,3 +333,79 @@ async def test_an_environment_variable_credential_shows_its_name_and_networking_
     async with stack.http() as http:
         body = (await http.get(f"/vaults/{vault_id}/credentials")).text
     assert SECRET not in body and "rotated-value-93ab" not in body
+
+
+# --- rotation and deletion reach the running sandbox ---------------------------------------------
+
+ROTATED = "rotated-env-secret-71c3aa"
+
+
+async def _fetch_allowed(client: openai.AsyncOpenAI, session_id: str) -> None:
+    fetched = await run_probe(client, session_id, _FETCH)
+    assert fetched.exit_code == 0, fetched
+
+
+async def _placeholder(client: openai.AsyncOpenAI, session_id: str) -> str:
+    shown = await run_command(client, session_id, "printenv API_TOKEN")
+    assert shown.exit_code == 0, shown
+    return shown.output.strip()
+
+
+async def test_a_rotated_secret_reaches_the_running_sandbox_and_a_deleted_one_only_its_placeholder(setup: Setup) -> None:
+    client = setup.stack.aclient()
+    vault_id, credential_id = await _vault_with_secret(client, {"type": "limited", "allowed_hosts": [ALLOWED]})
+    session = await client.beta.agents.sessions.create(
+        agent={"model": "scripted"},
+        environment={"type": "openai_hosted", "network": _RESTRICTED},
+        vault_ids=[vault_id],
+    )
+    placeholder = await _placeholder(client, session.id)
+    await _fetch_allowed(client, session.id)
+    assert setup.allowed.authorizations == [f"Bearer {SECRET}"]
+
+    await client.beta.agents.vaults.credentials.update(
+        credential_id, vault_id=vault_id, auth={"type": "environment_variable", "secret_value": ROTATED}
+    )
+    await _fetch_allowed(client, session.id)
+    assert setup.allowed.authorizations[1:] == [f"Bearer {ROTATED}"]
+    # The other host still gets the placeholder, and the variable is unchanged.
+    assert setup.other.authorizations == [f"Bearer {placeholder}"] * 2
+    assert await _placeholder(client, session.id) == placeholder
+
+    await client.beta.agents.vaults.credentials.delete(credential_id, vault_id=vault_id)
+    await _fetch_allowed(client, session.id)
+    assert setup.allowed.authorizations[2:] == [f"Bearer {placeholder}"]
+
+
+@pytest.mark.parametrize("setup", ["local"], indirect=True)
+async def test_a_rotation_survives_a_sandbox_service_restart_and_a_deletion_it_cannot_apply_is_refused(
+    setup: Setup,
+) -> None:
+    client = setup.stack.aclient()
+    vault_id, credential_id = await _vault_with_secret(client, {"type": "limited", "allowed_hosts": [ALLOWED]})
+    session = await client.beta.agents.sessions.create(
+        agent={"model": "scripted"},
+        environment={"type": "openai_hosted", "network": _RESTRICTED},
+        vault_ids=[vault_id],
+    )
+    placeholder = await _placeholder(client, session.id)
+    await client.beta.agents.vaults.credentials.update(
+        credential_id, vault_id=vault_id, auth={"type": "environment_variable", "secret_value": ROTATED}
+    )
+    await setup.stack.stop_sandbox()  # type: ignore[misc]
+    # Unreachable: the deletion fails clearly and deletes nothing.
+    for delete in (
+        client.beta.agents.vaults.credentials.delete(credential_id, vault_id=vault_id),
+        client.beta.agents.vaults.delete(vault_id),
+    ):
+        refused = await api_error(delete)
+        assert (refused.status_code, refused.code) == (503, "sandbox_unavailable")
+    assert (await client.beta.agents.vaults.credentials.retrieve(credential_id, vault_id=vault_id)).id == credential_id
+    await setup.stack.start_sandbox()  # type: ignore[misc]
+
+    await _fetch_allowed(client, session.id)
+    assert setup.allowed.authorizations == [f"Bearer {ROTATED}"]
+    await client.beta.agents.vaults.delete(vault_id)
+    await _fetch_allowed(client, session.id)
+    assert setup.allowed.authorizations[1:] == [f"Bearer {placeholder}"]
+    assert SECRET not in "".join(setup.allowed.authorizations + setup.other.authorizations)

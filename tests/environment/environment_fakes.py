@@ -51,6 +51,8 @@ class FakeCompute:
     processes: dict[str, dict[str, sandbox_pb2.Process]] = field(default_factory=dict)
     # process_id -> everything written to its stdin.
     stdin: dict[str, bytearray] = field(default_factory=dict)
+    # (sandbox_id, substitutions) of each UpdateSecretSubstitutions call.
+    substitution_updates: list[tuple[str, list[sandbox_pb2.SecretSubstitution]]] = field(default_factory=list)
 
     def setup_runs(self, command: str) -> int:
         return sum(1 for c in self.execs if c.shell == command)
@@ -78,6 +80,15 @@ class FakeCompute:
         self.mcp_calls.append(("destroy", sandbox_id, ""))
         self.destroyed.append(sandbox_id)
         self.files.pop(sandbox_id, None)
+
+    async def update_secret_substitutions(
+        self, sandbox: SandboxRef, substitutions: Sequence[sandbox_pb2.SecretSubstitution]
+    ) -> bool:
+        self._check()
+        if sandbox.sandbox_id not in self.files:
+            return False
+        self.substitution_updates.append((sandbox.sandbox_id, list(substitutions)))
+        return True
 
     async def sandbox_alive(self, sandbox: SandboxRef) -> bool:
         self._check()

@@ -232,3 +232,29 @@ async def test_a_host_outside_the_credentials_allowed_hosts_gets_the_placeholder
     finally:
         await served.close()
     assert f"X-Key: {PLACEHOLDER}".encode() in rig.server.requests[0]
+
+
+async def test_a_kept_alive_connection_takes_a_rotated_secret_and_a_removal_at_its_next_request(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _substitution_port(monkeypatch, rig)
+    request = f"GET /r HTTP/1.1\r\nHost: localhost\r\nX-Key: {PLACEHOLDER}\r\n\r\n".encode()
+    rotated = Substitution(PLACEHOLDER, "the-rotated-secret-5d", False, frozenset({"localhost"}), "vcred_test")
+    async with proxy(rig) as served:
+        reader, writer = await asyncio.open_unix_connection(rig.socket_path)
+        try:
+            target = f"localhost:{rig.server.port}"
+            writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            await writer.start_tls(ssl.create_default_context(cafile=str(rig.trust)), server_hostname="localhost")
+            for replacement in ([rotated], [], None):
+                writer.write(request)
+                await writer.drain()
+                response = await asyncio.wait_for(reader.readuntil(b"\r\n\r\nok"), 10)
+                assert response.startswith(b"HTTP/1.1 200")
+                if replacement is not None:
+                    served.replace_substitutions(replacement)
+        finally:
+            writer.close()
+    keys = [line for r in rig.server.requests for line in r.split(b"\r\n") if line.startswith(b"X-Key:")]
+    assert keys == [f"X-Key: {v}".encode() for v in (SECRET, "the-rotated-secret-5d", PLACEHOLDER)]

@@ -1222,3 +1222,61 @@ class CloseMcpUpstreamResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CloseMcpUpstreamResponse: _TypeAlias = CloseMcpUpstreamResponse  # noqa: Y015
+
+@_typing.final
+class UpdateSecretSubstitutionsRequest(_message.Message):
+    """Request for UpdateSecretSubstitutions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    SECRET_SUBSTITUTIONS_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox; another organization's is NOT_FOUND."""
+    @_builtins.property
+    def secret_substitutions(self) -> _containers.RepeatedCompositeFieldContainer[_sandbox_pb2.SecretSubstitution]:
+        """The complete new set, each with its credential_id."""
+
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        secret_substitutions: _abc.Iterable[_sandbox_pb2.SecretSubstitution] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "secret_substitutions", b"secret_substitutions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateSecretSubstitutionsRequest: _TypeAlias = UpdateSecretSubstitutionsRequest  # noqa: Y015
+
+@_typing.final
+class UpdateSecretSubstitutionsResponse(_message.Message):
+    """Response for UpdateSecretSubstitutions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CREDENTIAL_IDS_FIELD_NUMBER: _builtins.int
+    IGNORED_CREDENTIAL_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def credential_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The credentials the sandbox substitutes now."""
+
+    @_builtins.property
+    def ignored_credential_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Listed credentials the sandbox was not created with, left out."""
+
+    def __init__(
+        self,
+        *,
+        credential_ids: _abc.Iterable[_builtins.str] | None = ...,
+        ignored_credential_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_ids", b"credential_ids", "ignored_credential_ids", b"ignored_credential_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateSecretSubstitutionsResponse: _TypeAlias = UpdateSecretSubstitutionsResponse  # noqa: Y015

@@ -135,6 +135,11 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamResponse.FromString,
                 _registered_method=True)
+        self.UpdateSecretSubstitutions = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/UpdateSecretSubstitutions',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.UpdateSecretSubstitutionsRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.UpdateSecretSubstitutionsResponse.FromString,
+                _registered_method=True)
 
 
 class SandboxServiceServicer:
@@ -301,6 +306,20 @@ class SandboxServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateSecretSubstitutions(self, request, context):
+        """Replaces the secrets a sandbox's egress proxy substitutes (a vault
+        credential was rotated or deleted), in its sealed row and in its running
+        proxy, for new connections and new requests. Matched by credential_id:
+        a listed credential the sandbox has keeps its variable and placeholder
+        and takes the new value and hosts; one it does not have is ignored (a
+        sandbox's environment is fixed at creation); one not listed is removed,
+        and its placeholder then leaves unsubstituted. Internal: the Environment
+        service only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -403,6 +422,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.CloseMcpUpstream,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamResponse.SerializeToString,
+            ),
+            'UpdateSecretSubstitutions': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateSecretSubstitutions,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.UpdateSecretSubstitutionsRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.UpdateSecretSubstitutionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -946,6 +970,33 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/CloseMcpUpstream',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.CloseMcpUpstreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateSecretSubstitutions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/UpdateSecretSubstitutions',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.UpdateSecretSubstitutionsRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.UpdateSecretSubstitutionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

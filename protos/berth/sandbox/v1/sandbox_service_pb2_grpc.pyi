@@ -104,6 +104,16 @@ class SandboxServiceStub:
     broker are affected: their next request opens a fresh upstream session
     transparently. A no-op for stdio brokers.
     """
+    UpdateSecretSubstitutions: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.UpdateSecretSubstitutionsRequest, _sandbox_service_pb2.UpdateSecretSubstitutionsResponse]
+    """Replaces the secrets a sandbox's egress proxy substitutes (a vault
+    credential was rotated or deleted), in its sealed row and in its running
+    proxy, for new connections and new requests. Matched by credential_id:
+    a listed credential the sandbox has keeps its variable and placeholder
+    and takes the new value and hosts; one it does not have is ignored (a
+    sandbox's environment is fixed at creation); one not listed is removed,
+    and its placeholder then leaves unsubstituted. Internal: the Environment
+    service only.
+    """
 
 @_typing.type_check_only
 class SandboxServiceAsyncStub(SandboxServiceStub):
@@ -177,6 +187,16 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Ends an HTTP broker's upstream session (HTTP DELETE). Peers sharing the
     broker are affected: their next request opens a fresh upstream session
     transparently. A no-op for stdio brokers.
+    """
+    UpdateSecretSubstitutions: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.UpdateSecretSubstitutionsRequest, _sandbox_service_pb2.UpdateSecretSubstitutionsResponse]  # type: ignore[assignment]
+    """Replaces the secrets a sandbox's egress proxy substitutes (a vault
+    credential was rotated or deleted), in its sealed row and in its running
+    proxy, for new connections and new requests. Matched by credential_id:
+    a listed credential the sandbox has keeps its variable and placeholder
+    and takes the new value and hosts; one it does not have is ignored (a
+    sandbox's environment is fixed at creation); one not listed is removed,
+    and its placeholder then leaves unsubstituted. Internal: the Environment
+    service only.
     """
 
 class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -368,6 +388,22 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         """Ends an HTTP broker's upstream session (HTTP DELETE). Peers sharing the
         broker are affected: their next request opens a fresh upstream session
         transparently. A no-op for stdio brokers.
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateSecretSubstitutions(
+        self,
+        request: _sandbox_service_pb2.UpdateSecretSubstitutionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.UpdateSecretSubstitutionsResponse, _abc.Awaitable[_sandbox_service_pb2.UpdateSecretSubstitutionsResponse]]:
+        """Replaces the secrets a sandbox's egress proxy substitutes (a vault
+        credential was rotated or deleted), in its sealed row and in its running
+        proxy, for new connections and new requests. Matched by credential_id:
+        a listed credential the sandbox has keeps its variable and placeholder
+        and takes the new value and hosts; one it does not have is ignored (a
+        sandbox's environment is fixed at creation); one not listed is removed,
+        and its placeholder then leaves unsubstituted. Internal: the Environment
+        service only.
         """
 
 def add_SandboxServiceServicer_to_server(servicer: SandboxServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
