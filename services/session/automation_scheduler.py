@@ -34,6 +34,7 @@ from berth.session.v1 import session_service_pb2 as svc_pb
 from services.core.context import org_id_var
 from services.core.errors import BerthError, FailedPrecondition, NotFound
 from services.core.logging import get_logger
+from services.core.events import wait_set
 from services.session.automations import (
     PAUSE_TARGET_SESSION_FAILED,
     SKIP_PENDING_DELIVERY,
@@ -140,8 +141,7 @@ class AutomationScheduler:
             except Exception:
                 log.exception("automation_scheduler_failed")
                 wait = self.poll_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            await wait_set(self._wake, wait)
 
     async def _until_next_due(self) -> float:
         """Sleep to the earliest due time this replica can see, at most

@@ -3,7 +3,6 @@ events when following, with keep-alives when idle."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -11,6 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.errors import InvalidArgument
+from services.core.events import wait_set
 from services.session import repository as repo
 from services.session.models import EventRow, SessionRow
 from services.session.states import SessionStatus
@@ -108,11 +108,7 @@ class EventStream:
                 timeout = max(0.0, next_read - time.monotonic())
                 if keepalive_s > 0:
                     timeout = max(0.0, min(timeout, idle_since + keepalive_s - time.monotonic()))
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout)
-                    woken = True
-                except TimeoutError:
-                    woken = False
+                woken = await wait_set(wake, timeout)
                 if keepalive_s > 0 and time.monotonic() - idle_since >= keepalive_s:
                     idle_since = time.monotonic()
                     yield int(time.time() * 1000)

@@ -4,7 +4,6 @@ a model response is answered, then records the outputs and resumes."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
 from services.core.ids import new_id
+from services.core.events import wait_set
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.harness.io import FunctionResult, ItemHandle
@@ -144,10 +144,7 @@ class FunctionCallGate:
                 await w.transact(self._start_waiting)
             while rows is None:
                 # Answers wake us at once (from other replicas when the notifier hears them); polling is the fallback.
-                try:
-                    await asyncio.wait_for(wake.wait(), notifier.poll_s(_POLL_S))
-                except TimeoutError:
-                    pass
+                await wait_set(wake, notifier.poll_s(_POLL_S))
                 wake.clear()
                 rows = await self._answered(call_ids)
         finally:

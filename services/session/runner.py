@@ -55,6 +55,7 @@ from services.core.grpc_client import call_until_available
 from services.core.ids import new_id
 from services.core.lease import Lease
 from services.core.logging import get_logger
+from services.core.events import wait_set
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.artifacts import BlobStore, OutputFile, collect_outputs, published_state, record_publication
@@ -585,8 +586,7 @@ class TurnRunner:
         wake = notifier.subscribe(turn_key(turn_id))
         try:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), notifier.poll_s(self.poll_s))
+                await wait_set(wake, notifier.poll_s(self.poll_s))
                 wake.clear()
                 try:
                     if await self._should_stop(turn_id, task):

@@ -34,6 +34,7 @@ from services.core.ids import new_id
 from services.core.logging import get_logger
 from services.core.notify import Notifier
 from services.core.settings import Settings
+from services.core.events import wait_set
 from services.session.models import WebhookAttemptRow, WebhookDeliveryRow, WebhookEndpointRow
 from services.session.webhooks.destinations import DestinationPolicy, DestinationRefused
 from services.session.webhooks.outbox import WEBHOOKS_KEY
@@ -217,8 +218,7 @@ class WebhookDeliverer:
                 log.exception("webhook_claim_failed")
                 wait_s = 1.0
             if wait_s > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait_s)
+                await wait_set(self._wake, wait_s)
 
     async def _claim_and_start(self) -> bool:
         """Claims what is due, up to the free slots; whether it took them all."""
