@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from berth.common.v1 import common_pb2
 from berth.environment.v1 import vault_pb2
+from berth.sandbox.v1 import sandbox_pb2
+from services.environment.vaults import EnvironmentSecret
 
-__all__ = ["environment_secrets_problem"]
+__all__ = ["environment_secrets_problem", "secret_substitutions"]
 
 
 def environment_secrets_problem(
@@ -32,3 +34,18 @@ def environment_secrets_problem(
     if not network.allowed_domains and any(c.networking.type == "unrestricted" for c in credentials):
         return "an environment_variable credential with unrestricted networking needs network.allowed_domains"
     return ""
+
+
+def secret_substitutions(secrets: Sequence[EnvironmentSecret]) -> list[sandbox_pb2.SecretSubstitution]:
+    """What the Sandbox service is given of an environment's secrets (at
+    sandbox creation and when a credential changes)."""
+    return [
+        sandbox_pb2.SecretSubstitution(
+            env_name=s.secret_name,
+            value=s.value,
+            any_allowed_host=s.any_allowed_host,
+            allowed_hosts=list(s.allowed_hosts),
+            credential_id=s.credential_id,
+        )
+        for s in secrets
+    ]

@@ -33,12 +33,12 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from berth.sandbox.v1 import sandbox_pb2
 from services.core.db import Database
 from services.core.errors import SandboxUnavailable
 from services.core.logging import get_logger
 from services.environment import repository as repo
 from services.environment.compute import Compute, SandboxRef
+from services.environment.environment_secrets import secret_substitutions
 from services.environment.vaults import EnvironmentSecret, VaultStore
 
 __all__ = ["SandboxSecretSync"]
@@ -119,7 +119,7 @@ class SandboxSecretSync:
             secrets = [s for s in await self._vaults.environment_secrets(org_id, vault_ids, distinct_names=False) if keep(s)]
             async with limit:
                 try:
-                    updated = await self._compute.update_secret_substitutions(target.sandbox, _substitutions(secrets))
+                    updated = await self._compute.update_secret_substitutions(target.sandbox, secret_substitutions(secrets))
                 except SandboxUnavailable as exc:
                     log.warning(
                         "environment_secrets_update_failed",
@@ -143,16 +143,3 @@ class SandboxSecretSync:
                 f"the sandboxes of environments {', '.join(failed)} could not be updated with the vault's "
                 "credentials; repeat the request"
             )
-
-
-def _substitutions(secrets: Sequence[EnvironmentSecret]) -> list[sandbox_pb2.SecretSubstitution]:
-    return [
-        sandbox_pb2.SecretSubstitution(
-            env_name=s.secret_name,
-            value=s.value,
-            any_allowed_host=s.any_allowed_host,
-            allowed_hosts=list(s.allowed_hosts),
-            credential_id=s.credential_id,
-        )
-        for s in secrets
-    ]

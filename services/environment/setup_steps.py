@@ -46,7 +46,7 @@ from services.core.logging import get_logger
 from services.core.settings import Settings
 from services.environment import repository as repo
 from services.environment.compute import ENVIRONMENT_LABEL, Compute, SandboxRef, SandboxSpec
-from services.environment.environment_secrets import environment_secrets_problem
+from services.environment.environment_secrets import environment_secrets_problem, secret_substitutions
 from services.environment.file_store import FileStore
 from services.environment.init_guard import SetupFailed, SetupFence, SetupUnavailable
 from services.environment.models import EnvironmentRow, RegisteredFileRow
@@ -250,16 +250,7 @@ class EnvironmentSetup:
         if problem:
             raise SetupFailed("sandbox_create_failed", f"the sandbox could not be created: {problem}")
         log.info("environment_secrets_resolved", credential_ids=[s.credential_id for s in secrets])
-        return [
-            sandbox_pb2.SecretSubstitution(
-                env_name=s.secret_name,
-                value=s.value,
-                any_allowed_host=s.any_allowed_host,
-                allowed_hosts=list(s.allowed_hosts),
-                credential_id=s.credential_id,
-            )
-            for s in secrets
-        ]
+        return secret_substitutions(secrets)
 
     def _steps(self, environment: EnvironmentRow, config: environment_pb2.EnvironmentConfig) -> list[Step]:
         """Every step after the sandbox, in order, each with its journal name."""
