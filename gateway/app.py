@@ -50,9 +50,11 @@ from gateway.routes import (
     vaults,
     webhooks,
 )
+from gateway.idempotency import AttemptInterceptor
 from gateway.state import GatewayState
 from services.core.context import PeerCredentials
 from services.core.db import Database
+from services.core.grpc_client import retried_methods
 from services.core.grpc_server import open_channel
 from services.core.logging import get_logger
 from services.core.settings import Settings
@@ -77,17 +79,23 @@ def create_app(settings: Settings, *, session_addr: str | None = None, environme
         try:
             credentials = PeerCredentials.from_settings(settings, "gateway")
             db = await open_gateway_database(settings)
+            session_services = [_SESSION_SERVICE, _WEBHOOK_SERVICE, _AUTOMATION_SERVICE, _HEALTH_SERVICE]
+            environment_services = [_ENVIRONMENT_SERVICE, _VAULT_SERVICE, _HEALTH_SERVICE]
             session_channel = open_channel(
                 session_addr or settings.session_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                services=[_SESSION_SERVICE, _WEBHOOK_SERVICE, _AUTOMATION_SERVICE, _HEALTH_SERVICE],
+                services=session_services,
+                ready_wait_s=settings.gateway_upstream_wait_s,
+                interceptors=[AttemptInterceptor(retried_methods(session_services))],
             )
             environment_channel = open_channel(
                 environment_addr or settings.environment_addr,
                 timeout_s=settings.rpc_timeout_s,
                 credentials=credentials,
-                services=[_ENVIRONMENT_SERVICE, _VAULT_SERVICE, _HEALTH_SERVICE],
+                services=environment_services,
+                ready_wait_s=settings.gateway_upstream_wait_s,
+                interceptors=[AttemptInterceptor(retried_methods(environment_services))],
             )
         except BaseException as exc:
             app.state.startup_error = exc

@@ -11,26 +11,33 @@ stores its status and response. A later request with the same key:
 * different body -> 409 ``idempotency_key_reused``.
 
 A failed attempt that may have written something stays bound to its
-outcome: a 5xx other than 503 (an internal error, a timeout, a failure after
-the service answered) is stored like a success, so an SDK retry replays it
-instead of creating a duplicate (replayed errors say ``x-should-retry:
-false``). A 4xx (the request was refused whole) or a 503 (the service was
-not reached or did nothing) releases the key so a retry runs again, as does
-a request cancelled by its client. Records expire after a day; a
-placeholder whose request died is taken over after a few deadlines.
+outcome, stored like a success, so an SDK retry replays it instead of
+creating a duplicate (replayed errors say ``x-should-retry: false``). Whether
+it may have written is read off the calls it made (``AttemptInterceptor``):
+it did if a call that is not a read succeeded, or failed in a way that does
+not prove the service did nothing (an internal error, a deadline, a
+connection lost mid-call). A call refused whole (a domain error: invalid,
+not found, conflict, the service saying it is unavailable) or never sent
+(``PeerUnreachable``: no connection within the gateway's wait) wrote
+nothing. An attempt that wrote nothing releases the key, whatever its
+status, so a retry runs again, as does a request cancelled by its client
+before it wrote. Records expire after a day; a placeholder whose request
+died is taken over after a few deadlines.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import grpc
 from fastapi import Depends, Request
 from fastapi.responses import Response
+from grpc_status import rpc_status
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 
@@ -39,12 +46,91 @@ from gateway.errors import ApiError, error_response, internal_error, map_rpc_err
 from gateway.models import IdempotencyRow
 from gateway.state import StateDep
 from services.core.db import Database
+from services.core.grpc_client import PeerUnreachable
 
-__all__ = ["IDEMPOTENCY_HEADER", "StoredResponse", "IdempotentRequest", "Idempotency", "IdempotencyDep"]
+__all__ = [
+    "IDEMPOTENCY_HEADER",
+    "StoredResponse",
+    "IdempotentRequest",
+    "Idempotency",
+    "IdempotencyDep",
+    "AttemptInterceptor",
+]
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 _MAX_KEY_LEN = 255
 _RETENTION_S = 24 * 3600.0
+
+
+@dataclass
+class _Attempt:
+    wrote: bool = False
+
+
+_attempt: ContextVar[_Attempt | None] = ContextVar("berth_idempotent_attempt", default=None)
+
+# Failures that leave the service's state unknown: it may have committed.
+_UNKNOWN_OUTCOME = frozenset(
+    {
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def _did_nothing(exc: BaseException) -> bool:
+    """Whether a failed call proves the service wrote nothing: it was never
+    sent, or the service refused it with a domain error (its rich status),
+    not one of the failures that leave the outcome unknown. A bare status
+    (no rich details) is the transport's: the connection broke mid-call."""
+    if isinstance(exc, PeerUnreachable):
+        return True
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in _UNKNOWN_OUTCOME:
+        return False
+    try:
+        return rpc_status.from_call(exc) is not None
+    except ValueError:
+        return False
+
+
+class AttemptInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Notes, for the keyed request it runs in, each call that may have
+    written: any call but ``reads`` (methods their protos mark idempotent or
+    free of side effects, so repeating them is harmless) that succeeded or
+    failed without proof it did nothing. Put it first on the channel."""
+
+    def __init__(self, reads: Iterable[tuple[str, str]]) -> None:
+        self._reads = frozenset(f"/{service}/{method}" for service, method in reads)
+
+    def _attempt(self, client_call_details: Any) -> _Attempt | None:
+        attempt = _attempt.get()
+        method = client_call_details.method
+        name = method.decode() if isinstance(method, bytes) else str(method)
+        return None if attempt is None or name in self._reads else attempt
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        attempt = self._attempt(client_call_details)
+        if attempt is None:
+            return await continuation(client_call_details, request)
+        try:
+            call = await continuation(client_call_details, request)
+            response = await call
+        except BaseException as exc:
+            if not _did_nothing(exc):
+                attempt.wrote = True
+            raise
+        attempt.wrote = True
+        return response
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        attempt = self._attempt(client_call_details)
+        if attempt is not None:
+            # No write streams today; one would count as written once sent.
+            attempt.wrote = True
+        return await continuation(client_call_details, request)
 
 
 @dataclass(frozen=True)
@@ -106,26 +192,36 @@ class Idempotency:
             yield IdempotentRequest(None, None, None)
             return
         held = await self._claim(request_hash)
+        attempt = _Attempt()
+        token = _attempt.set(attempt)
         try:
             yield held
         except Exception as exc:
             error = exc if isinstance(exc, ApiError) else map_rpc_error(exc) if isinstance(exc, grpc.RpcError) else internal_error()
-            if error.status < 500 or error.status == 503:
-                await held._release()
-            else:
+            if attempt.wrote:
                 await held.store(error.status, bytes(error_response(error).body).decode())
+            else:
+                await held._release()
             if error is exc or not isinstance(exc, grpc.RpcError):
                 raise
             # Rendered once, as stored (and logged once, by map_rpc_error).
             raise error from exc
         except BaseException:
-            await held._release()
+            # Cancelled: a write already made binds the key to an outcome the
+            # client never saw; report it as the internal error it is.
+            if attempt.wrote:
+                error = internal_error()
+                await held.store(error.status, bytes(error_response(error).body).decode())
+            else:
+                await held._release()
             raise
         else:
             # A route that returned without storing (e.g. it replayed) must
             # not leave a placeholder behind.
             if held.replay is None:
                 await held._release()
+        finally:
+            _attempt.reset(token)
 
     async def _claim(self, request_hash: str) -> IdempotentRequest:
         for _ in range(2):

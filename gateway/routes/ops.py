@@ -33,7 +33,7 @@ _SERVING = "SERVING"
 
 async def _grpc_status(stub: health_pb2_grpc.HealthStub) -> str:
     try:
-        response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S, wait_for_ready=False)
     except grpc.RpcError as exc:
         return str(exc.code().name)
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))

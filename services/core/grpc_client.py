@@ -8,6 +8,10 @@ declares in its proto: only those methods are retried, and only on
 UNAVAILABLE. ``call_until_available`` is the longer wait above it: a
 dependency that is down or restarting is called again, with backoff, for a
 bounded time, with hooks that tell the caller's users it is waiting.
+``ReadyWaitInterceptors`` hold a call until its channel is connected, for a
+bounded time, so a call to a restarting service waits for it instead of
+failing at once; a call that finds no connection in that time fails with
+``PeerUnreachable``, which proves it was never sent.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ __all__ = [
     "RETRY_POLICY",
     "call_until_available",
     "peer_unavailable",
+    "PeerUnreachable",
+    "ReadyWaitInterceptors",
 ]
 
 T = TypeVar("T")
@@ -98,6 +104,67 @@ def DomainErrorInterceptors() -> list[grpc.aio.ClientInterceptor]:  # noqa: N802
     """Interceptors that raise a failed call's domain error instead of
     ``grpc.aio.AioRpcError``; put them first, so they see the final status."""
     return [_UnaryUnary(), _UnaryStream()]
+
+
+class PeerUnreachable(grpc.aio.AioRpcError):
+    """UNAVAILABLE raised before a call was sent: its channel found no
+    connection to the service within the wait. Unlike UNAVAILABLE in
+    general (a connection can break after the service has acted), this one
+    proves the service never saw the request."""
+
+    def __init__(self, target: str, waited_s: float) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"{target} did not accept a connection within {waited_s:g} s",
+        )
+
+
+class _ReadyWait:
+    """Holds each call until the channel is READY, at most ``wait_s``; then
+    sends it with ``wait_for_ready`` so a connection lost between the check
+    and the send is waited for too (under the call's own deadline). A call
+    that sets ``wait_for_ready=False`` itself (a health probe) is sent at
+    once. ``channel`` is set by whoever opens the channel."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.channel: grpc.aio.Channel | None = None
+        self.target = "the service"
+
+    async def ready(self, client_call_details: Any) -> Any:
+        if client_call_details.wait_for_ready is False or self.channel is None:
+            return client_call_details
+        if self.channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            try:
+                async with asyncio.timeout(self.wait_s):
+                    await self.channel.channel_ready()
+            except TimeoutError:
+                raise PeerUnreachable(self.target, self.wait_s) from None
+        return grpc.aio.ClientCallDetails(
+            method=client_call_details.method,
+            timeout=client_call_details.timeout,
+            metadata=client_call_details.metadata,
+            credentials=client_call_details.credentials,
+            wait_for_ready=True,
+        )
+
+
+class _ReadyWaitUnaryUnary(_ReadyWait, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(await self.ready(client_call_details), request)
+
+
+class _ReadyWaitUnaryStream(_ReadyWait, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(await self.ready(client_call_details), request)
+
+
+def ReadyWaitInterceptors(wait_s: float) -> list[_ReadyWait]:  # noqa: N802
+    """Interceptors that wait for a connection before each call (see
+    ``_ReadyWait``); give each the channel once it is open."""
+    return [_ReadyWaitUnaryUnary(wait_s), _ReadyWaitUnaryStream(wait_s)]
 
 
 def peer_unavailable(error: BaseException) -> bool:

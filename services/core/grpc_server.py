@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.core.context import PeerCredentials
-from services.core.grpc_client import DomainErrorInterceptors, service_config
+from services.core.grpc_client import DomainErrorInterceptors, ReadyWaitInterceptors, service_config
 from services.core.interceptors import CallerTable, ClientContextInterceptors, ServerContextInterceptor, undeclared_methods
 from services.core.logging import get_logger
 
@@ -101,20 +101,34 @@ def open_channel(
     credentials: PeerCredentials | None,
     services: Iterable[ServiceDescriptor] = (),
     domain_errors: bool = False,
+    ready_wait_s: float | None = None,
+    interceptors: Iterable[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
     """A channel that attaches ``credentials`` to every call, propagates
     request context, sets deadlines and retries UNAVAILABLE on the methods of
     ``services`` their protos mark idempotent. With ``domain_errors`` a failed
     call raises its domain error (how services call each other); without, the
-    ``grpc.aio.AioRpcError`` (the gateway maps those to HTTP itself). Without
-    credentials only health checks answer."""
+    ``grpc.aio.AioRpcError`` (the gateway maps those to HTTP itself). With
+    ``ready_wait_s`` a call waits that long for a connection before it fails
+    (``PeerUnreachable``) instead of failing at once while the service is
+    down. ``interceptors`` go first, so they see each call's final outcome.
+    Without credentials only health checks answer."""
     options: list[tuple[str, str | int]] = [
         *_CHANNEL_OPTIONS,
         ("grpc.enable_retries", 1),
         ("grpc.service_config", service_config(services)),
     ]
-    interceptors = [*(DomainErrorInterceptors() if domain_errors else ()), *ClientContextInterceptors(timeout_s, credentials)]
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    waits = ReadyWaitInterceptors(ready_wait_s) if ready_wait_s is not None else []
+    chain = [
+        *interceptors,
+        *(DomainErrorInterceptors() if domain_errors else ()),
+        *ClientContextInterceptors(timeout_s, credentials),
+        *waits,
+    ]
+    channel = grpc.aio.insecure_channel(address, options=options, interceptors=chain)
+    for wait in waits:
+        wait.channel, wait.target = channel, address
+    return channel
 
 
 async def wait_for_termination_signal(lifeline_fd: int | None = None) -> None:

@@ -172,6 +172,15 @@ class Settings(BaseSettings):
         ),
     )
     rpc_timeout_s: float = Field(default=30.0, gt=0, description="Deadline of unary gRPC calls.")
+    gateway_upstream_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description=(
+            "How long a gateway request waits for a connection to a Session or Environment service that is down "
+            "or restarting before it fails with 503 `service_unavailable` (a request that fails so was never "
+            "sent, so its Idempotency-Key is released)."
+        ),
+    )
     grace_s: float = Field(default=5.0, ge=0, description="Graceful shutdown period.")
     serve_processes: bool = Field(
         default=True,
