@@ -18,6 +18,8 @@
 #   BERTH_SMOKE_WHEELS=1 build the images from a wheelhouse downloaded on
 #                        the host (no network inside the image build)
 #   BERTH_SMOKE_KEEP=1   leave the stack running for inspection
+#   BERTH_SMOKE_PREBUILT=1 use berth/*:latest as they are (built already,
+#                        e.g. by .ci/run while the suite ran)
 #
 # Needs a running engine (deploy/ci/setup-docker.sh) and python3 with httpx
 # for the smoke script (the project's .venv is used when present).
@@ -81,11 +83,15 @@ drop_databases() {
   for s in "${SERVICES[@]}"; do psql -q "$PG/postgres" -c "DROP DATABASE IF EXISTS berth_smoke_$s" >/dev/null 2>&1 || true; done
 }
 
-log "building images"
-if [[ "${BERTH_SMOKE_WHEELS:-0}" == "1" ]]; then
-  bash deploy/build-images.sh --wheels
+if [[ "${BERTH_SMOKE_PREBUILT:-0}" == "1" ]]; then
+  log "using the images built before (BERTH_SMOKE_PREBUILT=1)"
 else
-  bash deploy/build-images.sh
+  log "building images"
+  if [[ "${BERTH_SMOKE_WHEELS:-0}" == "1" ]]; then
+    bash deploy/build-images.sh --wheels
+  else
+    bash deploy/build-images.sh
+  fi
 fi
 
 trap teardown EXIT
