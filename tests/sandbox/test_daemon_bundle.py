@@ -74,3 +74,16 @@ def test_a_python_of_another_version_ignores_the_bytecode_and_runs_the_sources(t
     result = subprocess.run([sys.executable, "-I", str(stale), "--help"], capture_output=True, timeout=30)
     assert result.returncode == 0
     assert result.stdout.startswith(b"usage: sandboxd")
+
+
+def test_the_full_daemon_loads_no_tls_or_hash_library(tmp_path: Path) -> None:
+    # Every module the full daemon imports is paid on each wake from
+    # dormancy; OpenSSL (ssl, or hashlib through secrets) also costs ~1 MiB.
+    built = bundle.build(tmp_path)
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.modules['ssl'] = None\n"
+        "import sandboxd.cli\n"
+        "print(' '.join(sorted(m for m in ('_ssl', '_hashlib', 'hashlib', 'secrets', 'hmac') if sys.modules.get(m))))"
+    )
+    loaded = subprocess.run([sys.executable, "-I", "-S", "-c", probe, str(built)], capture_output=True, text=True, check=True)
+    assert loaded.stdout.split() == []

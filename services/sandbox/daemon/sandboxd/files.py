@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import secrets
 import stat
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -210,7 +209,7 @@ def _write_file(real: str, data: bytes, mode: Optional[int], append: bool, paren
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             raise OpError("failed_precondition", "%s is a directory" % shown)
         final_mode = mode if mode is not None else (stat.S_IMODE(existing.st_mode) if existing is not None else 0o644)
-        tmp = os.path.join(parent, ".%s.%s.berth-tmp" % (os.path.basename(real)[:200], secrets.token_hex(6)))
+        tmp = os.path.join(parent, ".%s.%s.berth-tmp" % (os.path.basename(real)[:200], os.urandom(6).hex()))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             try:

@@ -16,7 +16,6 @@ import bisect
 import collections
 import itertools
 import os
-import secrets
 import signal
 import struct
 import subprocess
@@ -556,7 +555,7 @@ class Processes:
     async def _op_exec(self, conn: Sender, rid: int, req: Json) -> Json:
         timeout = opt_positive_float(req, "timeout_s")
         stdin_data = unb64(req["stdin_b64"], "stdin_b64") if req.get("stdin_b64") is not None else None
-        marker = "exec_%d_%s" % (next(self._exec_ids), secrets.token_hex(4))
+        marker = "exec_%d_%s" % (next(self._exec_ids), os.urandom(4).hex())
         try:
             child = self._spawn(req, marker, stdin_data is not None)
         except (FileNotFoundError, PermissionError) as exc:
@@ -622,7 +621,7 @@ class Processes:
                 if existing.name == name:
                     # Started before (a caller whose answer was lost): no second run.
                     return existing.describe()
-        process_id = "proc_" + secrets.token_hex(8)
+        process_id = "proc_" + os.urandom(8).hex()
         try:
             child = self._spawn(req, process_id, with_stdin)
         except FileNotFoundError as exc:

@@ -54,7 +54,7 @@ upstreams have a session to close, and those live in the Sandbox service.
 
 from __future__ import annotations
 
-import secrets
+import os
 from typing import Any, Dict
 
 from ..processes import Reaper
@@ -119,7 +119,7 @@ class Mcp:
         inherit = str_list(transport.get("env_vars"), "env_vars")
         explicit = opt_env(transport)
         cwd = self.workspace.cwd(transport)
-        marker = "mcp_" + secrets.token_hex(8)
+        marker = "mcp_" + os.urandom(8).hex()
         # Only the named variables of the sandbox's environment reach the
         # server, on top of the basics every command gets.
         sandbox_env = self.workspace.sandbox_env()
