@@ -105,6 +105,7 @@ from services.sandbox.backends.base import (
     egress_env,
 )
 from services.sandbox.daemon import bundle
+from services.sandbox.daemon.sandboxd.dormant import launch
 from services.sandbox.daemon_client import DaemonClient, DaemonError, DaemonUnavailable, probe
 from services.sandbox.isolation.cgroups import CgroupError, CgroupHost, SandboxCgroup, detect_cgroups
 from services.sandbox.isolation.etc import build_etc
@@ -678,7 +679,8 @@ class LocalBackend(SandboxBackend):
         freezer: FreezerKind = "signal"
         if assets is not None:
             try:
-                cgroup = assets.cgroups.create(f"{self._cgroup_prefix}-{spec.sandbox_id}", spec.size)
+                # mkdir of a cgroup waits on the kernel; off the event loop.
+                cgroup = await asyncio.to_thread(assets.cgroups.create, f"{self._cgroup_prefix}-{spec.sandbox_id}", spec.size)
             except CgroupError as exc:
                 with contextlib.suppress(QuotaError):
                     await unmount_workspace(paths.workspace)
@@ -701,10 +703,12 @@ class LocalBackend(SandboxBackend):
             "size": spec.size.name,
             "labels": dict(spec.labels),
         }
+        # Spawned from a worker thread: Popen blocks its caller until bwrap
+        # has exec'd, which would stall every other start on the event loop.
         if assets is not None and cgroup is not None:
-            popen = self._spawn_confined(spec, paths, assets, cgroup, uid, dormant_after_s)
+            popen = await asyncio.to_thread(self._spawn_confined, spec, paths, assets, cgroup, uid, dormant_after_s)
         else:
-            popen = self._spawn(self._unconfined_argv(paths, dormant_after_s), paths, env=_HOST_ENV)
+            popen = await asyncio.to_thread(self._spawn, self._unconfined_argv(paths, dormant_after_s), paths, env=_HOST_ENV)
         self._children[spec.sandbox_id] = popen
         stat = _proc_stat(popen.pid)
         handle = BackendHandle(
@@ -839,12 +843,12 @@ class LocalBackend(SandboxBackend):
         return argv
 
     def _daemon_command(self, archive: str, dormant_after_s: float) -> list[str]:
-        # -I -S: no site-packages, user site or PYTHON* variables; sandboxd
+        # -I -S (launch): no site-packages, user site or PYTHON* variables; sandboxd
         # needs only the standard library, and every import is memory.
         # A daemon that may go dormant starts so: a sandbox costs its full
         # daemon only once something connects.
         dormant = ["--start-dormant"] if dormant_after_s > 0 else []
-        return [self._python, "-I", "-S", archive, "--dormant-after", repr(dormant_after_s), *dormant]
+        return [*launch(self._python, archive), "--dormant-after", repr(dormant_after_s), *dormant]
 
     def _unconfined_argv(self, paths: _Paths, dormant_after_s: float) -> list[str]:
         return [
@@ -881,7 +885,7 @@ class LocalBackend(SandboxBackend):
         if spec.network == "enabled":
             netns = Path(f"/proc/{inner}/ns/net")
             try:
-                await apply_filter(netns, filter_ruleset(self._allow, host_addresses()))
+                await apply_filter(netns, filter_ruleset(self._allow, await asyncio.to_thread(host_addresses)))
                 user_network = await start_user_network(netns, Path(str(handle.private["run_dir"])) / "slirp.log")
             except NetworkSetupError as exc:
                 raise BackendUnavailable(f"the network of sandbox {handle.sandbox_id} cannot be set up: {exc}") from exc

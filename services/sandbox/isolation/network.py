@@ -146,16 +146,23 @@ def filter_ruleset(allow: Sequence[Network], host: Sequence[str]) -> str:
 
 
 async def _run(argv: Sequence[str], stdin: bytes | None = None) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(stdin), timeout=_READY_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise NetworkSetupError(f"{argv[0]} failed ({proc.returncode}): {out.decode(errors='replace').strip()}")
+    # In a worker thread: spawning from the event loop blocks it until the
+    # child has exec'd, and many sandboxes start at once.
+    try:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            list(argv),
+            input=stdin if stdin is not None else b"",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            timeout=_READY_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetworkSetupError(f"{argv[0]} failed: {exc}") from exc
+    if done.returncode != 0:
+        raise NetworkSetupError(f"{argv[0]} failed ({done.returncode}): {done.stdout.decode(errors='replace').strip()}")
 
 
 async def apply_filter(netns: Path, ruleset: str) -> None:

@@ -33,12 +33,17 @@ class QuotaError(Exception):
 
 
 async def _run(argv: Sequence[str]) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_ENV
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout=_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise QuotaError(f"{argv[0]} failed ({proc.returncode}): {out.decode(errors='replace').strip()}")
+    # In a worker thread: spawning from the event loop blocks it until the
+    # child has exec'd, and many sandboxes start at once.
+    try:
+        done = await asyncio.to_thread(
+            subprocess.run, list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=_ENV, timeout=_TIMEOUT_S, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise QuotaError(f"{argv[0]} failed: {exc}") from exc
+    if done.returncode != 0:
+        raise QuotaError(f"{argv[0]} failed ({done.returncode}): {done.stdout.decode(errors='replace').strip()}")
 
 
 def is_mounted(mount_point: Path) -> bool:

@@ -36,6 +36,22 @@ RESUME_FLAG = "--resume-fds"
 
 DORMANT_AFTER_FLAG = "--dormant-after"
 
+# How the archive is run: ``python3 -I -S -c BOOT <archive> args...``
+# imports the package straight from the archive. ``python3 <archive>`` would
+# go through runpy (and what it imports), about 4 ms more on every start and
+# every wake. -I keeps the working directory (the sandbox's workspace) and
+# PYTHON* variables out of the import path.
+BOOT = (
+    "import sys; sys.argv[0] = sys.argv.pop(1); sys.path.insert(0, sys.argv[0]); "
+    "from sandboxd.__main__ import main; sys.exit(main())"
+)
+
+
+def launch(python: str, archive: str) -> list[str]:
+    """The command line that runs the daemon in ``archive`` with ``python``;
+    the daemon's own arguments follow it."""
+    return [python, "-I", "-S", "-c", BOOT, archive]
+
 
 def with_option(argv: list[str], flag: str, value: str) -> list[str]:
     """``argv`` with every ``flag <value>`` pair replaced by one at the end."""
@@ -57,7 +73,7 @@ def dormant_argv(fds: list[int], dormant_after_s: float) -> list[str]:
     period (which ``env.reload`` may have changed since it started)."""
     original = [sys.executable] + list(getattr(sys, "orig_argv", [""] + sys.argv)[1:])
     original = with_option(original, DORMANT_AFTER_FLAG, repr(dormant_after_s))
-    return [sys.executable, "-I", "-S", sys.argv[0], DORMANT_FLAG, ",".join(str(fd) for fd in fds)] + original
+    return launch(sys.executable, sys.argv[0]) + [DORMANT_FLAG, ",".join(str(fd) for fd in fds)] + original
 
 
 def start(argv: list[str]) -> None:
