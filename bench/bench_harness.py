@@ -1,5 +1,7 @@
 """Harness overhead against a model that answers instantly (the streaming
-fake model server of ``tests/fake_model.py``, in a thread of this process).
+fake model server of ``tests/fake_model.py``, in a process of its own with
+keep-alive: ``bench/model_process.py``), so neither the fake's work nor
+connection set-up counts as the harness's.
 
 - Per model call: a turn of 40 model responses with one tool call each (an
   ``exec_command`` on a session without an environment, so no tool work: the
@@ -20,57 +22,54 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
+from bench.model_process import RemoteModel, Timing
 from bench.turn_client import TurnStream
 from bench.runner import Result, summarize
 from bench.stack import running_stack
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fake_model import Answer, FakeModel  # noqa: E402
 
 CALLS = int(os.environ.get("BENCH_HARNESS_CALLS", "40"))
 TURNS = int(os.environ.get("BENCH_HARNESS_TURNS", "3"))
 DELTAS = int(os.environ.get("BENCH_HARNESS_DELTAS", "40"))
 
+_TOOL_CALL = {"tool_calls": [["exec_command", '{"command": "true"}']]}
 
-def _gaps(model: FakeModel, start: int) -> list[float]:
-    requests = model.requests[start:]
+
+def _gaps(requests: list[Timing]) -> list[float]:
     return [(b.received_at - a.answered_at) * 1000 for a, b in zip(requests, requests[1:], strict=False)]
 
 
-async def _bare_client_gaps(model: FakeModel, runs: int) -> list[float]:
+async def _bare_client_gaps(model: RemoteModel, runs: int) -> list[float]:
     client = openai.AsyncOpenAI(base_url=model.base_url, api_key="x", max_retries=0)
-    start = len(model.requests)
-    model.script = [Answer(tool_calls=[("exec_command", '{"command": "true"}')]) for _ in range(runs)]
+    start = await model.count()
+    await model.script([_TOOL_CALL] * runs)
     messages = [{"role": "user", "content": "go"}]
     for _ in range(runs):
         stream = await client.chat.completions.create(model="m", messages=messages, stream=True)  # type: ignore[arg-type]
         async for _chunk in stream:
             pass
     await client.close()
-    return _gaps(model, start)
+    return _gaps(await model.requests(start))
 
 
-async def _bare_client_first_delta(model: FakeModel, runs: int) -> list[float]:
+async def _bare_client_first_delta(model: RemoteModel, runs: int) -> list[float]:
     client = openai.AsyncOpenAI(base_url=model.base_url, api_key="x", max_retries=0)
     out: list[float] = []
     for _ in range(runs):
-        hold = threading.Event()
-        model.script = [Answer(text="hello there, streamed", hold=hold)]
+        await model.script([{"text": "hello there, streamed", "hold": True}])
         stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}], stream=True)
+        first: float | None = None
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                seen = time.monotonic()
-                out.append((seen - model.requests[-1].first_text_at) * 1000)
-                hold.set()
-        hold.set()
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.monotonic()
+                await model.release()
+        assert first is not None, "the answer had no text"
+        out.append((first - (await model.requests())[-1].first_text_at) * 1000)
     await client.close()
     return out
 
@@ -85,30 +84,29 @@ async def _wait_idle(http: httpx.AsyncClient, session_id: str) -> None:
 
 
 async def run(tmp: Path) -> list[Result]:
-    with FakeModel() as model:
+    async with RemoteModel.start() as model:
         async with running_stack(tmp / "berth", model_base_url=model.base_url, model_api_key="x") as stack:
             headers = {"Authorization": f"Bearer {stack.key}", "OpenAI-Beta": "agents=v1"}
             async with httpx.AsyncClient(base_url=stack.base_url, headers=headers, timeout=60) as http:
                 # Per model call.
                 gaps: list[float] = []
                 for turn in range(TURNS + 1):
-                    start = len(model.requests)
-                    model.script = [Answer(tool_calls=[("exec_command", '{"command": "true"}')]) for _ in range(CALLS)]
-                    model.script.append(Answer(text="done"))
+                    start = await model.count()
+                    await model.script([_TOOL_CALL] * CALLS + [{"text": "done"}])
                     created = await http.post(
                         "/agents/sessions", json={"agent": {"model": "m"}, "environment": {"type": "none"}, "input": "go"}
                     )
                     created.raise_for_status()
                     await _wait_idle(http, created.json()["id"])
                     if turn > 0:  # the first turn warms up
-                        gaps.extend(_gaps(model, start))
+                        gaps.extend(_gaps(await model.requests(start)))
                 base_gaps = await _bare_client_gaps(model, CALLS * TURNS)
 
                 # Time to first delta.
+                await model.script([{"text": "warm"}])
                 created = await http.post(
                     "/agents/sessions", json={"agent": {"model": "m"}, "environment": {"type": "none"}, "input": "warm up"}
                 )
-                model.script = [Answer(text="warm")]
                 session_id = created.json()["id"]
                 await _wait_idle(http, session_id)
                 message = {
@@ -123,15 +121,14 @@ async def run(tmp: Path) -> list[Result]:
                     events = TurnStream(http, session_id, response.aiter_lines())
                     await events.until("agent.session.idle")
                     for n in range(DELTAS + 3):
-                        hold = threading.Event()
-                        model.script = [Answer(text="hello there, streamed", hold=hold)]
+                        await model.script([{"text": "hello there, streamed", "hold": True}])
                         sent = await http.post(f"/agents/sessions/{session_id}/events", json=message)
                         sent.raise_for_status()
                         await events.until("agent.session.turn.output_text.delta")
                         seen = time.monotonic()
                         if n >= 3:
-                            deltas.append((seen - model.requests[-1].first_text_at) * 1000)
-                        hold.set()
+                            deltas.append((seen - (await model.requests())[-1].first_text_at) * 1000)
+                        await model.release()
                         await events.until("agent.session.idle")
                 base_deltas = await _bare_client_first_delta(model, DELTAS)
     return [

@@ -18,6 +18,11 @@ Once the script is used up, ``respond`` (a function of the request body)
 answers when set, else ``default`` (a ``Fail`` 400 unless set).
 Every request is recorded with the monotonic time it arrived and the time
 its answer was fully written.
+
+By default each streamed answer closes its connection. ``keep_alive=True``
+sends it chunked and keeps the connection for the next request, with
+``TCP_NODELAY`` (as OpenAI's servers do), so a client's next call reuses it;
+benchmarks use that to measure their own work, not connection set-up.
 """
 
 from __future__ import annotations
@@ -363,8 +368,10 @@ class FakeModel:
         *,
         default: Reply | None = None,
         respond: Callable[[dict[str, Any]], Reply] | None = None,
+        keep_alive: bool = False,
     ) -> None:
         self.script: list[Reply] = list(script or [])
+        self.keep_alive = keep_alive
         self.default: Reply = default or Fail(400, "unexpected request", type="invalid_request_error")
         self.respond = respond
         self.requests: list[Recorded] = []
@@ -375,6 +382,10 @@ class FakeModel:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's naming
                 fake._handle(self)
@@ -442,22 +453,33 @@ class FakeModel:
             handler.send_response(200)
             handler.send_header("Content-Type", "text/event-stream")
             handler.send_header("Cache-Control", "no-cache")
-            handler.send_header("Connection", "close")
+            if self.keep_alive:
+                handler.send_header("Transfer-Encoding", "chunked")
+            else:
+                handler.send_header("Connection", "close")
+                handler.close_connection = True
             handler.end_headers()
-            handler.close_connection = True
+
+            def send(data: bytes) -> None:
+                if self.keep_alive:
+                    data = b"%x\r\n%s\r\n" % (len(data), data)
+                handler.wfile.write(data)
+                handler.wfile.flush()
+
             for payload_text, first_text in events:
                 prefix = ""
                 if not done_marker:
                     prefix = f"event: {json.loads(payload_text)['type']}\n"
-                handler.wfile.write(f"{prefix}data: {payload_text}\n\n".encode())
-                handler.wfile.flush()
+                send(f"{prefix}data: {payload_text}\n\n".encode())
                 if first_text:
                     record.first_text_at = time.monotonic()
                     self.first_text_sent.set()
                     if reply.hold is not None:
                         reply.hold.wait(timeout=60)
             if done_marker:
-                handler.wfile.write(b"data: [DONE]\n\n")
+                send(b"data: [DONE]\n\n")
+            if self.keep_alive:
+                handler.wfile.write(b"0\r\n\r\n")
             handler.wfile.flush()
         finally:
             record.answered_at = time.monotonic()
