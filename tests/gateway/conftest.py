@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
-from berth.session.v1 import session_service_pb2_grpc as s_grpc
 from gateway.app import start_gateway
 from gateway.keys import create_key
-from gateway_support import FakeEnvironmentService, FakeSessionService, Stack
-from grpc_support import TEST_INTERNAL_TOKEN
-from services.core.grpc_server import RunningServer, start_grpc_server
+from gateway_support import FakeEnvironmentService, FakeSessionService, Stack, serve_environment, serve_session
+from services.core.grpc_server import RunningServer
 from services.core.settings import Settings
-from services.environment.server import ENVIRONMENT_CALLERS
-from services.session.server import SESSION_CALLERS
 
 
 @pytest.fixture
@@ -35,22 +30,7 @@ def settings(tmp_path: Path) -> Settings:
 async def stack(settings: Settings) -> AsyncIterator[Stack]:
     environment = FakeEnvironmentService()
     session = FakeSessionService(environment)
-    servers: list[RunningServer] = [
-        await start_grpc_server(
-            "127.0.0.1:0",
-            lambda server: (env_grpc.add_EnvironmentServiceServicer_to_server(environment, server),
-                            ["berth.environment.v1.EnvironmentService"])[1],
-            token=TEST_INTERNAL_TOKEN,
-            callers=ENVIRONMENT_CALLERS,
-        ),
-        await start_grpc_server(
-            "127.0.0.1:0",
-            lambda server: (s_grpc.add_SessionServiceServicer_to_server(session, server),
-                            ["berth.session.v1.SessionService"])[1],
-            token=TEST_INTERNAL_TOKEN,
-            callers=SESSION_CALLERS,
-        ),
-    ]
+    servers: list[RunningServer] = [await serve_environment(environment), await serve_session(session)]
     gateway = await start_gateway(
         settings,
         port=0,

@@ -27,11 +27,15 @@ from berth.session.v1 import session_pb2 as s_pb
 from berth.session.v1 import session_service_pb2 as s_svc
 from berth.session.v1 import session_service_pb2_grpc as s_grpc
 from gateway.app import GatewayHandle
+from grpc_support import TEST_INTERNAL_TOKEN
 from services.core.context import ORG_METADATA_KEY, REQUEST_ID_METADATA_KEY
 from services.core.errors import BerthError, NotFound
 from services.core.ids import new_id
+from services.core.grpc_server import RunningServer, start_grpc_server
 from services.core.settings import Settings
 from services.core.wire_json import to_message, to_wire
+from services.environment.server import ENVIRONMENT_CALLERS
+from services.session.server import SESSION_CALLERS
 
 BETA = {"OpenAI-Beta": "agents=v1"}
 
@@ -396,6 +400,28 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         self._artifact(org, request.session_id, request.artifact_id)
         del self.artifacts[request.artifact_id]
         return s_svc.DeleteArtifactResponse(artifact_id=request.artifact_id)
+
+
+async def serve_environment(fake: FakeEnvironmentService, address: str = "127.0.0.1:0") -> RunningServer:
+    """A real gRPC server on ``address`` whose Environment service is ``fake``."""
+    return await start_grpc_server(
+        address,
+        lambda server: (env_grpc.add_EnvironmentServiceServicer_to_server(fake, server),
+                        ["berth.environment.v1.EnvironmentService"])[1],
+        token=TEST_INTERNAL_TOKEN,
+        callers=ENVIRONMENT_CALLERS,
+    )
+
+
+async def serve_session(fake: FakeSessionService, address: str = "127.0.0.1:0") -> RunningServer:
+    """A real gRPC server on ``address`` whose Session service is ``fake``."""
+    return await start_grpc_server(
+        address,
+        lambda server: (s_grpc.add_SessionServiceServicer_to_server(fake, server),
+                        ["berth.session.v1.SessionService"])[1],
+        token=TEST_INTERNAL_TOKEN,
+        callers=SESSION_CALLERS,
+    )
 
 
 @dataclass

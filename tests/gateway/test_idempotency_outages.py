@@ -17,16 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
-from berth.session.v1 import session_service_pb2_grpc as s_grpc
 from gateway.app import GatewayHandle, start_gateway
 from gateway.keys import create_key
-from gateway_support import BETA, FakeEnvironmentService, FakeSessionService
-from grpc_support import TEST_INTERNAL_TOKEN
-from services.core.grpc_server import RunningServer, start_grpc_server
+from gateway_support import BETA, FakeEnvironmentService, FakeSessionService, serve_environment, serve_session
+from services.core.grpc_server import RunningServer
 from services.core.settings import Settings
-from services.environment.server import ENVIRONMENT_CALLERS
-from services.session.server import SESSION_CALLERS
 
 BODY = {"environment": {"type": "openai_hosted"}}
 _WAIT_S = 1.0
@@ -66,13 +61,7 @@ class Outages:
     server: RunningServer | None = None
 
     async def start_environment(self) -> None:
-        self.server = await start_grpc_server(
-            f"127.0.0.1:{self.port}",
-            lambda server: (env_grpc.add_EnvironmentServiceServicer_to_server(self.environment, server),
-                            ["berth.environment.v1.EnvironmentService"])[1],
-            token=TEST_INTERNAL_TOKEN,
-            callers=ENVIRONMENT_CALLERS,
-        )
+        self.server = await serve_environment(self.environment, f"127.0.0.1:{self.port}")
 
     async def stop_environment(self) -> None:
         assert self.server is not None
@@ -90,13 +79,7 @@ async def outages(tmp_path: Path) -> AsyncIterator[Outages]:
     settings = Settings(data_dir=tmp_path, rpc_timeout_s=5, grace_s=1, gateway_upstream_wait_s=_WAIT_S)
     environment = _BlockingEnvironments()
     session = FakeSessionService(environment)
-    session_server = await start_grpc_server(
-        "127.0.0.1:0",
-        lambda server: (s_grpc.add_SessionServiceServicer_to_server(session, server),
-                        ["berth.session.v1.SessionService"])[1],
-        token=TEST_INTERNAL_TOKEN,
-        callers=SESSION_CALLERS,
-    )
+    session_server = await serve_session(session)
     port = _free_port()
     gateway = await start_gateway(
         settings,

@@ -6,35 +6,18 @@ from __future__ import annotations
 
 import httpx
 
-from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
-from berth.session.v1 import session_service_pb2_grpc as s_grpc
 from gateway.app import start_gateway
-from gateway_support import FakeEnvironmentService, FakeSessionService
-from grpc_support import TEST_INTERNAL_TOKEN
-from services.core.grpc_server import RunningServer, start_grpc_server
+from gateway_support import FakeEnvironmentService, FakeSessionService, serve_environment, serve_session
+from services.core.grpc_server import RunningServer
 from services.core.settings import Settings
-from services.environment.server import ENVIRONMENT_CALLERS
-from services.session.server import SESSION_CALLERS
 from waiting import wait_until
 
 
 async def _services() -> tuple[RunningServer, RunningServer]:
     environment = FakeEnvironmentService()
     session = FakeSessionService(environment)
-    env_server = await start_grpc_server(
-        "127.0.0.1:0",
-        lambda server: (env_grpc.add_EnvironmentServiceServicer_to_server(environment, server),
-                        ["berth.environment.v1.EnvironmentService"])[1],
-        token=TEST_INTERNAL_TOKEN,
-        callers=ENVIRONMENT_CALLERS,
-    )
-    session_server = await start_grpc_server(
-        "127.0.0.1:0",
-        lambda server: (s_grpc.add_SessionServiceServicer_to_server(session, server),
-                        ["berth.session.v1.SessionService"])[1],
-        token=TEST_INTERNAL_TOKEN,
-        callers=SESSION_CALLERS,
-    )
+    env_server = await serve_environment(environment)
+    session_server = await serve_session(session)
     return env_server, session_server
 
 
