@@ -105,14 +105,14 @@ class AttemptInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStr
     def __init__(self, reads: Iterable[tuple[str, str]]) -> None:
         self._reads = frozenset(f"/{service}/{method}" for service, method in reads)
 
-    def _attempt(self, client_call_details: Any) -> _Attempt | None:
+    def _tracked(self, client_call_details: Any) -> _Attempt | None:
         attempt = _attempt.get()
         method = client_call_details.method
         name = method.decode() if isinstance(method, bytes) else str(method)
         return None if attempt is None or name in self._reads else attempt
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        attempt = self._attempt(client_call_details)
+        attempt = self._tracked(client_call_details)
         if attempt is None:
             return await continuation(client_call_details, request)
         try:
@@ -126,7 +126,7 @@ class AttemptInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStr
         return response
 
     async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        attempt = self._attempt(client_call_details)
+        attempt = self._tracked(client_call_details)
         if attempt is not None:
             # No write streams today; one would count as written once sent.
             attempt.wrote = True

@@ -109,16 +109,16 @@ def open_channel(
     ``services`` their protos mark idempotent. With ``domain_errors`` a failed
     call raises its domain error (how services call each other); without, the
     ``grpc.aio.AioRpcError`` (the gateway maps those to HTTP itself). With
-    ``ready_wait_s`` a call waits that long for a connection before it fails
-    (``PeerUnreachable``) instead of failing at once while the service is
-    down. ``interceptors`` go first, so they see each call's final outcome.
+    ``ready_wait_s`` (seconds; 0 or None: no wait) a call waits that long for
+    a connection before it fails (``PeerUnreachable``) instead of failing at
+    once while the service is down. ``interceptors`` go first, so they see each call's final outcome.
     Without credentials only health checks answer."""
     options: list[tuple[str, str | int]] = [
         *_CHANNEL_OPTIONS,
         ("grpc.enable_retries", 1),
         ("grpc.service_config", service_config(services)),
     ]
-    waits = ReadyWaitInterceptors(ready_wait_s) if ready_wait_s is not None else []
+    waits = ReadyWaitInterceptors(ready_wait_s) if ready_wait_s else []
     chain = [
         *interceptors,
         *(DomainErrorInterceptors() if domain_errors else ()),

@@ -178,7 +178,7 @@ class Settings(BaseSettings):
         description=(
             "How long a gateway request waits for a connection to a Session or Environment service that is down "
             "or restarting before it fails with 503 `service_unavailable` (a request that fails so was never "
-            "sent, so its Idempotency-Key is released)."
+            "sent, so its Idempotency-Key is released). 0 fails at once, as a plain gRPC call does."
         ),
     )
     grace_s: float = Field(default=5.0, ge=0, description="Graceful shutdown period.")
