@@ -150,6 +150,9 @@ def test_backoff_grows_exponentially_with_jitter_and_is_capped() -> None:
         "https://169.254.169.254/h", "https://100.64.0.1/h", "https://[::1]/h", "https://[fe80::1]/h",
         "https://[::ffff:127.0.0.1]/h", "https://0.0.0.0/h", "https://localhost/h", "https://a.localhost/h",
         "http://example.com/h", "https://example.com:0/h", "file:///etc/passwd",
+        # Spellings the resolver turns into loopback, and IPv6 forms that embed it.
+        "https://127.1/h", "https://0x7f000001/h", "https://2130706433/h",
+        "https://[2002:7f00:1::]/h", "https://[64:ff9b::7f00:1]/h",
     ],
 )
 def test_control_plane_and_private_destinations_are_refused_by_default(url: str) -> None:

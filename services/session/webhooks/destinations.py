@@ -6,7 +6,9 @@ names). A URL naming such an address is a 400 at registration; a name is
 resolved at every attempt, every address it resolves to must be allowed,
 and the request connects to the address that was checked (the name goes in
 ``Host`` and TLS SNI), so DNS rebinding cannot swap it. Redirects are never
-followed. Plain ``http`` is accepted only for listed destinations.
+followed. Plain ``http`` is accepted only for listed destinations. Host
+parsing and the global-address test are ``services/core/addresses.py``'s,
+the same rules the sandboxes' egress and the OAuth token calls apply.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from services.core.addresses import IPAddress, is_public_address, parse_host
 from services.core.errors import InvalidArgument
 
 __all__ = ["DestinationPolicy", "DestinationRefused", "Target"]
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 _MAX_URL = 2048
 
@@ -39,14 +40,25 @@ class Target:
     address: str
 
 
-def _address(text: str) -> IPAddress | None:
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return None
+def _unmapped(address: IPAddress) -> IPAddress:
+    """An IPv4-mapped IPv6 address as the IPv4 address it is (for listing)."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
+
+
+def _address(host: str) -> IPAddress | None:
+    """The address a URL's host names (every numeric IPv4 spelling the
+    resolver accepts, such as ``127.1``, included); None for a name."""
+    parsed = parse_host(host)
+    return _unmapped(parsed) if isinstance(parsed, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else None
+
+
+def _resolved(text: str) -> IPAddress | None:
+    try:
+        return _unmapped(ipaddress.ip_address(text.split("%", 1)[0]))
+    except ValueError:
+        return None
 
 
 class DestinationPolicy:
@@ -65,9 +77,7 @@ class DestinationPolicy:
         return address is not None and any(address in network for network in self._networks)
 
     def address_allowed(self, host: str, address: IPAddress) -> bool:
-        if self._listed(host, address):
-            return True
-        return address.is_global and not address.is_multicast
+        return self._listed(host, address) or is_public_address(address)
 
     def check_url(self, url: str, *, param: str = "url") -> str:
         """The URL, or InvalidArgument naming ``param``."""
@@ -110,7 +120,7 @@ class DestinationPolicy:
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as exc:
                 raise DestinationRefused(f"cannot resolve {host}: {exc.strerror or exc}") from None
-            addresses = [a for a in (_address(str(info[4][0])) for info in infos) if a is not None]
+            addresses = [a for a in (_resolved(str(info[4][0])) for info in infos) if a is not None]
         if not addresses:
             raise DestinationRefused(f"{host} has no address")
         refused = [str(a) for a in addresses if not self.address_allowed(host, a)]
