@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -89,18 +88,12 @@ class RemoteModel:
 
 def _serve() -> None:
     sys.path.insert(0, str(_TESTS))
-    from fake_model import Answer, FakeModel
+    from fake_model import Answer, FakeModel, NoDelayHandler
 
     hold = threading.Event()
     with FakeModel(keep_alive=True) as model:
 
-        class Control(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                super().setup()
-                # Small kept-alive exchanges: without it Nagle meets delayed ACK.
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        class Control(NoDelayHandler):
 
             def _reply(self, payload: object) -> None:
                 data = json.dumps(payload).encode()
@@ -135,12 +128,8 @@ def _serve() -> None:
                     ]
                 )
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
         control = ThreadingHTTPServer(("127.0.0.1", 0), Control)
-        port = int(model.base_url.rsplit(":", 1)[1].split("/")[0])
-        print(json.dumps({"model": port, "control": control.server_address[1]}), flush=True)
+        print(json.dumps({"model": model.port, "control": control.server_address[1]}), flush=True)
         control.serve_forever()
 
 

@@ -72,7 +72,7 @@ from openai.types.responses.response_reasoning_summary_part_added_event import P
 from openai.types.responses.response_reasoning_summary_part_done_event import Part as DonePart
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
-__all__ = ["Answer", "Fail", "Drop", "FakeModel", "Recorded", "context_overflow"]
+__all__ = ["Answer", "Fail", "Drop", "FakeModel", "NoDelayHandler", "Recorded", "context_overflow"]
 
 
 @dataclass
@@ -359,6 +359,21 @@ def _responses_events(reply: Answer, model: str, index: int) -> list[tuple[str, 
     return [(e.model_dump_json(exclude_none=True), first_text) for e, first_text in events]
 
 
+class NoDelayHandler(BaseHTTPRequestHandler):
+    """An HTTP/1.1 handler whose connection sends each write at once
+    (``TCP_NODELAY``): small writes on a kept-alive connection would
+    otherwise wait for the peer's delayed ACK (Nagle)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
 class FakeModel:
     """The server; a context manager that runs it in a thread."""
 
@@ -380,26 +395,21 @@ class FakeModel:
         self._lock = threading.Lock()
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                super().setup()
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
+        class Handler(NoDelayHandler):
             def do_POST(self) -> None:  # noqa: N802 - the stdlib's naming
                 fake._handle(self)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-model", daemon=True)
 
     @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+        return f"http://127.0.0.1:{self.port}/v1"
 
     @property
     def paths(self) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -402,25 +403,26 @@ class FakeSessionService(s_grpc.SessionServiceServicer, _Recorder):
         return s_svc.DeleteArtifactResponse(artifact_id=request.artifact_id)
 
 
+async def _serve(address: str, add: Callable[[Any, grpc.aio.Server], None], fake: Any, name: str, callers: Any) -> RunningServer:
+    def register(server: grpc.aio.Server) -> list[str]:
+        add(fake, server)
+        return [name]
+
+    return await start_grpc_server(address, register, token=TEST_INTERNAL_TOKEN, callers=callers)
+
+
 async def serve_environment(fake: FakeEnvironmentService, address: str = "127.0.0.1:0") -> RunningServer:
     """A real gRPC server on ``address`` whose Environment service is ``fake``."""
-    return await start_grpc_server(
-        address,
-        lambda server: (env_grpc.add_EnvironmentServiceServicer_to_server(fake, server),
-                        ["berth.environment.v1.EnvironmentService"])[1],
-        token=TEST_INTERNAL_TOKEN,
-        callers=ENVIRONMENT_CALLERS,
+    return await _serve(
+        address, env_grpc.add_EnvironmentServiceServicer_to_server, fake, "berth.environment.v1.EnvironmentService",
+        ENVIRONMENT_CALLERS,
     )
 
 
 async def serve_session(fake: FakeSessionService, address: str = "127.0.0.1:0") -> RunningServer:
     """A real gRPC server on ``address`` whose Session service is ``fake``."""
-    return await start_grpc_server(
-        address,
-        lambda server: (s_grpc.add_SessionServiceServicer_to_server(fake, server),
-                        ["berth.session.v1.SessionService"])[1],
-        token=TEST_INTERNAL_TOKEN,
-        callers=SESSION_CALLERS,
+    return await _serve(
+        address, s_grpc.add_SessionServiceServicer_to_server, fake, "berth.session.v1.SessionService", SESSION_CALLERS
     )
 
 

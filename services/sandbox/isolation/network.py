@@ -35,6 +35,8 @@ from pathlib import Path
 
 import structlog
 
+from services.sandbox.isolation.commands import TOOL_PATH, run_tool
+
 __all__ = [
     "NetworkSetupError",
     "BLOCKED_V4",
@@ -145,31 +147,13 @@ def filter_ruleset(allow: Sequence[Network], host: Sequence[str]) -> str:
     )
 
 
-async def _run(argv: Sequence[str], stdin: bytes | None = None) -> None:
-    # In a worker thread: spawning from the event loop blocks it until the
-    # child has exec'd, and many sandboxes start at once.
-    try:
-        done = await asyncio.to_thread(
-            subprocess.run,
-            list(argv),
-            input=stdin if stdin is not None else b"",
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-            timeout=_READY_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise NetworkSetupError(f"{argv[0]} failed: {exc}") from exc
-    if done.returncode != 0:
-        raise NetworkSetupError(f"{argv[0]} failed ({done.returncode}): {done.stdout.decode(errors='replace').strip()}")
-
-
 async def apply_filter(netns: Path, ruleset: str) -> None:
     """Loads ``ruleset`` into the network namespace at ``netns``."""
     if shutil.which("nsenter") is None or shutil.which("nft") is None:
         raise NetworkSetupError("nsenter (util-linux) and nft (nftables) are needed to filter a sandbox's network")
-    await _run(["nsenter", f"--net={netns}", "nft", "-f", "-"], stdin=ruleset.encode())
+    await run_tool(
+        ["nsenter", f"--net={netns}", "nft", "-f", "-"], error=NetworkSetupError, timeout_s=_READY_TIMEOUT_S, stdin=ruleset.encode()
+    )
 
 
 def process_start_time(pid: int) -> int | None:
@@ -342,7 +326,7 @@ async def _spawn_slirp(binary: str, netns: Path, log_path: Path, *, sandboxed: b
                 pass_fds=(write_end,),
                 start_new_session=True,
                 close_fds=True,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                env={"PATH": TOOL_PATH},
             )
         os.close(write_end)
         write_end = -1

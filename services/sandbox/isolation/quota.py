@@ -16,14 +16,14 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+
+from services.sandbox.isolation.commands import TOOL_PATH, run_tool
 
 __all__ = ["QuotaError", "mount_workspace", "unmount_workspace", "is_mounted", "mounts_under", "unmount_under", "IMAGE_NAME"]
 
 IMAGE_NAME = "workspace.ext4"
-_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 _TIMEOUT_S = 30.0
 _UNMOUNT_PASSES = 8
 
@@ -33,17 +33,7 @@ class QuotaError(Exception):
 
 
 async def _run(argv: Sequence[str]) -> None:
-    # In a worker thread: spawning from the event loop blocks it until the
-    # child has exec'd, and many sandboxes start at once.
-    try:
-        done = await asyncio.to_thread(
-            subprocess.run, list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=_ENV, timeout=_TIMEOUT_S, check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise QuotaError(f"{argv[0]} failed: {exc}") from exc
-    if done.returncode != 0:
-        raise QuotaError(f"{argv[0]} failed ({done.returncode}): {done.stdout.decode(errors='replace').strip()}")
+    await run_tool(argv, error=QuotaError, timeout_s=_TIMEOUT_S)
 
 
 def is_mounted(mount_point: Path) -> bool:
@@ -72,7 +62,7 @@ async def mount_workspace(
     ``templates`` is a directory of empty filesystems, one per size, made
     once and copied (sparsely, a few MiB) instead of running mkfs each time."""
     for tool in ("mkfs.ext4", "mount", "umount", "cp"):
-        if shutil.which(tool, path=_ENV["PATH"]) is None:
+        if shutil.which(tool, path=TOOL_PATH) is None:
             raise QuotaError(f"{tool} is needed for the workspace disk quota (apt-get install e2fsprogs mount)")
     mount_point.mkdir(parents=True, exist_ok=True)
     if is_mounted(mount_point):
