@@ -4,8 +4,11 @@ back, retries and the turn error code of each kind of failure."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import email.utils
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -164,6 +167,67 @@ async def test_a_rate_limit_a_server_error_and_a_dropped_connection_are_retried(
     assert [(r.attempt, r.code) for r in retries] == [(1, "rate_limit_exceeded"), (2, "server_error"), (3, "connection_failed")]
     assert isinstance(events[-1], Completed) and events[-1].response.text == "finally"
     assert len(model.requests) == 4
+
+
+@contextlib.asynccontextmanager
+async def _forward_proxy() -> AsyncIterator[tuple[str, list[str]]]:
+    """A plain-HTTP forward proxy on 127.0.0.1 (one request per connection):
+    records each request line, rewrites it to origin form and pipes the rest."""
+    seen: list[str] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method, target, version = (await reader.readline()).decode().split()
+        seen.append(f"{method} {target}")
+        url = httpx2.URL(target)
+        upstream_reader, upstream = await asyncio.open_connection(url.host, url.port)
+        upstream.write(f"{method} {url.raw_path.decode()} {version}\r\n".encode())
+        await asyncio.gather(pipe(reader, upstream), pipe(upstream_reader, writer))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
+    finally:
+        server.close()
+
+
+async def test_model_calls_go_through_the_http_proxy_the_environment_configures(
+    model: FakeModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model.script = [Answer(text="via the proxy")]
+    async with _forward_proxy() as (proxy_url, seen):
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        provider = OpenAIProvider(base_url=model.base_url, api_key="sk", retry=FAST)
+        try:
+            response = await complete(provider, _request())
+        finally:
+            await provider.close()
+    assert response.text == "via the proxy"
+    assert seen == [f"POST {model.base_url}/chat/completions"]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_a_model_that_stops_streaming_past_the_timeout_fails_the_call_as_a_request_timeout(
+    model: FakeModel, api: str
+) -> None:
+    held = threading.Event()
+    model.script = [Answer(text="partial answer", hold=held)]
+    provider = OpenAIProvider(base_url=model.base_url, api_key="sk", api=api, timeout_s=0.5, retry=FAST)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ModelError) as failed:
+            await complete(provider, _request())
+    finally:
+        held.set()
+        await provider.close()
+    assert failed.value.code == "request_timeout"
 
 
 async def test_retry_after_is_waited_at_least_before_the_next_attempt(model: FakeModel) -> None:

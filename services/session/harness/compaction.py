@@ -3,7 +3,7 @@ context window, the older part of the history is replaced by a summary the
 model writes of it.
 
 How much a request fills is the larger of its estimate
-(``context.estimate_tokens``) and what the model reported for the previous
+(``context.TokenEstimator``) and what the model reported for the previous
 call. Past ``threshold`` of the window the compaction is blocking: the
 model call waits for it. With the agent's ``compaction.async`` it starts in
 the background already at three quarters of that, while the turn goes on;
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from services.core.logging import get_logger
 from services.session.agents import AgentConfig
-from services.session.harness.context import ContextLimits, compaction_entry, estimate_entries, estimate_tokens
+from services.session.harness.context import ContextLimits, TokenEstimator, compaction_entry
 from services.session.harness.io import TurnIO
 from services.session.harness.models.base import Entry, ModelError, ModelProvider, ModelRequest, Usage, complete
 from services.session.harness.trace import TurnTrace
@@ -64,13 +64,14 @@ class Compactor:
         self.trace = trace
         self._reported = 0
         self._background: asyncio.Task[bool] | None = None
+        self._estimate = TokenEstimator()
 
     def observe(self, usage: Usage) -> None:
         """The model's own count of the last call's context."""
         self._reported = usage.input_tokens + usage.output_tokens
 
     def used(self, request: ModelRequest) -> int:
-        return max(estimate_tokens(request), self._reported)
+        return max(self._estimate.request(request), self._reported)
 
     async def fit(self, config: AgentConfig, request: ModelRequest) -> ModelRequest:
         """``request``, with a compacted transcript when it needed one."""
@@ -129,7 +130,7 @@ class Compactor:
         items = await self.io.transcript_items()
         cut, kept = len(items), 0
         for index in range(len(items) - 1, -1, -1):
-            cost = estimate_entries(items[index][1])
+            cost = self._estimate.entries(items[index][1])
             if kept + cost > window * _KEEP_FRACTION:
                 break
             kept, cut = kept + cost, index
@@ -144,10 +145,10 @@ class Compactor:
             berth__compaction__tokens_before=used,
             berth__compaction__background=background,
         ) as span:
-            fixed = estimate_tokens(dataclasses.replace(request, tools=[], transcript=[]))
+            fixed = self._estimate.request(dataclasses.replace(request, tools=[], transcript=[]))
             # Reasoning is the model's own, and an API may refuse it out of its context.
             summarizable = [e for _, es in summarized for e in es if "reasoning" not in e]
-            entries = _fit(summarizable, int(window * _REQUEST_FRACTION) - fixed)
+            entries = _fit(summarizable, int(window * _REQUEST_FRACTION) - fixed, self._estimate)
             ask = ModelRequest(
                 model=request.model,
                 instructions=request.instructions,
@@ -186,11 +187,11 @@ class Compactor:
         return True
 
 
-def _fit(entries: list[Entry], budget: int) -> list[Entry]:
+def _fit(entries: list[Entry], budget: int, estimate: TokenEstimator) -> list[Entry]:
     """The newest ``entries`` whose estimate fits ``budget``."""
     total, start = 0, len(entries)
     for index in range(len(entries) - 1, -1, -1):
-        total += estimate_entries([entries[index]])
+        total += estimate.entries([entries[index]])
         if total > budget:
             break
         start = index

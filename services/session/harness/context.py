@@ -25,6 +25,7 @@ __all__ = [
     "context_window",
     "estimate_tokens",
     "estimate_entries",
+    "TokenEstimator",
     "compaction_entry",
     "compaction_keep",
     "compact_history",
@@ -85,18 +86,47 @@ def _chars(value: object) -> int:
     return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
 
 
+class TokenEstimator:
+    """Token estimates of requests, remembering each transcript entry's
+    serialized size by identity: a turn's transcript grows by a few entries
+    per model call, so only those are serialized again. An entry is never
+    changed in place once it is in a transcript (the turn's writer replaces
+    an item's entries), and each remembered size holds its entry, so an
+    identity cannot be reused while it is remembered. One per turn."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, tuple[Entry, int]] = {}
+
+    def _entry(self, entry: Entry) -> int:
+        known = self._sizes.get(id(entry))
+        if known is not None and known[0] is entry:
+            return known[1]
+        tokens = _chars(entry) // _CHARS_PER_TOKEN + _ENTRY_OVERHEAD
+        self._sizes[id(entry)] = (entry, tokens)
+        return tokens
+
+    def entries(self, entries: list[Entry]) -> int:
+        """Estimated tokens of transcript entries."""
+        return sum(self._entry(e) for e in entries)
+
+    def request(self, request: ModelRequest) -> int:
+        """Estimated tokens of a whole request: instructions, tool
+        definitions and transcript."""
+        fixed = len(request.instructions or "") + sum(
+            len(t.name) + len(t.description) + _chars(t.parameters) for t in request.tools
+        )
+        return fixed // _CHARS_PER_TOKEN + self.entries(request.transcript)
+
+
 def estimate_entries(entries: list[Entry]) -> int:
     """Estimated tokens of transcript entries."""
-    return sum(_chars(e) // _CHARS_PER_TOKEN + _ENTRY_OVERHEAD for e in entries)
+    return TokenEstimator().entries(entries)
 
 
 def estimate_tokens(request: ModelRequest) -> int:
     """Estimated tokens of a whole request: instructions, tool definitions
     and transcript."""
-    fixed = len(request.instructions or "") + sum(
-        len(t.name) + len(t.description) + _chars(t.parameters) for t in request.tools
-    )
-    return fixed // _CHARS_PER_TOKEN + estimate_entries(request.transcript)
+    return TokenEstimator().request(request)
 
 
 def compaction_entry(text: str, keep: list[str]) -> Entry:

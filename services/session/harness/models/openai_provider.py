@@ -25,8 +25,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
 import httpx2
 import openai
+import orjson
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
@@ -124,9 +126,28 @@ def _is_context_overflow(exc: openai.APIError) -> bool:
     return any(marker in text for marker in _CONTEXT_MESSAGES)
 
 
+def _dropped(exc: BaseException) -> bool:
+    """Whether the connection failed without a timeout: the SDK's aiohttp
+    transport reports every aiohttp connection error, a dropped connection
+    included, as a connect timeout, and only the cause tells them apart."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, aiohttp.ServerTimeoutError | TimeoutError):
+            return False
+        if isinstance(cause, aiohttp.ClientConnectionError):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _transport_code(exc: httpx2.TransportError) -> str:
+    """The code of a transport error raised while a stream was read."""
+    return "request_timeout" if isinstance(exc, httpx2.TimeoutException) and not _dropped(exc) else "connection_failed"
+
+
 def error_code(exc: openai.OpenAIError) -> str:
     """The `SessionTurnError` code of a failed model call."""
-    if isinstance(exc, openai.APITimeoutError):
+    if isinstance(exc, openai.APITimeoutError) and not _dropped(exc):
         return "request_timeout"
     if isinstance(exc, openai.APIConnectionError):
         return "connection_failed"
@@ -366,7 +387,16 @@ class OpenAIProvider:
         timeout_s: float = 600.0,
         retry: RetryPolicy | None = None,
     ) -> None:
-        self._client = openai.AsyncOpenAI(base_url=base_url or None, api_key=api_key or "unused", timeout=timeout_s, max_retries=0)
+        # aiohttp's transport (the SDK's own ``DefaultAioHttpClient``, with its
+        # proxy and CA settings from the environment) costs less per request
+        # than the default one.
+        self._client = openai.AsyncOpenAI(
+            base_url=base_url or None,
+            api_key=api_key or "unused",
+            timeout=timeout_s,
+            max_retries=0,
+            http_client=openai.DefaultAioHttpClient(timeout=timeout_s),
+        )
         self._api = api
         self._retry = retry or RetryPolicy()
 
@@ -388,7 +418,7 @@ class OpenAIProvider:
                         yield event
                 return
             except (openai.OpenAIError, httpx2.TransportError) as exc:
-                code = error_code(exc) if isinstance(exc, openai.OpenAIError) else "connection_failed"
+                code = error_code(exc) if isinstance(exc, openai.OpenAIError) else _transport_code(exc)
                 message = f"model call failed: {exc}"
                 if streamed or not retryable(exc):
                     raise ModelError(code, message) from exc
@@ -398,6 +428,17 @@ class OpenAIProvider:
                     raise ModelError(code, f"model call failed after {attempt} attempts (retries exhausted): {exc}") from exc
                 yield Retrying(attempt=attempt, delay_s=delay, code=code, message=message)
                 await asyncio.sleep(delay)
+
+    async def _post(self, path: str, cast_to: type[ChatCompletion | Response], body: dict[str, Any]) -> openai.AsyncStream[object]:
+        """Posts ``body`` as built, serialized by orjson: the client's typed
+        ``create`` transforms every message through typing introspection,
+        and its JSON encoder is the harness's largest cost per call on a
+        long transcript. Chunks and events are read as the JSON objects they
+        are (``AsyncStream[object]``): building a typed one per event costs
+        more than the rest of the harness's work between two model calls."""
+        return await self._client.post(
+            path, cast_to=cast_to, content=orjson.dumps(body), stream=True, stream_cls=openai.AsyncStream[object]
+        )
 
     async def _chat(self, request: ModelRequest) -> AsyncGenerator[StreamEvent, None]:
         names = _Names(request.tools)
@@ -421,15 +462,7 @@ class OpenAIProvider:
         if request.verbosity:
             kwargs["verbosity"] = request.verbosity
         kwargs.update(_prompt_cache(request))
-        # Posted as built: the client's typed ``create`` transforms every
-        # message through typing introspection, which costs tens of
-        # milliseconds per call on a long transcript. Chunks are read as the
-        # JSON objects they are (``AsyncStream[object]``): building a typed
-        # chunk per event costs more than the rest of the harness's work
-        # between two model calls.
-        stream = await self._client.post(
-            "/chat/completions", cast_to=ChatCompletion, body=kwargs, stream=True, stream_cls=openai.AsyncStream[object]
-        )
+        stream = await self._post("/chat/completions", ChatCompletion, kwargs)
         text: list[str] = []
         reasoning: list[str] = []
         calls: dict[int, _ChatCall] = {}
@@ -493,10 +526,7 @@ class OpenAIProvider:
             kwargs["reasoning"] = {
                 k: v for k, v in (("effort", request.reasoning_effort), ("summary", request.reasoning_summary)) if v
             }
-        # Events are read as the JSON objects they are, like chat chunks.
-        stream = await self._client.post(
-            "/responses", cast_to=Response, body=kwargs, stream=True, stream_cls=openai.AsyncStream[object]
-        )
+        stream = await self._post("/responses", Response, kwargs)
         texts: list[str] = []
         calls: list[ToolCall] = []
         reasoning: dict[int, Reasoning] = {}
