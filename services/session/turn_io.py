@@ -143,15 +143,25 @@ class DbTurnIO:
         return await self.writer.transcript_items()
 
     async def add_item(
-        self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
+        self,
+        item: dict[str, Any],
+        *,
+        entries: list[Entry],
+        output: bool,
+        done: bool,
+        visible: bool = True,
+        hold: bool = False,
     ) -> ItemHandle:
-        return await self.writer.add_item(item, entries=entries, output=output, done=done, visible=visible)
+        return await self.writer.add_item(item, entries=entries, output=output, done=done, visible=visible, hold=hold)
 
     def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
         self.writer.track_item(handle, item)
 
-    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry]) -> None:
-        await self.writer.finish_item(handle, item, entries=entries)
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry], hold: bool = False) -> None:
+        await self.writer.finish_item(handle, item, entries=entries, hold=hold)
+
+    def flush_behind(self) -> None:
+        self.writer.flush_behind()
 
     async def emit(self, *events: dict[str, Any]) -> None:
         await self.writer.emit(*events)

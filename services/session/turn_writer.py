@@ -147,14 +147,28 @@ class TurnWriter:
         self._staged = _Staged()
         self._batching = False
         self._inflight: set[asyncio.Future[Any]] = set()
+        # The write ``flush_behind`` started, until a later write waited for it.
+        self._behind: asyncio.Future[None] | None = None
 
     async def transact(self, fn: Callable[[Unit], Awaitable[T]]) -> T:
-        """One transaction whose completion ``settle`` waits for."""
+        """One transaction whose completion ``settle`` waits for. It begins
+        after the write ``flush_behind`` started, and raises that write's
+        failure (a takeover, say) if it failed."""
+        await self._caught_up()
         return await self.store.transact(fn, inflight=self._inflight)
 
+    async def _caught_up(self) -> None:
+        behind = self._behind
+        if behind is not None:
+            await asyncio.shield(behind)
+            if self._behind is behind:
+                self._behind = None
+
     async def settle(self) -> None:
-        """Waits for writes a cancel interrupted on the caller's side, so the
-        turn's last events are in the log before its outcome."""
+        """Persists what is still staged, and waits for writes a cancel
+        interrupted on the caller's side, so the turn's last events are in
+        the log before its outcome."""
+        self.flush_behind()
         if self._inflight:
             await asyncio.wait(set(self._inflight))
 
@@ -209,8 +223,37 @@ class TurnWriter:
         """Persists the staged writes in one transaction (at the end of a batch)."""
         if self._batching or not self._staged:
             return
+        if self._behind is not None:
+            # In order: after the write left behind.
+            self.flush_behind()
+            await self._caught_up()
+            return
         staged, self._staged = self._staged, _Staged()
+        await self.transact(self._write(staged))
 
+    def flush_behind(self) -> None:
+        """Persists the staged writes in a task of its own, after the write
+        started before it. A tool call's last result is written so while
+        the next model request goes out: the harness needs none of it."""
+        if self._batching or not self._staged:
+            return
+        staged, self._staged = self._staged, _Staged()
+        write = self._write(staged)
+        previous = self._behind
+
+        async def run() -> None:
+            if previous is not None:
+                await previous
+            await self.store.transact(write, inflight=self._inflight)
+
+        task = asyncio.ensure_future(run())
+        # Its failure is raised by the next write; retrieved here in case there is none.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        self._behind = task
+
+    def _write(self, staged: _Staged) -> Callable[[Unit], Awaitable[None]]:
         async def write(u: Unit) -> None:
             if staged.items:
                 await u.session.execute(_INSERT_ITEMS, list(staged.items.values()))
@@ -228,7 +271,7 @@ class TurnWriter:
             for item_id in staged.finished:
                 self.open_items.pop(item_id, None)
 
-        await self.transact(write)
+        return write
 
     @contextlib.asynccontextmanager
     async def batch(self) -> AsyncIterator[None]:
@@ -304,7 +347,14 @@ class TurnWriter:
         return self.scoped({"type": "agent.session.turn.item.done", "item": full, "output_index": handle.output_index})
 
     async def add_item(
-        self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
+        self,
+        item: dict[str, Any],
+        *,
+        entries: list[Entry],
+        output: bool,
+        done: bool,
+        visible: bool = True,
+        hold: bool = False,
     ) -> ItemHandle:
         handle = self.handle(output)
         full = self.stage_item(handle, item, entries, visible=visible)
@@ -316,7 +366,8 @@ class TurnWriter:
                 # Tracked before it is written: a cancel arriving meanwhile
                 # still finds the item to close.
                 self.track_item(handle, item)
-        await self.flush()
+        if not hold:
+            await self.flush()
         return handle
 
     def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
@@ -335,14 +386,15 @@ class TurnWriter:
     async def insert_item(self, u: Unit, row: dict[str, Any]) -> None:
         await u.session.execute(insert(_ITEMS), [row])
 
-    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry]) -> None:
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry], hold: bool = False) -> None:
         full = self.full(handle, item)
         self._stage_item_update(handle.id, item_json=dumps(full), model_json=dumps(entries))
         self._transcript[handle.id] = list(entries)
         if handle.output_index is not None and full["type"] in OUTPUT_ITEM_TYPES:
             self._staged.events.append(self.done(handle, full))
         self._staged.finished.append(handle.id)
-        await self.flush()
+        if not hold:
+            await self.flush()
 
     async def close_open_items(self, u: Unit) -> None:
         """On a failed or cancelled turn: items still open end as incomplete

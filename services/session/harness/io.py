@@ -98,18 +98,32 @@ class TurnIO(Protocol):
         ...
 
     async def add_item(
-        self, item: dict[str, Any], *, entries: list[Entry], output: bool, done: bool, visible: bool = True
+        self,
+        item: dict[str, Any],
+        *,
+        entries: list[Entry],
+        output: bool,
+        done: bool,
+        visible: bool = True,
+        hold: bool = False,
     ) -> ItemHandle:
         """Persists an item and emits turn.item.added (and item.done when ``done``).
-        ``output`` items are agent output and get an output_index."""
+        ``output`` items are agent output and get an output_index. With
+        ``hold`` the write is only staged, for the next write or
+        ``flush_behind`` to persist."""
         ...
 
     def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
         """Remembers the latest in-memory state of an open item, so a cancel can close it."""
         ...
 
-    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry]) -> None:
-        """Stores the final item and emits turn.item.done."""
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Entry], hold: bool = False) -> None:
+        """Stores the final item and emits turn.item.done (``hold``: as for ``add_item``)."""
+        ...
+
+    def flush_behind(self) -> None:
+        """Starts persisting the staged writes without waiting for them; every
+        later write (and the turn's ending) begins after they are persisted."""
         ...
 
     async def emit(self, *events: dict[str, Any]) -> None:

@@ -58,12 +58,15 @@ class _Ordered:
     """The TurnIO of one tool call of a concurrent batch: the call's first
     item is added only after the previous call added its first item (or
     finished without one), and environment setup is entered one call at a
-    time. Everything else passes through."""
+    time. The finished items of the batch's last call to end are held, for
+    ``flush_behind`` to persist while the next model request goes out.
+    Everything else passes through."""
 
-    def __init__(self, io: TurnIO, previous: asyncio.Event | None, setup: asyncio.Lock) -> None:
+    def __init__(self, io: TurnIO, previous: asyncio.Event | None, setup: asyncio.Lock, last: Callable[[], bool]) -> None:
         self._io = io
         self._previous = previous
         self._setup = setup
+        self._last = last
         self.added = asyncio.Event()
 
     def __getattr__(self, name: str) -> Any:
@@ -74,13 +77,24 @@ class _Ordered:
             await self._previous.wait()
 
     async def add_item(
-        self, item: dict[str, Any], *, entries: list[Any], output: bool, done: bool, visible: bool = True
+        self,
+        item: dict[str, Any],
+        *,
+        entries: list[Any],
+        output: bool,
+        done: bool,
+        visible: bool = True,
+        hold: bool = False,
     ) -> ItemHandle:
         await self._turn()
         try:
-            return await self._io.add_item(item, entries=entries, output=output, done=done, visible=visible)
+            hold = hold or (done and self._last())
+            return await self._io.add_item(item, entries=entries, output=output, done=done, visible=visible, hold=hold)
         finally:
             self.added.set()
+
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Any], hold: bool = False) -> None:
+        await self._io.finish_item(handle, item, entries=entries, hold=hold or self._last())
 
     async def add_function_call(self, name: str, arguments: str, model_call_id: str) -> str:
         await self._turn()
@@ -104,6 +118,10 @@ async def _run_tool_calls(
     previous: asyncio.Event | None = None
     previous_started: asyncio.Event | None = None
     tasks: list[asyncio.Task[PendingCall | None]] = []
+    unfinished = len(calls)
+
+    def last() -> bool:
+        return unfinished == 1
 
     async def one(call: ToolCall, ordered: _Ordered, wait_start: asyncio.Event | None, started: asyncio.Event) -> PendingCall | None:
         # Slots are taken in the model's order, so a call never holds one
@@ -125,10 +143,12 @@ async def _run_tool_calls(
                         return None
                     return await execute_tool_call(ordered, config, call)
             finally:
+                nonlocal unfinished
+                unfinished -= 1
                 ordered.added.set()
 
     for call in calls:
-        ordered = _Ordered(io, previous, setup)
+        ordered = _Ordered(io, previous, setup, last)
         started = asyncio.Event()
         tasks.append(asyncio.create_task(one(call, ordered, previous_started, started), name=f"tool-{call.id}"))
         previous, previous_started = ordered.added, started
@@ -140,6 +160,7 @@ async def _run_tool_calls(
             task.cancel()
         await asyncio.wait(tasks)
         raise
+    io.flush_behind()
     return [r for r in results if r is not None]
 
 

@@ -48,7 +48,9 @@ class _IO:
         self.setups = 0
         self._next = 0
 
-    async def add_item(self, item: dict[str, Any], *, entries: list[Any], output: bool, done: bool, visible: bool = True) -> ItemHandle:
+    async def add_item(
+        self, item: dict[str, Any], *, entries: list[Any], output: bool, done: bool, visible: bool = True, hold: bool = False
+    ) -> ItemHandle:
         handle = ItemHandle(f"item_{self._next}", self._next if output else None)
         self._next += 1
         self.items.append((handle.output_index, dict(item)))
@@ -57,7 +59,10 @@ class _IO:
     def track_item(self, handle: ItemHandle, item: dict[str, Any]) -> None:
         return None
 
-    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Any]) -> None:
+    async def finish_item(self, handle: ItemHandle, item: dict[str, Any], *, entries: list[Any], hold: bool = False) -> None:
+        return None
+
+    def flush_behind(self) -> None:
         return None
 
     async def emit(self, *events: dict[str, Any]) -> None:
