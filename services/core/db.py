@@ -88,17 +88,22 @@ async def migrate(engine: AsyncEngine, service: str, versions: Path) -> None:
         await conn.run_sync(_upgrade)
 
 
-async def _shielded(work: Awaitable[T], inflight: set[asyncio.Future[Any]] | None = None) -> T:
-    """Runs ``work`` to its end in a task of its own. A cancelled caller
-    stops waiting; the work goes on. ``inflight`` collects the task while it
-    runs, so a cancelled caller can wait for it to settle."""
+def start_tracked(work: Awaitable[T], inflight: set[asyncio.Future[Any]] | None = None) -> asyncio.Future[T]:
+    """Starts ``work`` in a task of its own, whose failure is retrieved even
+    when nobody awaits it; ``inflight`` collects the task while it runs, so
+    a caller can wait for it to settle."""
     task = asyncio.ensure_future(work)
-    # Retrieve a late failure of work whose caller went away.
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     if inflight is not None:
         inflight.add(task)
         task.add_done_callback(inflight.discard)
-    return await asyncio.shield(task)
+    return task
+
+
+async def _shielded(work: Awaitable[T], inflight: set[asyncio.Future[Any]] | None = None) -> T:
+    """Runs ``work`` to its end in a task of its own. A cancelled caller
+    stops waiting; the work goes on."""
+    return await asyncio.shield(start_tracked(work, inflight))
 
 
 class Database:
@@ -200,7 +205,7 @@ async def open_database(url: str, service: str, versions: Path) -> Database:
     return Database(engine)
 
 
-__all__ += ["open_database", "set_clause", "set_params"]
+__all__ += ["open_database", "set_clause", "set_params", "start_tracked"]
 
 
 # Prepared UPDATE statements set columns from bound parameters named

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy import Table, bindparam, exists, func, insert, select, update
 
-from services.core.db import set_clause, set_params
+from services.core.db import set_clause, set_params, start_tracked
 from services.core.errors import NotFound
 from services.core.ids import new_id
 from services.session import views, wire
@@ -246,12 +246,8 @@ class TurnWriter:
                 await previous
             await self.store.transact(write, inflight=self._inflight)
 
-        task = asyncio.ensure_future(run())
-        # Its failure is raised by the next write; retrieved here in case there is none.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        self._behind = task
+        # Its failure is raised by the next write (and retrieved if there is none).
+        self._behind = start_tracked(run(), self._inflight)
 
     def _write(self, staged: _Staged) -> Callable[[Unit], Awaitable[None]]:
         async def write(u: Unit) -> None:

@@ -132,7 +132,7 @@ def _dropped(exc: BaseException) -> bool:
     included, as a connect timeout, and only the cause tells them apart."""
     cause = exc.__cause__
     while cause is not None:
-        if isinstance(cause, aiohttp.ServerTimeoutError | TimeoutError):
+        if isinstance(cause, TimeoutError):  # aiohttp's timeouts included
             return False
         if isinstance(cause, aiohttp.ClientConnectionError):
             return True
