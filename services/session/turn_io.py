@@ -163,6 +163,9 @@ class DbTurnIO:
     def flush_behind(self) -> None:
         self.writer.flush_behind()
 
+    async def written(self) -> None:
+        await self.writer.written()
+
     async def emit(self, *events: dict[str, Any]) -> None:
         await self.writer.emit(*events)
 

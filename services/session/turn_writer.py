@@ -154,10 +154,12 @@ class TurnWriter:
         """One transaction whose completion ``settle`` waits for. It begins
         after the write ``flush_behind`` started, and raises that write's
         failure (a takeover, say) if it failed."""
-        await self._caught_up()
+        await self.written()
         return await self.store.transact(fn, inflight=self._inflight)
 
-    async def _caught_up(self) -> None:
+    async def written(self) -> None:
+        """Waits for the write ``flush_behind`` started (and those before
+        it); raises its failure, as often as it is asked, if it failed."""
         behind = self._behind
         if behind is not None:
             await asyncio.shield(behind)
@@ -226,7 +228,7 @@ class TurnWriter:
         if self._behind is not None:
             # In order: after the write left behind.
             self.flush_behind()
-            await self._caught_up()
+            await self.written()
             return
         staged, self._staged = self._staged, _Staged()
         await self.transact(self._write(staged))

@@ -340,3 +340,52 @@ async def test_an_append_of_the_old_worker_waits_for_a_takeover_in_flight_and_is
     finally:
         await db.dispose()
         await service.stop(0)
+
+
+async def test_a_result_written_behind_after_a_takeover_fails_the_old_workers_wait_and_every_later_write(
+    tmp_path: Path, database_url: str, fake_env: Any, client_for: Any
+) -> None:
+    from sqlalchemy import select, update
+
+    from services.core.db import open_database
+    from services.session.models import ItemRow, SessionRow, TurnRow
+    from services.session.store import Store
+    from services.session.turn_writer import TurnTakenOver, TurnWriter
+
+    settings = Settings(data_dir=tmp_path / "data", session_database_url=database_url)
+    service = await start_session_service(settings, address="127.0.0.1:0", environment_addr=f"127.0.0.1:{fake_env[1].port}")
+    migrations = Path(str(__import__("services.session.server", fromlist=["x"]).__file__)).parent / "migrations" / "versions"
+    db = await open_database(settings.database_url("session"), "session", migrations)
+    store = Store(db)
+    try:
+        client = client_for(service.address)
+        agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
+        created = await client.create_session({"agent": agent, "environment": {"type": "none"}, "input": "call hold"})
+        await client.wait_for(created.session.id, lambda e: e["type"] == "agent.session.requires_action")
+        row = await store.query(lambda s: s.scalar(select(TurnRow).where(TurnRow.id == created.turn_id)))
+        config = await store.query(lambda s: s.scalar(select(SessionRow.agent_config_json).where(SessionRow.id == created.session.id)))
+        assert row is not None and config is not None
+        old = TurnWriter(
+            store, session_id=created.session.id, turn_id=created.turn_id, agent_config_json=config, transcript=[], worker_id=row.worker_id
+        )
+        async with db.transaction() as takeover:
+            await takeover.execute(update(TurnRow).where(TurnRow.id == created.turn_id).values(worker_id="w_successor"))
+        item = {"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "late"}]}
+        handle = await old.add_item(item, entries=[{"role": "assistant", "text": "late"}], output=True, done=True, hold=True)
+        old.flush_behind()
+        async with asyncio.timeout(10):
+            with pytest.raises(TurnTakenOver):
+                await old.written()
+            # Asked again (the turn's ending asks too), it fails again.
+            with pytest.raises(TurnTakenOver):
+                await old.written()
+            with pytest.raises(TurnTakenOver):
+                await old.emit({"type": "agent.session.turn.output_text.delta", "delta": "later"})
+        items = await store.query(lambda s: s.scalar(select(ItemRow.id).where(ItemRow.id == handle.id)))
+        assert items is None
+        events = [e for _, e in await client.events(created.session.id)]
+        assert all(e.get("delta") != "later" for e in events)
+        assert all((e.get("item") or {}).get("id") != handle.id for e in events)
+    finally:
+        await db.dispose()
+        await service.stop(0)

@@ -126,6 +126,12 @@ class TurnIO(Protocol):
         later write (and the turn's ending) begins after they are persisted."""
         ...
 
+    async def written(self) -> None:
+        """Waits until what ``flush_behind`` started is persisted; raises its
+        failure (a takeover, say). A turn ends only after this returns, so
+        it never ends as completed with a write of it lost."""
+        ...
+
     async def emit(self, *events: dict[str, Any]) -> None:
         """Appends scoped events (session_id and turn_id are filled in)."""
         ...

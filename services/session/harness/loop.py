@@ -207,6 +207,9 @@ async def run_turn(
     compactor = Compactor(io, provider_for, limits or ContextLimits(), trace)
     try:
         await _iterate(io, provider_for, tool_concurrency, compactor, trace)
+        # The last tool results may still be being written: the turn has
+        # not succeeded until they are.
+        await io.written()
     except BaseException:
         compactor.cancel()
         raise

@@ -65,6 +65,9 @@ class _IO:
     def flush_behind(self) -> None:
         return None
 
+    async def written(self) -> None:
+        return None
+
     async def emit(self, *events: dict[str, Any]) -> None:
         return None
 
