@@ -5,7 +5,14 @@ and mount namespaces, cgroup limits, disk quota, seccomp; network
 ``disabled`` and ``enabled``) and without it (``BERTH_SANDBOX_ISOLATION=none``).
 Baseline: starting a raw bubblewrap sandbox running ``python3 -c pass`` in
 the same run (the floor of any cold start). Target: p50 under 150 ms on the
-local backend with isolation on."""
+local backend with isolation on.
+
+With the local warm pool (``BERTH_SANDBOX_POOL_SIZE=1``, isolated, network
+``enabled``): POST a session, then its first command, ``true`` through the
+Environment service's ExecCommand (what the harness calls), until its exit
+status arrives; the pool is refilled, untimed, before every sample. Baseline
+in the same run: the same steps with no pool. Target (issue 14): p50 under
+40 ms."""
 
 from __future__ import annotations
 
@@ -17,8 +24,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.bench_sandboxes import wait_pool_ready
 from bench.runner import Result, summarize
-from bench.stack import running_stack
+from bench.stack import internal_channel, running_stack
+from berth.environment.v1 import environment_service_pb2 as env_pb
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
+from gateway.keys import create_key
 
 RUNS = 30
 
@@ -51,6 +62,43 @@ async def _cold_samples(data_dir: Path, network: str, **overrides: object) -> li
         return samples
 
 
+async def _first_command_samples(data_dir: Path, *, pool_size: int) -> list[float]:
+    """Session create, then its first command; one new session per sample."""
+    async with running_stack(data_dir, sandbox_pool_size=pool_size) as stack, httpx.AsyncClient(
+        base_url=stack.base_url, headers=stack.headers, timeout=60
+    ) as http:
+        record, _ = await create_key(stack.gateway.database, "bench", ["tasks:read"])
+        org = (("x-berth-org", record.org_id),)
+        channel = internal_channel(stack.settings.environment_addr, "session")
+        environments = env_grpc.EnvironmentServiceStub(channel)
+        body = {"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted", "network": {"access": "enabled"}}}
+
+        async def first_command() -> str:
+            created = await http.post("/agents/sessions", json=body)
+            created.raise_for_status()
+            session_id = str(created.json()["id"])
+            request = env_pb.ExecCommandRequest(environment_id=created.json()["environment"]["id"], session_id=session_id, shell="true")
+            async for message in environments.ExecCommand(request, metadata=org, timeout=60):
+                if message.WhichOneof("event") == "exit" and message.exit.exit_code != 0:
+                    raise RuntimeError(f"true exited {message.exit.exit_code}")
+            return session_id
+
+        samples: list[float] = []
+        try:
+            for index in range(RUNS + 1):  # the first one fills the pool's key
+                if pool_size and index:
+                    await wait_pool_ready(data_dir / "pool", 60)
+                t0 = time.perf_counter()
+                session_id = await first_command()
+                if index:
+                    samples.append((time.perf_counter() - t0) * 1000)
+                # Not timed: deleting the session destroys its environment's sandbox.
+                (await http.delete(f"/agents/sessions/{session_id}")).raise_for_status()
+        finally:
+            await channel.close()
+        return samples
+
+
 async def run(tmp: Path) -> list[Result]:
     base = []
     if shutil.which("bwrap"):
@@ -68,4 +116,8 @@ async def run(tmp: Path) -> list[Result]:
         samples = await _cold_samples(tmp / label.replace(" ", "-").replace(",", ""), network, **overrides)
         target = "p50 < 150 ms" if label.startswith("isolated") else ""
         results.append(summarize(f"session + first file op, cold ({label})", samples, "raw bwrap python3 -c pass", base, target))
+    if shutil.which("bwrap"):
+        pooled = await _first_command_samples(tmp / "pooled", pool_size=1)
+        unpooled = await _first_command_samples(tmp / "unpooled", pool_size=0)
+        results.append(summarize("session + first command, warm pool (local)", pooled, "the same, no pool", unpooled, "p50 < 40 ms"))
     return results

@@ -33,7 +33,7 @@ from services.sandbox.backends.local import LocalBackend, _process_tree
 from services.sandbox.daemon_client import DaemonClient, probe
 from services.sandbox.server import build_backend, start_sandbox_service
 
-__all__ = ["Figure", "sandbox_figures", "print_figures", "run"]
+__all__ = ["Figure", "sandbox_figures", "print_figures", "run", "wait_pool_ready"]
 
 _DORMANT_AFTER_S = 1.0
 _LATENCY_SAMPLES = 20
@@ -189,7 +189,7 @@ async def _density(tmp: Path, count: int, concurrency: int) -> list[Figure]:
 _ENABLED = common_pb2.NetworkPolicy(access=common_pb2.NETWORK_ACCESS_ENABLED)
 
 
-async def _wait_pool_ready(pool_dir: Path, timeout_s: float) -> None:
+async def wait_pool_ready(pool_dir: Path, timeout_s: float) -> None:
     """Until a pooled sandbox's daemon answers (the service's pool is not
     reachable from here; its slot directories are)."""
     deadline = time.monotonic() + timeout_s
@@ -213,7 +213,7 @@ async def _create_then_exec_ms(tmp: Path, pool_size: int) -> list[float]:
     try:
         for index in range(_CLAIM_SAMPLES + 1):
             if pool_size and index:
-                await _wait_pool_ready(tmp / "pool", 60)
+                await wait_pool_ready(tmp / "pool", 60)
             sandbox_id = f"sbx_claim_{index}"
             t0 = time.perf_counter()
             await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id=sandbox_id, network=_ENABLED), metadata=ORG)

@@ -56,6 +56,9 @@ __all__ = ["SandboxManager", "SandboxRecord", "CreateParams", "SecretParams"]
 _UNDESTROYED = (*LIVE_STATES, SandboxState.ERROR)
 # A sandbox adopted while it was being created is running but still says so.
 _PAUSABLE = (SandboxState.CREATING, SandboxState.RUNNING)
+# How often the berth_sandboxes gauge is recounted (a Prometheus scrape is
+# typically every 15 s or more).
+GAUGE_REFRESH_S = 5.0
 
 log = get_logger(__name__)
 
@@ -162,6 +165,7 @@ class SandboxManager:
         self._live: dict[str, _Live] = {}
         self._create_locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._gauge: asyncio.Task[None] | None = None
 
     # --- lifecycle of the manager itself -------------------------------------------------
 
@@ -202,14 +206,16 @@ class SandboxManager:
         if self._idle_pause_s > 0:
             self._reaper = asyncio.create_task(self._reap_idle(), name="sandbox-idle-reaper")
         await self._update_gauge()
+        self._gauge = asyncio.create_task(self._refresh_gauge(), name="sandbox-gauge")
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            try:
-                await self._reaper
-            except asyncio.CancelledError:
-                pass
+        for task in (self._reaper, self._gauge):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for live in self._live.values():
             await live.close()
         await self._egress.close()
@@ -244,13 +250,22 @@ class SandboxManager:
                 error=error,
                 handle_json=handle.to_json() if handle is not None else None,
             )
-        await self._update_gauge()
 
     async def _update_gauge(self) -> None:
         async with self._db.transaction(read_only=True) as s:
             counts = await repo.count_by_state(s)
         for state in SandboxState:
             SANDBOXES.labels(state=state).set(counts.get(state, 0))
+
+    async def _refresh_gauge(self) -> None:
+        """Counts by state every GAUGE_REFRESH_S, off every transition's
+        path: a count reads every row ever made (destroyed ones are kept)."""
+        while True:
+            await asyncio.sleep(GAUGE_REFRESH_S)
+            try:
+                await self._update_gauge()
+            except Exception as exc:  # the next round tries again
+                log.warning("sandbox_gauge_failed", error=str(exc))
 
     # --- transitions --------------------------------------------------------------------
 

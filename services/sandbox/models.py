@@ -17,7 +17,7 @@ class SandboxRow(Base):
 
     sandbox_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     org_id: Mapped[str] = mapped_column(String(64), index=True)
-    state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), index=True)
     backend: Mapped[str] = mapped_column(String(16))
     isolation: Mapped[str] = mapped_column(String(16))
     labels_json: Mapped[str] = mapped_column(Text, default="{}")

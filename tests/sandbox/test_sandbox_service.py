@@ -171,3 +171,27 @@ async def test_destroy_removes_the_sandbox(service: Service) -> None:
         await stub.GetSandbox(pb.GetSandboxRequest(sandbox_id="sbx_gone"), metadata=ORG_A)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert not (service.settings.data_dir / "sandboxes" / "sbx_gone").exists()
+
+
+async def test_the_state_gauge_follows_creates_and_destroys_within_its_refresh_period(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prometheus_client import REGISTRY
+
+    from services.sandbox import manager
+
+    monkeypatch.setattr(manager, "GAUGE_REFRESH_S", 0.05)
+
+    def count(state: str) -> float:
+        return REGISTRY.get_sample_value("berth_sandboxes", {"state": state}) or 0.0
+
+    stub = await service.start()
+    running, destroyed = count("running"), count("destroyed")
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_gauge"), metadata=ORG_A)
+    await wait_until(lambda: count("running") == running + 1, timeout=10, what="the gauge to count the new sandbox")
+    await stub.DestroySandbox(pb.DestroySandboxRequest(sandbox_id="sbx_gauge"), metadata=ORG_A)
+    await wait_until(
+        lambda: count("running") == running and count("destroyed") == destroyed + 1,
+        timeout=10,
+        what="the gauge to count the sandbox destroyed",
+    )
