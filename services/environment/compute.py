@@ -180,6 +180,10 @@ class Compute(Protocol):
         """Removes a file or an empty directory; a symlink itself, not its target."""
         ...
 
+    async def make_directory(self, sandbox: SandboxRef, path: str) -> None:
+        """Makes a directory and its missing parents (``mkdir -p``, without a process)."""
+        ...
+
     async def list_mcp_brokers(self, sandbox: SandboxRef) -> list[sandbox_pb2.McpBroker]: ...
 
     async def send_mcp_message(self, sandbox: SandboxRef, label: str, message_json: str, *, timeout_s: float) -> str:
@@ -417,6 +421,10 @@ class SandboxClient:
     async def remove_file(self, sandbox_id: str, path: str) -> None:
         with self._unreachable(sandbox_id):
             await self._stub.RemoveFile(sandbox_service_pb2.RemoveFileRequest(sandbox_id=sandbox_id, path=path))
+
+    async def make_directory(self, sandbox_id: str, path: str) -> None:
+        with self._unreachable(sandbox_id):
+            await self._stub.MakeDirectory(sandbox_service_pb2.MakeDirectoryRequest(sandbox_id=sandbox_id, path=path))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         request = sandbox_service_pb2.WriteFileRequest(sandbox_id=sandbox_id, path=path, data=data, mode=mode)

@@ -554,16 +554,16 @@ class EnvironmentDomain:
         key = (row.id, binding.session_id)
         if key in self._output_dirs:
             return
-        exit_code = -1
-        async for event in self._compute.exec(_sandbox(row), argv=["mkdir", "-p", binding.output_dir], cwd=WORKSPACE):
-            if isinstance(event, common_pb2.ExitStatus):
-                exit_code = event.exit_code
-        if exit_code == 0:
-            self._output_dirs.add(key)
-        else:
-            log.warning(
-                "output_dir_create_failed", environment_id=row.id, session_id=binding.session_id, exit_code=exit_code
-            )
+        try:
+            # By sandboxd itself: no process, and no need for a mkdir in the image.
+            await self._compute.make_directory(_sandbox(row), binding.output_dir)
+        except SandboxUnavailable:
+            raise
+        except BerthError as exc:
+            # The command still runs; it finds no output directory.
+            log.warning("output_dir_create_failed", environment_id=row.id, session_id=binding.session_id, error=exc.message)
+            return
+        self._output_dirs.add(key)
 
     async def read_workspace_file(self, org_id: str, environment_id: str, path: str) -> AsyncIterator[tuple[bytes, int]]:
         path = workspace_file_path(path)

@@ -179,6 +179,9 @@ class SandboxNodes:
     async def remove_file(self, sandbox: SandboxRef, path: str) -> None:
         await self._client(sandbox).remove_file(sandbox.sandbox_id, path)
 
+    async def make_directory(self, sandbox: SandboxRef, path: str) -> None:
+        await self._client(sandbox).make_directory(sandbox.sandbox_id, path)
+
     async def write_file(self, sandbox: SandboxRef, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         return await self._client(sandbox).write_file(sandbox.sandbox_id, path, data, mode=mode)
 

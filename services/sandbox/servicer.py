@@ -273,6 +273,11 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
             await client.remove(request.path)
         return pb.RemoveFileResponse()
 
+    async def MakeDirectory(self, request: pb.MakeDirectoryRequest, context: grpc.aio.ServicerContext) -> pb.MakeDirectoryResponse:
+        async with self._m.operation(current_org(), request.sandbox_id) as client:
+            await client.mkdir(request.path, parents=True)
+        return pb.MakeDirectoryResponse()
+
     async def ListProcesses(self, request: pb.ListProcessesRequest, context: grpc.aio.ServicerContext) -> pb.ListProcessesResponse:
         async with self._m.operation(current_org(), request.sandbox_id) as client:
             procs = await client.list_processes()

@@ -33,6 +33,8 @@ class FakeCompute:
     dead: set[str] = field(default_factory=set)
     destroyed: list[str] = field(default_factory=list)
     execs: list[ExecCall] = field(default_factory=list)
+    # (sandbox ID, path) of each MakeDirectory call.
+    directories: list[tuple[str, str]] = field(default_factory=list)
     files: dict[str, dict[str, bytes]] = field(default_factory=dict)
     # Set to make every call fail as an unreachable Sandbox service would.
     unavailable: bool = False
@@ -117,6 +119,10 @@ class FakeCompute:
             raise
         yield common_pb2.OutputChunk(stream=common_pb2.OUTPUT_STREAM_STDOUT, seq=0, data=b"ok\n")
         yield common_pb2.ExitStatus(exit_code=code)
+
+    async def make_directory(self, sandbox: SandboxRef, path: str) -> None:
+        self._check()
+        self.directories.append((sandbox.sandbox_id, path))
 
     async def write_file(self, sandbox: SandboxRef, path: str, data: bytes, *, mode: int = 0) -> common_pb2.FileEntry:
         self._check()

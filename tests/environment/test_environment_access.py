@@ -105,8 +105,9 @@ async def test_commands_get_the_output_directory_of_their_session(env_service: E
     assert by_command["echo ref"]["REBYTE_OUTPUT_DIR"] == "/workspace/outputs/sessions/sess_b"
     assert by_command["echo ref"]["REBYTE_SESSION_ID"] == by_command["echo ref"]["BERTH_SESSION_ID"] == "sess_b"
     assert "REBYTE_OUTPUT_DIR" not in by_command["echo direct"]
-    mkdirs = [c.argv for c in fake.execs if c.argv[:1] == ["mkdir"]]
-    assert mkdirs == [["mkdir", "-p", "/workspace/outputs"], ["mkdir", "-p", "/workspace/outputs/sessions/sess_b"]]
+    # Each session's directory is made once, by sandboxd: no process.
+    assert [path for _, path in fake.directories] == ["/workspace/outputs", "/workspace/outputs/sessions/sess_b"]
+    assert not [c for c in fake.execs if c.argv[:1] == ["mkdir"]]
 
 
 async def test_a_session_that_is_not_bound_cannot_run_commands(env_service: EnvService, fake: FakeCompute) -> None:

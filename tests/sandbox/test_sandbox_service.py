@@ -195,3 +195,21 @@ async def test_the_state_gauge_follows_creates_and_destroys_within_its_refresh_p
         timeout=10,
         what="the gauge to count the sandbox destroyed",
     )
+
+
+async def test_make_directory_makes_missing_parents_accepts_an_existing_one_and_stays_in_the_workspace(service: Service) -> None:
+    stub = await service.start()
+    await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_dirs"), metadata=ORG_A)
+    await stub.MakeDirectory(pb.MakeDirectoryRequest(sandbox_id="sbx_dirs", path="/workspace/outputs/sessions/s1"), metadata=ORG_A)
+    await stub.MakeDirectory(pb.MakeDirectoryRequest(sandbox_id="sbx_dirs", path="/workspace/outputs/sessions/s1"), metadata=ORG_A)
+    code, out, _ = await run(stub, "sbx_dirs", "test -d /workspace/outputs/sessions/s1 && echo dir")
+    assert (code, out) == (0, b"dir\n")
+    for path in ("/etc/berth", "/workspace/../tmp/x"):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.MakeDirectory(pb.MakeDirectoryRequest(sandbox_id="sbx_dirs", path=path), metadata=ORG_A)
+        assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+    code, _, _ = await run(stub, "sbx_dirs", "test -e /etc/berth || test -e /tmp/x")
+    assert code != 0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.MakeDirectory(pb.MakeDirectoryRequest(sandbox_id="sbx_dirs", path="/workspace/theirs"), metadata=ORG_B)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND

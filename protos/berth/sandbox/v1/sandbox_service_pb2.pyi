@@ -711,6 +711,49 @@ class RemoveFileResponse(_message.Message):
 Global___RemoveFileResponse: _TypeAlias = RemoveFileResponse  # noqa: Y015
 
 @_typing.final
+class MakeDirectoryRequest(_message.Message):
+    """Request for MakeDirectory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    """The sandbox."""
+    path: _builtins.str
+    """Path under /workspace."""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MakeDirectoryRequest: _TypeAlias = MakeDirectoryRequest  # noqa: Y015
+
+@_typing.final
+class MakeDirectoryResponse(_message.Message):
+    """Response for MakeDirectory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MakeDirectoryResponse: _TypeAlias = MakeDirectoryResponse  # noqa: Y015
+
+@_typing.final
 class ListProcessesRequest(_message.Message):
     """Request for ListProcesses."""
 

@@ -85,6 +85,11 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.FromString,
                 _registered_method=True)
+        self.MakeDirectory = channel.unary_unary(
+                '/berth.sandbox.v1.SandboxService/MakeDirectory',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.MakeDirectoryRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.MakeDirectoryResponse.FromString,
+                _registered_method=True)
         self.ListProcesses = channel.unary_unary(
                 '/berth.sandbox.v1.SandboxService/ListProcesses',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.ListProcessesRequest.SerializeToString,
@@ -224,6 +229,14 @@ class SandboxServiceServicer:
 
     def RemoveFile(self, request, context):
         """Removes a file, or an empty directory, under /workspace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MakeDirectory(self, request, context):
+        """Makes a directory under /workspace, and its missing parents; one that
+        exists already is fine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -372,6 +385,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.RemoveFile,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.SerializeToString,
+            ),
+            'MakeDirectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.MakeDirectory,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.MakeDirectoryRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.MakeDirectoryResponse.SerializeToString,
             ),
             'ListProcesses': grpc.unary_unary_rpc_method_handler(
                     servicer.ListProcesses,
@@ -700,6 +718,33 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/RemoveFile',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RemoveFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MakeDirectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/MakeDirectory',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.MakeDirectoryRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.MakeDirectoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

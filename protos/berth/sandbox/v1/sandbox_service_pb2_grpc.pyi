@@ -73,6 +73,10 @@ class SandboxServiceStub:
     """
     RemoveFile: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.RemoveFileRequest, _sandbox_service_pb2.RemoveFileResponse]
     """Removes a file, or an empty directory, under /workspace."""
+    MakeDirectory: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.MakeDirectoryRequest, _sandbox_service_pb2.MakeDirectoryResponse]
+    """Makes a directory under /workspace, and its missing parents; one that
+    exists already is fine.
+    """
     ListProcesses: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListProcessesRequest, _sandbox_service_pb2.ListProcessesResponse]
     """Lists background processes, running and exited."""
     WriteFile: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteFileRequest, _sandbox_service_pb2.WriteFileResponse]
@@ -157,6 +161,10 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """
     RemoveFile: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.RemoveFileRequest, _sandbox_service_pb2.RemoveFileResponse]  # type: ignore[assignment]
     """Removes a file, or an empty directory, under /workspace."""
+    MakeDirectory: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.MakeDirectoryRequest, _sandbox_service_pb2.MakeDirectoryResponse]  # type: ignore[assignment]
+    """Makes a directory under /workspace, and its missing parents; one that
+    exists already is fine.
+    """
     ListProcesses: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.ListProcessesRequest, _sandbox_service_pb2.ListProcessesResponse]  # type: ignore[assignment]
     """Lists background processes, running and exited."""
     WriteFile: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteFileRequest, _sandbox_service_pb2.WriteFileResponse]  # type: ignore[assignment]
@@ -298,6 +306,16 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_service_pb2.RemoveFileResponse, _abc.Awaitable[_sandbox_service_pb2.RemoveFileResponse]]:
         """Removes a file, or an empty directory, under /workspace."""
+
+    @_abc_1.abstractmethod
+    def MakeDirectory(
+        self,
+        request: _sandbox_service_pb2.MakeDirectoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sandbox_service_pb2.MakeDirectoryResponse, _abc.Awaitable[_sandbox_service_pb2.MakeDirectoryResponse]]:
+        """Makes a directory under /workspace, and its missing parents; one that
+        exists already is fine.
+        """
 
     @_abc_1.abstractmethod
     def ListProcesses(
