@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -301,15 +303,27 @@ async def test_a_turn_whose_worker_lost_its_lease_is_taken_over_by_another_repli
         await b.stop(0)
 
 
-async def test_an_append_of_the_old_worker_waits_for_a_takeover_in_flight_and_is_then_refused(
-    tmp_path: Path, database_url: str, fake_env: Any, client_for: Any
-) -> None:
-    from sqlalchemy import select, update
+@dataclass
+class _OldWorker:
+    """A turn waiting for a function result, and a TurnWriter of the worker
+    that runs it (the test then takes the turn over)."""
+
+    client: Any
+    db: Any
+    store: Any
+    session_id: str
+    turn_id: str
+    writer: Any
+
+
+@asynccontextmanager
+async def _old_worker(tmp_path: Path, database_url: str, fake_env: Any, client_for: Any) -> AsyncIterator[_OldWorker]:
+    from sqlalchemy import select
 
     from services.core.db import open_database
     from services.session.models import SessionRow, TurnRow
     from services.session.store import Store
-    from services.session.turn_writer import TurnTakenOver, TurnWriter
+    from services.session.turn_writer import TurnWriter
 
     settings = Settings(data_dir=tmp_path / "data", session_database_url=database_url)
     service = await start_session_service(settings, address="127.0.0.1:0", environment_addr=f"127.0.0.1:{fake_env[1].port}")
@@ -324,22 +338,34 @@ async def test_an_append_of_the_old_worker_waits_for_a_takeover_in_flight_and_is
         row = await store.query(lambda s: s.scalar(select(TurnRow).where(TurnRow.id == created.turn_id)))
         config = await store.query(lambda s: s.scalar(select(SessionRow.agent_config_json).where(SessionRow.id == created.session.id)))
         assert row is not None and config is not None
-        old = TurnWriter(
+        writer = TurnWriter(
             store, session_id=created.session.id, turn_id=created.turn_id, agent_config_json=config, transcript=[], worker_id=row.worker_id
         )
-        async with db.transaction() as takeover:
-            await takeover.execute(update(TurnRow).where(TurnRow.id == created.turn_id).values(worker_id="w_successor"))
-            append = asyncio.create_task(old.emit({"type": "agent.session.turn.output_text.delta", "delta": "late"}))
+        yield _OldWorker(client, db, store, created.session.id, created.turn_id, writer)
+    finally:
+        await db.dispose()
+        await service.stop(0)
+
+
+async def test_an_append_of_the_old_worker_waits_for_a_takeover_in_flight_and_is_then_refused(
+    tmp_path: Path, database_url: str, fake_env: Any, client_for: Any
+) -> None:
+    from sqlalchemy import update
+
+    from services.session.models import TurnRow
+    from services.session.turn_writer import TurnTakenOver
+
+    async with _old_worker(tmp_path, database_url, fake_env, client_for) as old:
+        async with old.db.transaction() as takeover:
+            await takeover.execute(update(TurnRow).where(TurnRow.id == old.turn_id).values(worker_id="w_successor"))
+            append = asyncio.create_task(old.writer.emit({"type": "agent.session.turn.output_text.delta", "delta": "late"}))
             # While the takeover is open, the old worker's append waits for it.
             done, _ = await asyncio.wait({append}, timeout=0.5)
             assert not done
         with pytest.raises(TurnTakenOver):
             await asyncio.wait_for(append, 10)
-        events = [e for _, e in await client.events(created.session.id)]
+        events = [e for _, e in await old.client.events(old.session_id)]
         assert all(e.get("delta") != "late" for e in events)
-    finally:
-        await db.dispose()
-        await service.stop(0)
 
 
 async def test_a_result_written_behind_after_a_takeover_fails_the_old_workers_wait_and_every_later_write(
@@ -347,45 +373,25 @@ async def test_a_result_written_behind_after_a_takeover_fails_the_old_workers_wa
 ) -> None:
     from sqlalchemy import select, update
 
-    from services.core.db import open_database
-    from services.session.models import ItemRow, SessionRow, TurnRow
-    from services.session.store import Store
-    from services.session.turn_writer import TurnTakenOver, TurnWriter
+    from services.session.models import ItemRow, TurnRow
+    from services.session.turn_writer import TurnTakenOver
 
-    settings = Settings(data_dir=tmp_path / "data", session_database_url=database_url)
-    service = await start_session_service(settings, address="127.0.0.1:0", environment_addr=f"127.0.0.1:{fake_env[1].port}")
-    migrations = Path(str(__import__("services.session.server", fromlist=["x"]).__file__)).parent / "migrations" / "versions"
-    db = await open_database(settings.database_url("session"), "session", migrations)
-    store = Store(db)
-    try:
-        client = client_for(service.address)
-        agent = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
-        created = await client.create_session({"agent": agent, "environment": {"type": "none"}, "input": "call hold"})
-        await client.wait_for(created.session.id, lambda e: e["type"] == "agent.session.requires_action")
-        row = await store.query(lambda s: s.scalar(select(TurnRow).where(TurnRow.id == created.turn_id)))
-        config = await store.query(lambda s: s.scalar(select(SessionRow.agent_config_json).where(SessionRow.id == created.session.id)))
-        assert row is not None and config is not None
-        old = TurnWriter(
-            store, session_id=created.session.id, turn_id=created.turn_id, agent_config_json=config, transcript=[], worker_id=row.worker_id
-        )
-        async with db.transaction() as takeover:
-            await takeover.execute(update(TurnRow).where(TurnRow.id == created.turn_id).values(worker_id="w_successor"))
+    async with _old_worker(tmp_path, database_url, fake_env, client_for) as old:
+        async with old.db.transaction() as takeover:
+            await takeover.execute(update(TurnRow).where(TurnRow.id == old.turn_id).values(worker_id="w_successor"))
         item = {"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "late"}]}
-        handle = await old.add_item(item, entries=[{"role": "assistant", "text": "late"}], output=True, done=True, hold=True)
-        old.flush_behind()
+        handle = await old.writer.add_item(item, entries=[{"role": "assistant", "text": "late"}], output=True, done=True, hold=True)
+        old.writer.flush_behind()
         async with asyncio.timeout(10):
             with pytest.raises(TurnTakenOver):
-                await old.written()
+                await old.writer.written()
             # Asked again (the turn's ending asks too), it fails again.
             with pytest.raises(TurnTakenOver):
-                await old.written()
+                await old.writer.written()
             with pytest.raises(TurnTakenOver):
-                await old.emit({"type": "agent.session.turn.output_text.delta", "delta": "later"})
-        items = await store.query(lambda s: s.scalar(select(ItemRow.id).where(ItemRow.id == handle.id)))
-        assert items is None
-        events = [e for _, e in await client.events(created.session.id)]
+                await old.writer.emit({"type": "agent.session.turn.output_text.delta", "delta": "later"})
+        stored = await old.store.query(lambda s: s.scalar(select(ItemRow.id).where(ItemRow.id == handle.id)))
+        assert stored is None
+        events = [e for _, e in await old.client.events(old.session_id)]
         assert all(e.get("delta") != "later" for e in events)
         assert all((e.get("item") or {}).get("id") != handle.id for e in events)
-    finally:
-        await db.dispose()
-        await service.stop(0)
