@@ -347,7 +347,7 @@ def _controls(body: SessionCreateBody | SessionUpdateBody) -> s_pb.SessionContro
     out = s_pb.SessionControls(review=body.review or "")
     if body.prompt_cache_options is not None:
         out.prompt_cache_ttl = body.prompt_cache_options.ttl or ""
-    if body.spend_control is not None:
+    if body.spend_control is not None and body.spend_control.limit is not None:
         out.spend_limit_cents = body.spend_control.limit
     return out
 

@@ -306,10 +306,6 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
     else:
         rendered_env = {"type": "none"}
     created = seconds(s.create_time)
-    extensions: dict[str, Any] = {}
-    if s.controls.HasField("spend_limit_cents"):
-        # Berth (and SDK 3.51) extension, present only when a budget is set.
-        extensions["spend_control"] = {"limit": int(s.controls.spend_limit_cents)}
     return {
         "id": s.id,
         "object": "agent.session",
@@ -325,7 +321,12 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "vault_ids": list(s.vault_ids),
         "review": s.controls.review or None,
         "prompt_cache_options": {"ttl": s.controls.prompt_cache_ttl} if s.controls.prompt_cache_ttl else None,
-        **extensions,
+        # The limit is null for an unlimited session. Spend is not reported
+        # here yet: ``consumed`` is null, which the API allows ("unavailable").
+        "spend_control": {
+            "limit": int(s.controls.spend_limit_cents) if s.controls.HasField("spend_limit_cents") else None,
+            "consumed": None,
+        },
     }
 
 

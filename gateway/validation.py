@@ -67,7 +67,7 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 _MAX_METADATA_PAIRS = 16
-_MAX_TOOLS_BYTES = 3 * 1024 * 1024
+_MAX_TOOLS_BYTES = 8 * 1024 * 1024
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -426,7 +426,7 @@ class Experimental(_Open):
 
 def _tools_size(value: Any) -> Any:
     if isinstance(value, list) and len(json.dumps(value, separators=(",", ":")).encode()) > _MAX_TOOLS_BYTES:
-        raise ValueError("the tool list must fit within 3 MiB of compact JSON")
+        raise ValueError("the tool list must fit within 8 MiB of compact JSON")
     return value
 
 
@@ -494,9 +494,10 @@ class StreamOptions(_Strict):
 
 
 class SpendControl(_Strict):
-    """Rebyte/SDK 3.51 ``spend_control``: a per-session budget in USD cents."""
+    """``spend_control``: a per-session budget in USD cents; a null limit is
+    an unlimited session (and on update removes the limit, spend kept)."""
 
-    limit: int = Field(ge=1, le=10**12)
+    limit: int | None = Field(ge=1, le=10**12)
 
 
 class SessionCreateBody(_Strict):

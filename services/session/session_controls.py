@@ -12,8 +12,8 @@ token usage priced with the price table (``BERTH_MODEL_PRICES`` over
 subagent's session under it (each at its own model), running turns included:
 subagents spend their root session's budget, so delegating work does not
 escape it. Before and after every model call the running turn's spend is
-added to the rest of the tree's; once it reaches the limit the turn fails with ``usage_limit_exceeded`` (the SDK's code for a
-reached usage limit) without running that response's tool calls, and the
+added to the rest of the tree's; once it reaches the limit the turn fails with ``session_budget_exceeded`` (the SDK's code for
+a session that reached its budget) without running that response's tool calls, and the
 session refuses new input with 409 ``spend_limit_reached`` until the limit
 is raised or removed.
 """
@@ -46,7 +46,7 @@ __all__ = [
     "tree_spend_cents",
 ]
 
-TURN_ERROR_CODE = "usage_limit_exceeded"
+TURN_ERROR_CODE = "session_budget_exceeded"
 _REVIEW_MODES = frozenset({"none"})
 # prompt_cache_options.ttl -> the retention that guarantees at least that long.
 _CACHE_RETENTION = {"30m": "24h", "12h": "24h"}

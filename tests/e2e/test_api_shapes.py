@@ -51,7 +51,6 @@ ADDITIONS: dict[str, frozenset[str]] = {
     "WebhookEndpointWithSecret": frozenset({"status", "disabled_reason", "consecutive_failures"}),
     # EnvironmentTemplate.network
     "Network": frozenset({"blocked_domains"}),
-    "AgentSession": frozenset({"spend_control"}),
 }
 
 # The OpenAI list envelope, which the SDK's page classes do not declare.

@@ -1,6 +1,6 @@
 """``review`` and ``spend_control`` on sessions, through the official SDK
 with strict response validation: stored, returned and applied on create and
-update. A turn that reaches the budget stops with ``usage_limit_exceeded``
+update. A turn that reaches the budget stops with ``session_budget_exceeded``
 before its tool calls run, and the session refuses new input with 409
 ``spend_limit_reached`` until the limit is raised."""
 
@@ -35,10 +35,6 @@ async def stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None)
         await destroy_sandboxes(data_dir)
 
 
-def _extra(model: Any, name: str) -> Any:
-    return (model.model_extra or {}).get(name)
-
-
 async def test_a_turn_reaching_the_spend_limit_stops_and_the_session_refuses_new_turns(stack: Stack) -> None:
     client = strict_client(stack)
     sessions = client.beta.agents.sessions
@@ -46,14 +42,14 @@ async def test_a_turn_reaching_the_spend_limit_stops_and_the_session_refuses_new
         agent={"model": "scripted"},
         environment={"type": "openai_hosted"},
         review="none",
-        extra_body={"spend_control": {"limit": 5}},
+        spend_control={"limit": 5},
     )
     assert session.review == "none"
-    assert _extra(session, "spend_control") == {"limit": 5}
+    assert session.spend_control.limit == 5 and session.spend_control.consumed is None
 
     turn = await run_script(client, session.id, "$ echo one\n$ echo two\n$ echo three")
     assert turn.status == "failed"
-    assert turn.error is not None and turn.error.code == "usage_limit_exceeded"
+    assert turn.error is not None and turn.error.code == "session_budget_exceeded"
     items = [i async for i in sessions.items.list(session.id)]
     assert [i.type for i in items if i.type == "command_execution"] == []  # stopped before its tool calls
     spent = await sessions.retrieve(session.id)
@@ -67,14 +63,18 @@ async def test_a_turn_reaching_the_spend_limit_stops_and_the_session_refuses_new
         assert_error(refused, 409, "spend_limit_reached")
     assert [t.id async for t in sessions.turns.list(session.id)] == [turn.id]
 
-    raised = await sessions.update(session.id, extra_body={"spend_control": {"limit": 1_000_000}})
-    assert _extra(raised, "spend_control") == {"limit": 1_000_000}
+    raised = await sessions.update(session.id, spend_control={"limit": 1_000_000})
+    assert raised.spend_control.limit == 1_000_000
     assert raised.review == "none"  # omitted: kept
     answered = await run_script(client, session.id, "all done")
     assert answered.status == "completed"
 
-    cleared = await sessions.update(session.id, review=None, extra_body={"spend_control": None})  # type: ignore[arg-type]
-    assert cleared.review is None and _extra(cleared, "spend_control") is None
+    # A null limit removes it, as a null spend_control does.
+    unlimited = await sessions.update(session.id, spend_control={"limit": None})
+    assert unlimited.spend_control.limit is None
+    await sessions.update(session.id, spend_control={"limit": 1_000_000})
+    cleared = await sessions.update(session.id, review=None, spend_control=None)  # type: ignore[arg-type]
+    assert cleared.review is None and cleared.spend_control.limit is None
     await send_script(client, session.id, "still fine")
 
 
@@ -96,7 +96,7 @@ async def test_spend_control_and_review_that_berth_cannot_apply_are_refused(stac
         assert_error(unpriced, 400, "validation_error", param="spend_control.limit")
     before = [s.id async for s in sessions.list()]
     session = await sessions.create(agent={"model": "scripted"}, environment={"type": "openai_hosted"})
-    assert session.review is None and _extra(session, "spend_control") is None
+    assert session.review is None and session.spend_control.limit is None
     refused = await api_error(sessions.update(session.id, review="auto_review"))
     assert (refused.status_code, refused.code) == (400, "validation_error")
     moved = await api_error(
@@ -175,9 +175,9 @@ async def test_subagents_spend_their_root_sessions_budget(stack: Stack) -> None:
     limit = max(root_tokens, child_tokens) + min(root_tokens, child_tokens) // 2
 
     tight, turn = await _tree_turn(client, script, limit)
-    assert turn.status == "failed" and turn.error is not None and turn.error.code == "usage_limit_exceeded", turn
+    assert turn.status == "failed" and turn.error is not None and turn.error.code == "session_budget_exceeded", turn
     _, _, child_turns = await _tree_spend(client, tight)
-    assert [(t.status, t.error.code if t.error else None) for t in child_turns] == [("failed", "usage_limit_exceeded")]
+    assert [(t.status, t.error.code if t.error else None) for t in child_turns] == [("failed", "session_budget_exceeded")]
     async with stack.http() as http:
         refused = await http.post(
             f"/agents/sessions/{tight}/events",
