@@ -24,37 +24,6 @@ NONE_ENV = {"type": "none"}
 HOSTED = {"type": "openai_hosted"}
 
 
-def session_wire(session: Any) -> dict[str, Any]:
-    """The AgentSession the gateway builds from the proto (mirrors gateway/render.py)."""
-    env: dict[str, Any] = {"type": "none"}
-    if session.environment_kind == session_pb2.ENVIRONMENT_KIND_HOSTED:
-        env = {
-            "type": "openai_hosted",
-            "id": session.environment_id,
-            "capability_directories": [],
-            "files": [],
-            "network": {"access": "enabled", "allowed_domains": []},
-            "packages": {"npm": [], "python": [], "system": []},
-            "plugins": [],
-            "skills": [],
-        }
-    status = {1: "idle", 2: "in_progress", 3: "requires_action", 4: "failed"}[session.status]
-    return {
-        "id": session.id,
-        "object": "agent.session",
-        "agent": render.session_agent(session.agent),
-        "created_at": session.create_time.seconds,
-        "last_active_at": session.last_active_time.seconds,
-        "environment": env,
-        "error": session.error or None,
-        "metadata": dict(session.metadata),
-        "required_actions": [to_wire(a) for a in session.required_actions],
-        "status": status,
-        "usage": to_wire(session.usage) if session.HasField("usage") else None,
-        "vault_ids": list(session.vault_ids),
-    }
-
-
 async def test_saved_agents_render_as_sdk_agents_and_update_by_key(client: Client) -> None:
     created = await client.create_agent(
         {
@@ -146,7 +115,7 @@ async def test_a_session_snapshots_its_saved_agent_with_overrides(client: Client
     session = created.session
     snapshot = render.session_agent(session.agent)
     assert snapshot["id"] == saved["id"] and snapshot["name"] == "base" and snapshot["instructions"] == "Override."
-    AgentSession.model_validate(session_wire(session))
+    AgentSession.model_validate(render.session(session))
 
     await client.update_agent(saved["id"], {"instructions": "Changed."})
     await client.stub.DeleteAgent(session_service_pb2.DeleteAgentRequest(agent_id=saved["id"]), metadata=client.md)
@@ -245,7 +214,7 @@ async def test_inline_hosted_environment_is_created_for_the_new_session_without_
     created_event = (await client.events(session.id))[0][1]
     client.validate(created_event)
     assert created_event["session"]["environment"]["network"]["access"] == "restricted"
-    AgentSession.model_validate(session_wire(session))
+    AgentSession.model_validate(render.session(session))
 
 
 async def test_a_reference_attaches_and_attach_errors_propagate(client: Client, fake: FakeEnvironmentService) -> None:
