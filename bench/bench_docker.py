@@ -43,8 +43,8 @@ from typing import Any
 import httpx
 
 from bench.runner import Result, measure, summarize
-from bench.stack import INTERNAL_TOKEN, internal_channel, running_stack
-from berth.environment.v1 import environment_service_pb2 as env_pb, environment_service_pb2_grpc as env_grpc
+from bench.stack import INTERNAL_TOKEN, internal_channel, running_stack, session_then_first_command
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from berth.sandbox.v1 import sandbox_service_pb2 as sbx_pb, sandbox_service_pb2_grpc as sbx_grpc
 from gateway.keys import create_key
 from services.core.settings import Settings
@@ -131,17 +131,7 @@ async def _cold_start(tmp: Path, client: Any) -> list[Result]:
                         environment: dict[str, object] = {"type": "openai_hosted"}
                         if NETWORKS[network]:
                             environment["network"] = NETWORKS[network]
-                        body = {"agent": {"model": "scripted"}, "environment": environment}
-                        created = await http.post("/agents/sessions", json=body)
-                        created.raise_for_status()
-                        session_id = str(created.json()["id"])
-                        request = env_pb.ExecCommandRequest(
-                            environment_id=created.json()["environment"]["id"], session_id=session_id, shell="true"
-                        )
-                        async for message in environments.ExecCommand(request, metadata=org, timeout=120):
-                            if message.WhichOneof("event") == "exit" and message.exit.exit_code != 0:
-                                raise RuntimeError(f"true exited {message.exit.exit_code}")
-                        return session_id
+                        return await session_then_first_command(http, environments, org, environment)
 
                     async def backend_alone(backend: DockerBackend, i: int) -> BackendHandle:
                         # DockerBackend.create (container up, sandboxd answering) and

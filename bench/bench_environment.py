@@ -26,8 +26,7 @@ import httpx
 
 from bench.bench_sandboxes import wait_pool_ready
 from bench.runner import Result, summarize
-from bench.stack import internal_channel, running_stack
-from berth.environment.v1 import environment_service_pb2 as env_pb
+from bench.stack import internal_channel, running_stack, session_then_first_command
 from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 from gateway.keys import create_key
 
@@ -71,25 +70,14 @@ async def _first_command_samples(data_dir: Path, *, pool_size: int) -> list[floa
         org = (("x-berth-org", record.org_id),)
         channel = internal_channel(stack.settings.environment_addr, "session")
         environments = env_grpc.EnvironmentServiceStub(channel)
-        body = {"agent": {"model": "scripted"}, "environment": {"type": "openai_hosted", "network": {"access": "enabled"}}}
-
-        async def first_command() -> str:
-            created = await http.post("/agents/sessions", json=body)
-            created.raise_for_status()
-            session_id = str(created.json()["id"])
-            request = env_pb.ExecCommandRequest(environment_id=created.json()["environment"]["id"], session_id=session_id, shell="true")
-            async for message in environments.ExecCommand(request, metadata=org, timeout=60):
-                if message.WhichOneof("event") == "exit" and message.exit.exit_code != 0:
-                    raise RuntimeError(f"true exited {message.exit.exit_code}")
-            return session_id
-
+        environment: dict[str, object] = {"type": "openai_hosted", "network": {"access": "enabled"}}
         samples: list[float] = []
         try:
             for index in range(RUNS + 1):  # the first one fills the pool's key
                 if pool_size and index:
                     await wait_pool_ready(data_dir / "pool", 60)
                 t0 = time.perf_counter()
-                session_id = await first_command()
+                session_id = await session_then_first_command(http, environments, org, environment)
                 if index:
                     samples.append((time.perf_counter() - t0) * 1000)
                 # Not timed: deleting the session destroys its environment's sandbox.

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 from pydantic import SecretStr
+
+from berth.environment.v1 import environment_service_pb2 as env_pb
+from berth.environment.v1 import environment_service_pb2_grpc as env_grpc
 
 from gateway.app import GatewayHandle, start_gateway
 from gateway.keys import create_key
@@ -22,7 +26,7 @@ from services.environment.server import start_environment_service
 from services.sandbox.server import start_sandbox_service
 from services.session.server import start_session_service
 
-__all__ = ["BenchStack", "running_stack", "INTERNAL_TOKEN", "internal_channel"]
+__all__ = ["BenchStack", "running_stack", "INTERNAL_TOKEN", "internal_channel", "session_then_first_command"]
 
 # The internal token of every service a benchmark starts (one per run).
 INTERNAL_TOKEN = SecretStr(secrets.token_urlsafe(32))
@@ -31,6 +35,25 @@ INTERNAL_TOKEN = SecretStr(secrets.token_urlsafe(32))
 def internal_channel(address: str, peer: Peer) -> grpc.aio.Channel:
     """A channel to a benchmark's service that calls as ``peer``."""
     return open_channel(address, timeout_s=120, credentials=PeerCredentials(peer, INTERNAL_TOKEN.get_secret_value()))
+
+
+async def session_then_first_command(
+    http: httpx.AsyncClient,
+    environments: env_grpc.EnvironmentServiceStub,
+    org: tuple[tuple[str, str], ...],
+    environment: dict[str, object],
+) -> str:
+    """POSTs a session with ``environment``, then runs its first command,
+    ``true`` through the Environment service's ExecCommand (what the harness
+    calls), until its exit status arrives; returns the session ID."""
+    created = await http.post("/agents/sessions", json={"agent": {"model": "scripted"}, "environment": environment})
+    created.raise_for_status()
+    session_id = str(created.json()["id"])
+    request = env_pb.ExecCommandRequest(environment_id=created.json()["environment"]["id"], session_id=session_id, shell="true")
+    async for message in environments.ExecCommand(request, metadata=org, timeout=120):
+        if message.WhichOneof("event") == "exit" and message.exit.exit_code != 0:
+            raise RuntimeError(f"true exited {message.exit.exit_code}")
+    return session_id
 
 
 @dataclass

@@ -18,7 +18,6 @@ from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2, session_service_pb2
 from gateway import render
 from services.core.errors import reason_from_rpc_error
-from services.core.wire_json import to_wire
 
 NONE_ENV = {"type": "none"}
 HOSTED = {"type": "openai_hosted"}
