@@ -65,6 +65,7 @@ _SESSION_STATUS = {
     session_pb2.SESSION_STATUS_IN_PROGRESS: "in_progress",
     session_pb2.SESSION_STATUS_REQUIRES_ACTION: "requires_action",
     session_pb2.SESSION_STATUS_FAILED: "failed",
+    session_pb2.SESSION_STATUS_BUDGET_REACHED: "budget_reached",
 }
 _CONTAINER_SIZES = frozenset({"small", "medium", "large"})
 
@@ -321,11 +322,11 @@ def session(s: session_pb2.Session, environment: environment_pb2.Environment | N
         "vault_ids": list(s.vault_ids),
         "review": s.controls.review or None,
         "prompt_cache_options": {"ttl": s.controls.prompt_cache_ttl} if s.controls.prompt_cache_ttl else None,
-        # The limit is null for an unlimited session. Spend is not reported
-        # here yet: ``consumed`` is null, which the API allows ("unavailable").
+        # The limit is null for an unlimited session; ``consumed`` is null
+        # when the spend is unavailable (an unpriced model, a subagent's session).
         "spend_control": {
             "limit": int(s.controls.spend_limit_cents) if s.controls.HasField("spend_limit_cents") else None,
-            "consumed": None,
+            "consumed": int(s.spend_consumed_cents) if s.HasField("spend_consumed_cents") else None,
         },
     }
 
@@ -365,7 +366,14 @@ def subagent(s: session_pb2.Subagent) -> dict[str, Any]:
 
 
 SESSION_STATUS_PAYLOADS = frozenset(
-    {"session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed"}
+    {
+        "session_created",
+        "session_in_progress",
+        "session_idle",
+        "session_requires_action",
+        "session_failed",
+        "session_budget_reached",
+    }
 )
 
 

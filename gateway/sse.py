@@ -80,7 +80,8 @@ def format_event(sequence: int | None, event_type: str, data: str) -> bytes:
 @dataclass
 class CreateStreamBoundary:
     """Decides when the ``stream: true`` creation response ends: at the idle
-    that follows the root turn's end, or at ``agent.session.failed``."""
+    that follows the root turn's end (or the ``agent.session.budget_reached``
+    that pauses the session there), or at ``agent.session.failed``."""
 
     root_turn_id: str = ""
     turn_ended: bool = field(default=False, init=False)
@@ -89,7 +90,7 @@ class CreateStreamBoundary:
         kind = event.WhichOneof("payload")
         if kind == "session_failed":
             return True
-        if kind == "session_idle":
+        if kind in ("session_idle", "session_budget_reached"):
             return self.turn_ended
         if kind == "turn_created" and not self.root_turn_id:
             created = event.turn_created

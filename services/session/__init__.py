@@ -27,7 +27,9 @@ unique ``event_id``; shapes are the SDK's ``AgentSessionEvent`` union):
   (MCP is not wired yet).
 - turn end: [``error`` when failed], ``agent.session.turn.completed`` |
   ``.failed`` | ``.cancelled`` (with ``usage``), then ``agent.session.idle``,
-  or ``agent.session.failed`` when the session's environment setup failed.
+  ``agent.session.budget_reached`` when the turn reached its root session's
+  spend limit, or ``agent.session.failed`` when the session's environment
+  setup failed.
   Items still open on a cancel or failure get ``turn.item.done`` with status
   ``incomplete`` (or ``failed``) first.
 """

@@ -21,6 +21,7 @@ from services.session import views, wire
 from services.session.harness.io import FunctionResult, ItemHandle
 from services.session.harness.models.base import Entry
 from services.session.models import FunctionCallRow, SessionRow
+from services.session.session_controls import PriceTable
 from services.session.states import SessionStatus, TurnStatus
 from services.session.store import Unit
 from services.session.turn_writer import TurnWriter
@@ -69,8 +70,10 @@ class FunctionCallGate:
         *,
         org_id: str,
         environment: Callable[[], environment_pb2.Environment | None],
+        prices: PriceTable,
     ) -> None:
         self._writer = writer
+        self._prices = prices
         self._org_id = org_id
         self._environment = environment
         self.made_function_calls = False
@@ -129,7 +132,7 @@ class FunctionCallGate:
 
     async def _session_event(self, u: Unit, event_type: str, status: str) -> dict[str, Any]:
         row = await repo.get_session(u.session, self._org_id, self._writer.session_id)
-        view = await views.session_view(u.session, row, self._environment(), status=status)
+        view = await views.session_view(u.session, row, self._environment(), prices=self._prices, status=status)
         return wire.session_event(event_type, view.message)
 
     async def wait_function_results(self, call_ids: list[str], *, already_waiting: bool = False) -> list[FunctionResult]:

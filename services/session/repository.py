@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, bindparam, case, delete, exists, select, update
+from sqlalchemy import String, Table, bindparam, case, delete, exists, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.db import set_clause, set_params
@@ -84,7 +84,9 @@ _QUEUED_TURN = (
 _CLAIM_ACTIVE_TURN = (
     update(_SESSIONS)
     .where(
-        _SESSIONS.c.id == bindparam("session_id"), _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status != SessionStatus.DELETING
+        _SESSIONS.c.id == bindparam("session_id"),
+        _SESSIONS.c.active_turn_id.is_(None),
+        _SESSIONS.c.status.not_in((SessionStatus.DELETING, SessionStatus.BUDGET_REACHED)),
     )
     .values(
         active_turn_id=bindparam("v_turn_id"),
@@ -110,7 +112,7 @@ def _update_turn(keys: tuple[str, ...], expected: tuple[str, ...], returning: bo
 def _release_active_turn(with_usage: bool) -> Any:
     values: dict[str, Any] = {
         "active_turn_id": None,
-        "status": case((_SESSIONS.c.error != "", SessionStatus.FAILED.value), else_=SessionStatus.IDLE.value),
+        "status": case((_SESSIONS.c.error != "", SessionStatus.FAILED.value), else_=bindparam("v_released_status", type_=String())),
         "last_active_at": bindparam("v_now"),
         "event_seq": _SESSIONS.c.event_seq + bindparam("v_events"),
     }
@@ -265,14 +267,29 @@ async def transition_turn(s: AsyncSession, turn_id: str, expected: tuple[str, ..
 
 
 async def release_active_turn(
-    s: AsyncSession, session_id: str, turn_id: str, now: float, *, events: int, usage_json: str | None
+    s: AsyncSession,
+    session_id: str,
+    turn_id: str,
+    now: float,
+    *,
+    events: int,
+    usage_json: str | None,
+    budget_reached: bool = False,
 ) -> tuple[SessionRow, bool] | None:
     """Releases the per-session mutex held by ``turn_id``: the session goes
-    idle, or failed when its environment setup failed. Allocates ``events``
-    sequence numbers up to the returned row's ``event_seq``. Returns the
-    updated session (untracked) and whether another turn is queued; None when
-    the turn did not hold the mutex."""
-    params: dict[str, Any] = {"session_id": session_id, "turn_id": turn_id, "v_now": now, "v_events": events}
+    idle (``budget_reached`` when the turn reached the spend limit), or failed
+    when its environment setup failed. Allocates ``events`` sequence numbers
+    up to the returned row's ``event_seq``. Returns the updated session
+    (untracked) and whether another turn is queued; None when the turn did
+    not hold the mutex."""
+    released = SessionStatus.BUDGET_REACHED if budget_reached else SessionStatus.IDLE
+    params: dict[str, Any] = {
+        "session_id": session_id,
+        "turn_id": turn_id,
+        "v_now": now,
+        "v_events": events,
+        "v_released_status": released.value,
+    }
     if usage_json is not None:
         params["v_usage_json"] = usage_json
     result = await s.execute(_release_active_turn(usage_json is not None), params)
@@ -280,7 +297,8 @@ async def release_active_turn(
     if row is None:
         return None
     columns = dict(row._mapping)
-    more = bool(columns.pop("queued"))
+    # A session paused at its budget starts no queued turn until it resumes.
+    more = bool(columns.pop("queued")) and not budget_reached
     return SessionRow(**columns), more
 
 

@@ -74,7 +74,14 @@ from services.session.harness.trace import TraceLink, TurnTrace
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
-from services.session.session_controls import PriceTable, SessionControls, SpendBudget, budget_root, tree_spend_cents
+from services.session.session_controls import (
+    BUDGET_ERROR_CODE,
+    PriceTable,
+    SessionControls,
+    SpendBudget,
+    budget_root,
+    tree_spend_cents,
+)
 from services.session.store import Store, Unit, turn_key
 from services.session.traces import TraceStore
 from services.session.turn_io import DbTurnIO
@@ -366,7 +373,9 @@ class TurnRunner:
         history = await u.session.execute(_HISTORY, {"session_id": session_id})
         transcript: list[tuple[str, list[Entry]]] = [(item_id, json.loads(model_json)) for item_id, model_json in history]
         # No turn is waiting for function results: there are no required actions.
-        view = await views.session_view(u.session, row, environment, status=SessionStatus.IN_PROGRESS, actions=[])
+        view = await views.session_view(
+            u.session, row, environment, prices=self.prices, status=SessionStatus.IN_PROGRESS, actions=[]
+        )
         events = [
             wire.turn_event("agent.session.turn.in_progress", views.turn_json(turn)),
             wire.session_event("agent.session.in_progress", view.message),
@@ -482,6 +491,7 @@ class TurnRunner:
             automations=self.automations,
             budget=await self._budget(claimed),
             prompt_cache_retention=SessionControls.from_json(claimed.controls_json).prompt_cache_retention,
+            prices=self.prices,
         )
         trace = TurnTrace(
             session_id=claimed.session_id, turn_id=claimed.turn_id, link=TraceLink.from_json(claimed.trace_link_json)
@@ -788,6 +798,9 @@ class TurnRunner:
             now,
             events=3 if ending.outcome.status == TurnStatus.FAILED else 2,
             usage_json=json.dumps(session_usage) if session_usage is not None else None,
+            # A root session pauses at its budget; a subagent's session (its
+            # root's budget) goes idle, and its parent's turn stops there too.
+            budget_reached=ending.outcome.code == BUDGET_ERROR_CODE and claimed.subagent_id is None,
         )
 
     async def _ending_events(
@@ -796,7 +809,9 @@ class TurnRunner:
         """The error (of a failed turn), turn and session events that end the turn."""
         outcome = ending.outcome
         # The turn's function calls were cancelled, so none is required.
-        view = await views.session_view(u.session, row, ending.environment, status=status, actions=[])
+        view = await views.session_view(
+            u.session, row, ending.environment, prices=self.prices, status=status, actions=[]
+        )
         events = []
         if outcome.status == TurnStatus.FAILED:
             events.append(wire.error_event(ending.claimed.session_id, outcome.code, outcome.code, outcome.message))
@@ -847,7 +862,7 @@ class TurnRunner:
                 (
                     await s.execute(
                         select(SessionRow.id, SessionRow.org_id)
-                        .where(SessionRow.active_turn_id.is_(None))
+                        .where(SessionRow.active_turn_id.is_(None), SessionRow.status != SessionStatus.BUDGET_REACHED)
                         .where(SessionRow.id.in_(select(TurnRow.session_id).where(TurnRow.status == TurnStatus.QUEUED)))
                     )
                 ).all()

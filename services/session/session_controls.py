@@ -12,20 +12,26 @@ token usage priced with the price table (``BERTH_MODEL_PRICES`` over
 subagent's session under it (each at its own model), running turns included:
 subagents spend their root session's budget, so delegating work does not
 escape it. Before and after every model call the running turn's spend is
-added to the rest of the tree's; once it reaches the limit the turn fails with ``session_budget_exceeded`` (the SDK's code for
-a session that reached its budget) without running that response's tool calls, and the
-session refuses new input with 409 ``spend_limit_reached`` until the limit
-is raised or removed.
+added to the rest of the tree's; once it reaches the limit the turn fails
+with ``session_budget_exceeded`` (the SDK's code for a session that reached
+its budget) without running that response's tool calls. A root session then
+pauses: its status is ``budget_reached`` (announced by
+``agent.session.budget_reached`` in place of ``agent.session.idle``), it
+refuses new input with 409 ``spend_limit_reached`` and its queued turns wait
+until an update raises the limit past the spend or removes it, which makes
+it idle again. Lowering an idle session's limit to its spend pauses it.
+``spend_control.consumed`` shows the tree's spend, rounded down to a cent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.session.v1 import session_pb2
@@ -33,20 +39,22 @@ from services.core.errors import InvalidArgument, SpendLimitReached
 from services.core.settings import DEFAULT_MODEL_PRICES, ModelPrice
 from services.session.harness.io import TurnFailure
 from services.session.models import SessionRow, SubagentRow, TurnRow
-from services.session.states import RUNNING_TURN_STATUSES
+from services.session.states import RUNNING_TURN_STATUSES, SessionStatus
 from services.session.wire import parse_usage
 
 __all__ = [
     "PriceTable",
     "SessionControls",
     "SpendBudget",
-    "TURN_ERROR_CODE",
+    "BUDGET_ERROR_CODE",
+    "budget_move",
     "budget_root",
+    "consumed_cents",
     "refuse_input_past_limit",
     "tree_spend_cents",
 ]
 
-TURN_ERROR_CODE = "session_budget_exceeded"
+BUDGET_ERROR_CODE = "session_budget_exceeded"
 _REVIEW_MODES = frozenset({"none"})
 # prompt_cache_options.ttl -> the retention that guarantees at least that long.
 _CACHE_RETENTION = {"30m": "24h", "12h": "24h"}
@@ -164,7 +172,7 @@ class SpendBudget:
         """Ends the turn once the tree's spend reaches the limit."""
         spent = self.spent_elsewhere_cents + self._prices.cost_cents(self._model, turn_usage)
         if spent >= self.limit_cents:
-            raise TurnFailure(TURN_ERROR_CODE, _reached(self.limit_cents, spent))
+            raise TurnFailure(BUDGET_ERROR_CODE, _reached(self.limit_cents, spent))
 
 
 def _reached(limit: int, spent: float) -> str:
@@ -195,31 +203,55 @@ async def tree_spend_cents(s: AsyncSession, root: SessionRow, prices: PriceTable
     children = select(SubagentRow.child_session_id).where(
         SubagentRow.org_id == root.org_id, SubagentRow.root_session_id == root.id
     )
-    sessions = (
+    # One statement: each session of the tree with its running turn, if any
+    # (a session runs one turn at a time).
+    running = and_(
+        TurnRow.session_id == SessionRow.id, TurnRow.status.in_(RUNNING_TURN_STATUSES), TurnRow.id != except_turn_id
+    )
+    rows = (
         await s.execute(
-            select(SessionRow.id, SessionRow.usage_json, SessionRow.agent_config_json).where(
-                SessionRow.org_id == root.org_id, or_(SessionRow.id == root.id, SessionRow.id.in_(children))
-            )
+            select(SessionRow.id, SessionRow.usage_json, SessionRow.agent_config_json, TurnRow.usage_json.label("turn_usage"))
+            .outerjoin(TurnRow, running)
+            .where(SessionRow.org_id == root.org_id, or_(SessionRow.id == root.id, SessionRow.id.in_(children)))
         )
     ).all()
-    models = {r.id: _model(r.agent_config_json) for r in sessions}
-    spent = sum(prices.cost_cents(models[r.id], parse_usage(r.usage_json)) for r in sessions)
-    running = await s.execute(
-        select(TurnRow.session_id, TurnRow.usage_json).where(
-            TurnRow.session_id.in_(list(models)),
-            TurnRow.status.in_(RUNNING_TURN_STATUSES),
-            TurnRow.id != except_turn_id,
-        )
-    )
-    return spent + sum(prices.cost_cents(models[t.session_id], parse_usage(t.usage_json)) for t in running)
+    models = {r.id: _model(r.agent_config_json) for r in rows}
+    finished = {r.id: r.usage_json for r in rows}
+    spent = sum(prices.cost_cents(models[i], parse_usage(usage)) for i, usage in finished.items())
+    return spent + sum(prices.cost_cents(models[r.id], parse_usage(r.turn_usage)) for r in rows if r.turn_usage is not None)
 
 
 async def refuse_input_past_limit(s: AsyncSession, row: SessionRow, prices: PriceTable) -> None:
-    """New input is refused once the session's tree reached its limit."""
+    """New input is refused once the session's tree reached its limit, and
+    while its root is paused there."""
     root = await budget_root(s, row)
     limit = SessionControls.from_json(root.controls_json).spend_limit_cents
     if limit is None:
         return
     spent = await tree_spend_cents(s, root, prices)
-    if spent >= limit:
+    if spent >= limit or root.status == SessionStatus.BUDGET_REACHED:
         raise SpendLimitReached(_reached(limit, spent), param="spend_control.limit")
+
+
+async def consumed_cents(s: AsyncSession, row: SessionRow, prices: PriceTable) -> int | None:
+    """``spend_control.consumed``: what a root session's tree has spent, in
+    whole cents rounded down; None (unavailable) for a subagent's session
+    (its root's budget holds its spend) or a session on an unpriced model."""
+    if row.subagent_id is not None or prices.price(_model(row.agent_config_json)) is None:
+        return None
+    return math.floor(await tree_spend_cents(s, row, prices))
+
+
+async def budget_move(s: AsyncSession, row: SessionRow, prices: PriceTable) -> SessionStatus | None:
+    """The status a changed ``spend_control`` moves a root session with no
+    turn running to: paused once its tree has spent the new limit, idle again
+    once a paused session's limit was raised past its spend or removed.
+    None when its status stays."""
+    if row.subagent_id is not None or row.active_turn_id is not None:
+        return None
+    if row.status not in (SessionStatus.IDLE, SessionStatus.BUDGET_REACHED):
+        return None
+    limit = SessionControls.from_json(row.controls_json).spend_limit_cents
+    reached = limit is not None and await tree_spend_cents(s, row, prices) >= limit
+    status = SessionStatus.BUDGET_REACHED if reached else SessionStatus.IDLE
+    return status if status != row.status else None

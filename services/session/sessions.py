@@ -22,7 +22,7 @@ from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session import views, wire
 from services.session.agents import AgentConfig, apply_config, new_config
-from services.session.session_controls import SessionControls
+from services.session.session_controls import SessionControls, budget_move
 from services.session.artifacts import BlobStore
 from services.session.environment_client import EnvironmentClient
 from services.session.mcp_connections import McpConnections
@@ -169,7 +169,7 @@ class Sessions:
             await repo.replace_session_metadata(u.session, org, session_id, metadata)
             await u.session.flush()
             # An environment whose setup already failed shows on the new session at once.
-            view = await views.session_view(u.session, row, env)
+            view = await views.session_view(u.session, row, env, prices=self.runner.prices)
             (created,) = await u.emit(session_id, wire.session_event("agent.session.created", view.message))
             turn_id = await enqueue_turn(u, row, messages) if messages else ""
             if also is not None:
@@ -197,7 +197,7 @@ class Sessions:
     async def get_session(self, org: str, session_id: str) -> views.SessionView:
         row = await self.store.query(lambda s: repo.get_session(s, org, session_id))
         environment = await self._environment(row)
-        return await self.store.query(lambda s: views.session_view(s, row, environment))
+        return await self.store.query(lambda s: views.session_view(s, row, environment, prices=self.runner.prices))
 
     async def list_sessions(
         self, org: str, page: Page, agent_id: str = "", metadata: dict[str, str] | None = None
@@ -211,7 +211,10 @@ class Sessions:
         environments = await asyncio.gather(*(self._environment(r) for r in rows))
 
         async def render(s: AsyncSession) -> list[views.SessionView]:
-            return [await views.session_view(s, r, e) for r, e in zip(rows, environments, strict=True)]
+            return [
+                await views.session_view(s, r, e, prices=self.runner.prices)
+                for r, e in zip(rows, environments, strict=True)
+            ]
 
         return await self.store.query(render), more
 
@@ -221,7 +224,15 @@ class Sessions:
         paths = set(request.update_mask.paths)
         agent_paths = config_paths(paths, "agent.")
 
+        # A changed budget may pause or resume the session, whose event shows it
+        # with its environment (read before the transaction, not inside it).
+        environment = None
+        if "spend_control" in paths:
+            environment = await self._environment(await self.store.query(lambda s: repo.get_session(s, org, session_id)))
+        resumed = False
+
         async def update_row(u: Unit) -> None:
+            nonlocal resumed
             row = await repo.get_session(u.session, org, session_id)
             if "metadata" in paths:
                 row.metadata_json = json.dumps(dict(request.metadata))
@@ -234,8 +245,19 @@ class Sessions:
                 controls = SessionControls.from_json(row.controls_json).updated(request.controls, paths)
                 controls.check_priced(self.runner.prices, str(views.snapshot(row)["config"].get("model") or ""))
                 row.controls_json = controls.to_json()
+            if "spend_control" in paths:
+                moved = await budget_move(u.session, row, self.runner.prices)
+                if moved is not None:
+                    row.status = moved
+                    await u.session.flush()
+                    view = await views.session_view(u.session, row, environment, prices=self.runner.prices)
+                    await u.emit(session_id, wire.session_event(f"agent.session.{moved}", view.message))
+                    resumed = moved == SessionStatus.IDLE
 
         await self.store.transact(update_row)
+        if resumed:
+            # Turns queued before the pause run now.
+            self.runner.kick(session_id, org)
         return await self.get_session(org, session_id)
 
     async def delete_session(self, org: str, session_id: str) -> str:

@@ -36,6 +36,8 @@ class SessionStatus(StrEnum):
     IN_PROGRESS = "in_progress"
     REQUIRES_ACTION = "requires_action"
     FAILED = "failed"
+    # Paused at the spend_control limit until it is raised or removed.
+    BUDGET_REACHED = "budget_reached"
     # Internal: DeleteSession is tearing the session down. Such a session is
     # never listed or shown, and has no public status.
     DELETING = "deleting"
@@ -60,6 +62,7 @@ _SESSION_TO_PROTO: dict[SessionStatus, session_pb2.SessionStatus.ValueType] = {
     SessionStatus.IN_PROGRESS: session_pb2.SESSION_STATUS_IN_PROGRESS,
     SessionStatus.REQUIRES_ACTION: session_pb2.SESSION_STATUS_REQUIRES_ACTION,
     SessionStatus.FAILED: session_pb2.SESSION_STATUS_FAILED,
+    SessionStatus.BUDGET_REACHED: session_pb2.SESSION_STATUS_BUDGET_REACHED,
     SessionStatus.DELETING: session_pb2.SESSION_STATUS_UNSPECIFIED,
 }
 _SESSION_FROM_PROTO = {v: k for k, v in _SESSION_TO_PROTO.items() if v != session_pb2.SESSION_STATUS_UNSPECIFIED}

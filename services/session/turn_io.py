@@ -20,7 +20,7 @@ from services.session.harness.io import FunctionResult, ItemHandle, McpClient, T
 from services.session.harness.models.base import Entry, Usage
 from services.session.harness.subagents import SubagentPort
 from services.session.mcp_connections import McpConnections
-from services.session.session_controls import SpendBudget
+from services.session.session_controls import PriceTable, SpendBudget
 from services.session.store import Store, Unit
 from services.session.turn_environment import TurnEnvironment, sandbox_failure
 from services.session.turn_mcp import TurnMcp
@@ -53,6 +53,7 @@ class DbTurnIO:
         automations: Automations | None = None,
         budget: SpendBudget | None = None,
         prompt_cache_retention: str | None = None,
+        prices: PriceTable | None = None,
     ) -> None:
         self.org_id = org_id
         self._automations = automations
@@ -83,7 +84,9 @@ class DbTurnIO:
             if env_client is not None and environment_id
             else None
         )
-        self.calls = FunctionCallGate(self.writer, org_id=org_id, environment=lambda: self.environment)
+        self.calls = FunctionCallGate(
+            self.writer, org_id=org_id, environment=lambda: self.environment, prices=prices or PriceTable()
+        )
         self.mcp = TurnMcp(
             mcp,
             session_id=session_id,

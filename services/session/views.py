@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from berth.environment.v1 import environment_pb2
 from berth.session.v1 import session_pb2
 from services.core.wire_json import to_message
-from services.session.session_controls import SessionControls
+from services.session.session_controls import PriceTable, SessionControls, consumed_cents
 from services.session import repository as repo
 from services.session import wire
 from services.session.agents import AgentConfig, config_message
@@ -47,6 +47,8 @@ class SessionView:
     error: str
     environment: environment_pb2.Environment | None
     required_actions: list[dict[str, Any]]
+    # spend_control.consumed; None when unavailable.
+    consumed_cents: int | None = None
 
     @cached_property
     def message(self) -> session_pb2.Session:
@@ -76,6 +78,8 @@ class SessionView:
             to_message(json.loads(row.usage_json), message.usage)
         if row.controls_json:
             message.controls.CopyFrom(SessionControls.from_json(row.controls_json).to_proto())
+        if self.consumed_cents is not None:
+            message.spend_consumed_cents = self.consumed_cents
         snap = snapshot(row)
         message.agent.id = snap["id"]
         if snap.get("name") is not None:
@@ -111,20 +115,21 @@ async def session_view(
     row: SessionRow,
     env: environment_pb2.Environment | None,
     *,
+    prices: PriceTable,
     status: str | None = None,
     actions: list[dict[str, Any]] | None = None,
 ) -> SessionView:
     """``status`` forces the status (events carry the status they announce);
     otherwise a failed environment makes the session failed. ``actions`` are
     the session's required actions when the caller knows them (no turn is
-    waiting: none); otherwise they are read."""
+    waiting: none); otherwise they are read. ``prices`` price its spend."""
     if actions is None:
         actions = await repo.required_actions(s, row.id)
     if status is None:
         shown_status, error = effective_status(row, env)
     else:
         shown_status, error = status, row.error
-    return SessionView(row, shown_status, error, env, actions)
+    return SessionView(row, shown_status, error, env, actions, await consumed_cents(s, row, prices))
 
 
 def message_text(parts: list[dict[str, Any]]) -> str:

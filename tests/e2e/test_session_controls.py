@@ -1,8 +1,9 @@
 """``review`` and ``spend_control`` on sessions, through the official SDK
 with strict response validation: stored, returned and applied on create and
 update. A turn that reaches the budget stops with ``session_budget_exceeded``
-before its tool calls run, and the session refuses new input with 409
-``spend_limit_reached`` until the limit is raised."""
+before its tool calls run, and the session pauses (``budget_reached``): it
+refuses new input with 409 ``spend_limit_reached`` and holds its queued
+turns until the limit is raised."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 from e2e_stack import Stack, destroy_sandboxes, start_stack
-from e2e_support import api_error, assert_error, run_script, send_script
+from e2e_support import TERMINAL_TURN_EVENTS, api_error, assert_error, next_turn_end, run_script, send_script
 from openai.types.beta.agents.sessions.turn import Turn
 from turns_support import NO_ENVIRONMENT, new_turn, strict_client, turn_status
 
@@ -35,7 +38,31 @@ async def stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None)
         await destroy_sandboxes(data_dir)
 
 
-async def test_a_turn_reaching_the_spend_limit_stops_and_the_session_refuses_new_turns(stack: Stack) -> None:
+def _message(text: str) -> dict[str, Any]:
+    return {"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}]}
+
+
+async def _log_until(client: Any, session_id: str, count: int, event_type: str) -> list[Any]:
+    """The session's log from its first event through the ``count``-th event
+    of ``event_type``."""
+    seen: list[Any] = []
+    async with asyncio.timeout(30):
+        stream = await client.beta.agents.sessions.events.stream(session_id, extra_headers={"Last-Event-ID": "0"})
+        async with stream:
+            async for event in stream:
+                seen.append(event)
+                if sum(e.type == event_type for e in seen) == count:
+                    return seen
+    raise AssertionError("the stream ended first")
+
+
+def _after(events: list[Any], turn_id: str) -> list[str]:
+    """The types of the events that follow ``turn_id``'s end."""
+    ends = [i for i, e in enumerate(events) if e.type in TERMINAL_TURN_EVENTS and e.turn_id == turn_id]
+    return [e.type for e in events[ends[0] + 1 :]]
+
+
+async def test_a_turn_reaching_the_spend_limit_pauses_the_session_until_the_limit_is_raised(stack: Stack) -> None:
     client = strict_client(stack)
     sessions = client.beta.agents.sessions
     session = await sessions.create(
@@ -45,37 +72,72 @@ async def test_a_turn_reaching_the_spend_limit_stops_and_the_session_refuses_new
         spend_control={"limit": 5},
     )
     assert session.review == "none"
-    assert session.spend_control.limit == 5 and session.spend_control.consumed is None
+    assert (session.status, session.spend_control.limit, session.spend_control.consumed) == ("idle", 5, 0)
 
-    turn = await run_script(client, session.id, "$ echo one\n$ echo two\n$ echo three")
+    # Two turns: the first reaches the budget, the second is queued behind it.
+    await sessions.events.create(session.id, events=[_message("$ echo one\n$ echo two\n$ echo three"), _message("all done")])  # type: ignore[list-item]
+    turn = await next_turn_end(client, session.id, set())
     assert turn.status == "failed"
     assert turn.error is not None and turn.error.code == "session_budget_exceeded"
     items = [i async for i in sessions.items.list(session.id)]
     assert [i.type for i in items if i.type == "command_execution"] == []  # stopped before its tool calls
-    spent = await sessions.retrieve(session.id)
-    assert spent.usage is not None and spent.usage.output_tokens >= 5
+
+    log = await _log_until(client, session.id, 1, "agent.session.budget_reached")
+    assert _after(log, turn.id) == ["agent.session.budget_reached"]  # in place of agent.session.idle
+    paused = await sessions.retrieve(session.id)
+    assert log[-1].session.status == paused.status == "budget_reached"  # type: ignore[union-attr]
+    # One cent per output token: consumed is the spend, in whole cents.
+    assert paused.usage is not None and paused.usage.output_tokens >= 5
+    assert paused.spend_control.consumed == paused.usage.output_tokens
+    queued = [t async for t in sessions.turns.list(session.id, order="asc")]
+    assert [t.status for t in queued] == ["failed", "queued"]  # the queued turn waits
 
     async with stack.http() as http:
-        refused = await http.post(
-            f"/agents/sessions/{session.id}/events",
-            json={"events": [{"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]}]},
-        )
+        refused = await http.post(f"/agents/sessions/{session.id}/events", json={"events": [_message("more")]})
         assert_error(refused, 409, "spend_limit_reached")
-    assert [t.id async for t in sessions.turns.list(session.id)] == [turn.id]
+    assert len([t async for t in sessions.turns.list(session.id)]) == 2
 
+    # Raised past the spend: idle again, and the queued turn runs.
     raised = await sessions.update(session.id, spend_control={"limit": 1_000_000})
     assert raised.spend_control.limit == 1_000_000
     assert raised.review == "none"  # omitted: kept
-    answered = await run_script(client, session.id, "all done")
-    assert answered.status == "completed"
+    resumed = await turn_status(client, session.id, queued[1].id, ("completed", "failed", "cancelled"))
+    assert resumed.status == "completed"
+    log = await _log_until(client, session.id, 2, "agent.session.idle")
+    assert _after(log, turn.id)[:2] == ["agent.session.budget_reached", "agent.session.idle"]
 
-    # A null limit removes it, as a null spend_control does.
+    # Lowered to what was spent: paused at once, without a turn.
+    spent = (await sessions.retrieve(session.id)).spend_control.consumed
+    assert spent is not None and spent >= 5
+    lowered = await sessions.update(session.id, spend_control={"limit": spent})
+    assert (lowered.status, lowered.spend_control.limit) == ("budget_reached", spent)
+    log = await _log_until(client, session.id, 2, "agent.session.budget_reached")
+    assert log[-1].session.status == "budget_reached"  # type: ignore[union-attr]
+
+    # A null limit removes it, as a null spend_control does, and resumes the session.
     unlimited = await sessions.update(session.id, spend_control={"limit": None})
-    assert unlimited.spend_control.limit is None
+    assert (unlimited.status, unlimited.spend_control.limit) == ("idle", None)
+    assert unlimited.spend_control.consumed == spent  # removing the limit keeps the spend
     await sessions.update(session.id, spend_control={"limit": 1_000_000})
     cleared = await sessions.update(session.id, review=None, spend_control=None)  # type: ignore[arg-type]
     assert cleared.review is None and cleared.spend_control.limit is None
-    await send_script(client, session.id, "still fine")
+    assert (await run_script(client, session.id, "still fine")).status == "completed"
+
+
+async def test_a_streamed_creation_ends_at_the_budget_reached_event_of_its_turn(stack: Stack) -> None:
+    client = strict_client(stack)
+    async with asyncio.timeout(30):
+        stream = await client.beta.agents.sessions.create(
+            agent={"model": "scripted"},
+            environment=NO_ENVIRONMENT,
+            input="$ echo one\n$ echo two",
+            spend_control={"limit": 2},
+            stream=True,
+        )
+        events = [e async for e in stream]
+    types = [e.type for e in events]
+    assert types[-2:] == ["agent.session.turn.failed", "agent.session.budget_reached"], types
+    assert "agent.session.idle" not in types[types.index("agent.session.turn.in_progress") :]
 
 
 async def test_spend_control_and_review_that_berth_cannot_apply_are_refused(stack: Stack) -> None:
@@ -178,6 +240,8 @@ async def test_subagents_spend_their_root_sessions_budget(stack: Stack) -> None:
     assert turn.status == "failed" and turn.error is not None and turn.error.code == "session_budget_exceeded", turn
     _, _, child_turns = await _tree_spend(client, tight)
     assert [(t.status, t.error.code if t.error else None) for t in child_turns] == [("failed", "session_budget_exceeded")]
+    # The root session pauses at its tree's budget.
+    assert (await client.beta.agents.sessions.retrieve(tight)).status == "budget_reached"
     async with stack.http() as http:
         refused = await http.post(
             f"/agents/sessions/{tight}/events",

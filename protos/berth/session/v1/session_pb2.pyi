@@ -41,6 +41,10 @@ class _SessionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Session
     """A turn waits for application function results."""
     SESSION_STATUS_FAILED: _SessionStatus.ValueType  # 4
     """The session failed, e.g. its environment failed setup."""
+    SESSION_STATUS_BUDGET_REACHED: _SessionStatus.ValueType  # 5
+    """Paused: a turn reached the spend_control limit. New input is refused and
+    queued turns wait until the limit is raised or removed.
+    """
 
 class SessionStatus(_SessionStatus, metaclass=_SessionStatusEnumTypeWrapper):
     """SessionStatus is the public session status."""
@@ -55,6 +59,10 @@ SESSION_STATUS_REQUIRES_ACTION: SessionStatus.ValueType  # 3
 """A turn waits for application function results."""
 SESSION_STATUS_FAILED: SessionStatus.ValueType  # 4
 """The session failed, e.g. its environment failed setup."""
+SESSION_STATUS_BUDGET_REACHED: SessionStatus.ValueType  # 5
+"""Paused: a turn reached the spend_control limit. New input is refused and
+queued turns wait until the limit is raised or removed.
+"""
 Global___SessionStatus: _TypeAlias = SessionStatus  # noqa: Y015
 
 class _EnvironmentKind:
@@ -1059,6 +1067,7 @@ class Session(_message.Message):
     REQUIRED_ACTIONS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     CONTROLS_FIELD_NUMBER: _builtins.int
+    SPEND_CONSUMED_CENTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Public ID ("sess_...")."""
     org_id: _builtins.str
@@ -1076,6 +1085,11 @@ class Session(_message.Message):
     last_sequence: _builtins.int
     """Sequence number of the newest persisted event; a live subscription
     starts after it.
+    """
+    spend_consumed_cents: _builtins.int
+    """Best-effort spend of the session and its subagents' sessions (running
+    turns included) in whole USD cents, rounded down; unset when unavailable:
+    the session's model has no price, or the session is a subagent's.
     """
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -1133,12 +1147,15 @@ class Session(_message.Message):
         required_actions: _abc.Iterable[Global___RequiredAction] | None = ...,
         usage: Global___Usage | None = ...,
         controls: Global___SessionControls | None = ...,
+        spend_consumed_cents: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_spend_consumed_cents", b"_spend_consumed_cents", "agent", b"agent", "controls", b"controls", "create_time", b"create_time", "environment", b"environment", "last_active_time", b"last_active_time", "spend_consumed_cents", b"spend_consumed_cents", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_id", b"agent_id", "controls", b"controls", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions", b"required_actions", "status", b"status", "usage", b"usage", "vault_ids", b"vault_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spend_consumed_cents", b"_spend_consumed_cents", "agent", b"agent", "agent_id", b"agent_id", "controls", b"controls", "create_time", b"create_time", "environment", b"environment", "environment_id", b"environment_id", "environment_kind", b"environment_kind", "error", b"error", "id", b"id", "last_active_time", b"last_active_time", "last_sequence", b"last_sequence", "metadata", b"metadata", "org_id", b"org_id", "required_actions", b"required_actions", "spend_consumed_cents", b"spend_consumed_cents", "status", b"status", "usage", b"usage", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__spend_consumed_cents: _TypeAlias = _typing.Literal["spend_consumed_cents"]  # noqa: Y015
+    _WhichOneofArgType__spend_consumed_cents: _TypeAlias = _typing.Literal["_spend_consumed_cents", b"_spend_consumed_cents"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spend_consumed_cents) -> _WhichOneofReturnType__spend_consumed_cents | None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
 
@@ -2192,6 +2209,7 @@ class SessionEvent(_message.Message):
     SESSION_IDLE_FIELD_NUMBER: _builtins.int
     SESSION_REQUIRES_ACTION_FIELD_NUMBER: _builtins.int
     SESSION_FAILED_FIELD_NUMBER: _builtins.int
+    SESSION_BUDGET_REACHED_FIELD_NUMBER: _builtins.int
     TURN_CREATED_FIELD_NUMBER: _builtins.int
     TURN_IN_PROGRESS_FIELD_NUMBER: _builtins.int
     TURN_COMPLETED_FIELD_NUMBER: _builtins.int
@@ -2242,6 +2260,10 @@ class SessionEvent(_message.Message):
     @_builtins.property
     def session_failed(self) -> Global___SessionStatusEvent:
         """agent.session.failed."""
+
+    @_builtins.property
+    def session_budget_reached(self) -> Global___SessionStatusEvent:
+        """agent.session.budget_reached: the session paused at its spend limit."""
 
     @_builtins.property
     def turn_created(self) -> Global___TurnEvent:
@@ -2356,6 +2378,7 @@ class SessionEvent(_message.Message):
         session_idle: Global___SessionStatusEvent | None = ...,
         session_requires_action: Global___SessionStatusEvent | None = ...,
         session_failed: Global___SessionStatusEvent | None = ...,
+        session_budget_reached: Global___SessionStatusEvent | None = ...,
         turn_created: Global___TurnEvent | None = ...,
         turn_in_progress: Global___TurnEvent | None = ...,
         turn_completed: Global___TurnEndedEvent | None = ...,
@@ -2382,11 +2405,11 @@ class SessionEvent(_message.Message):
         subagent_closed: Global___SubagentEvent | None = ...,
         error: Global___ErrorEvent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "subagent_active", b"subagent_active", "subagent_closed", b"subagent_closed", "subagent_created", b"subagent_created", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "session_budget_reached", b"session_budget_reached", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "subagent_active", b"subagent_active", "subagent_closed", b"subagent_closed", "subagent_created", b"subagent_created", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "sequence", b"sequence", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "subagent_active", b"subagent_active", "subagent_closed", b"subagent_closed", "subagent_created", b"subagent_created", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_execution_output_delta", b"command_execution_output_delta", "content_part_added", b"content_part_added", "content_part_done", b"content_part_done", "environment_connected", b"environment_connected", "environment_disconnected", b"environment_disconnected", "environment_failed", b"environment_failed", "environment_pending", b"environment_pending", "environment_ready", b"environment_ready", "error", b"error", "event_id", b"event_id", "item_added", b"item_added", "item_done", b"item_done", "output_text_delta", b"output_text_delta", "output_text_done", b"output_text_done", "payload", b"payload", "reasoning_summary_part_added", b"reasoning_summary_part_added", "reasoning_summary_part_done", b"reasoning_summary_part_done", "reasoning_summary_text_delta", b"reasoning_summary_text_delta", "reasoning_summary_text_done", b"reasoning_summary_text_done", "sequence", b"sequence", "session_budget_reached", b"session_budget_reached", "session_created", b"session_created", "session_failed", b"session_failed", "session_idle", b"session_idle", "session_in_progress", b"session_in_progress", "session_requires_action", b"session_requires_action", "subagent_active", b"subagent_active", "subagent_closed", b"subagent_closed", "subagent_created", b"subagent_created", "turn_cancelled", b"turn_cancelled", "turn_completed", b"turn_completed", "turn_created", b"turn_created", "turn_failed", b"turn_failed", "turn_in_progress", b"turn_in_progress", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "reasoning_summary_part_added", "reasoning_summary_part_done", "reasoning_summary_text_delta", "reasoning_summary_text_done", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "subagent_created", "subagent_active", "subagent_closed", "error"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["session_created", "session_in_progress", "session_idle", "session_requires_action", "session_failed", "session_budget_reached", "turn_created", "turn_in_progress", "turn_completed", "turn_failed", "turn_cancelled", "item_added", "item_done", "content_part_added", "content_part_done", "output_text_delta", "output_text_done", "command_execution_output_delta", "reasoning_summary_part_added", "reasoning_summary_part_done", "reasoning_summary_text_delta", "reasoning_summary_text_done", "environment_pending", "environment_ready", "environment_failed", "environment_disconnected", "environment_connected", "subagent_created", "subagent_active", "subagent_closed", "error"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
