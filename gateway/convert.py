@@ -359,6 +359,9 @@ def update_session_request(session_id: str, body: SessionUpdateBody) -> svc_pb.U
     # A null one resets it (no review, no budget, the model's cache default).
     paths += [name for name in ("review", "spend_control", "prompt_cache_options") if name in body.model_fields_set]
     out.controls.CopyFrom(_controls(body))
+    if "vault_ids" in body.model_fields_set:
+        paths.append("vault_ids")
+        out.vault_ids.extend(body.vault_ids or [])
     if body.agent is not None:
         config, agent_paths = _agent_config(body.agent)
         out.agent.CopyFrom(config)

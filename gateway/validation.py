@@ -536,6 +536,8 @@ class SessionUpdateBody(_Strict):
     prompt_cache_options: PromptCacheOptions | None = None
     review: Literal["none", "auto_review"] | None = None
     spend_control: SpendControl | None = None
+    # Replaces the session's vaults; null or [] clears them.
+    vault_ids: list[str] | None = None
 
 
 class InputMessageEvent(_Strict):

@@ -229,11 +229,15 @@ class Sessions:
         environment = None
         if "spend_control" in paths:
             environment = await self._environment(await self.store.query(lambda s: repo.get_session(s, org, session_id)))
+        if "vault_ids" in paths:
+            await self._check_new_vaults(org, session_id, list(request.vault_ids))
         resumed = False
 
         async def update_row(u: Unit) -> None:
             nonlocal resumed
             row = await repo.get_session(u.session, org, session_id)
+            if "vault_ids" in paths:
+                row.vault_ids_json = json.dumps(list(request.vault_ids))
             if "metadata" in paths:
                 row.metadata_json = json.dumps(dict(request.metadata))
                 await repo.replace_session_metadata(u.session, org, session_id, dict(request.metadata))
@@ -259,6 +263,27 @@ class Sessions:
             # Turns queued before the pause run now.
             self.runner.kick(session_id, org)
         return await self.get_session(org, session_id)
+
+    async def _check_new_vaults(self, org: str, session_id: str, vault_ids: list[str]) -> None:
+        """A session's vaults may change when they give its own MCP
+        connections their credentials alone. The vaults of a session that
+        created its environment inline also select that environment's
+        secrets, which its sandbox fixed at creation: those cannot change."""
+        row = await self.store.query(lambda s: repo.get_session(s, org, session_id))
+        if row.environment_kind == "hosted":
+            if self.env is None:
+                raise FailedPrecondition("no environment service is configured", param="vault_ids")
+            environment = await self.env.get_environment(row.environment_id)
+            if environment.owner_session_id == session_id and set(vault_ids) != set(environment.vault_ids):
+                raise InvalidArgument(
+                    "vault_ids cannot change on a session that created its environment inline: they also select"
+                    " the environment's secrets, fixed when its sandbox was made; create a new session instead",
+                    param="vault_ids",
+                )
+        if vault_ids:
+            if self.env is None:
+                raise FailedPrecondition("vaults need the environment service, which is not configured", param="vault_ids")
+            await self.env.check_vaults(vault_ids)
 
     async def delete_session(self, org: str, session_id: str) -> str:
         """Refuses while a turn of the session, or of one of its subagents,

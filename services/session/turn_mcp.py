@@ -65,8 +65,12 @@ class TurnMcp:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers["Authorization"] = credential
         timeout_s = self._mcp.call_timeout_s
-        # The fingerprint names the credential, never its value.
-        fingerprint = transport_fingerprint("service", "", {**transport, "credential_id": tool.get("credential_id")})
+        # The fingerprint names the credential and the vaults it came from,
+        # never its value: a connection opened with a vault the session no
+        # longer has is not reused.
+        fingerprint = transport_fingerprint(
+            "service", "", {**transport, "credential_id": tool.get("credential_id"), "vault_ids": sorted(self._vault_ids)}
+        )
         return await self._mcp.connect(
             self._session_id,
             label,

@@ -102,3 +102,47 @@ async def test_a_vault_bearer_reaches_the_mcp_server_and_nothing_else(stack: Sta
     for path in stack.data_dir.rglob("*"):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
+
+
+async def test_replacing_a_sessions_vaults_changes_the_credential_its_next_turn_connects_with(stack: Stack) -> None:
+    client = stack.aclient()
+    sessions = client.beta.agents.sessions
+    env = await create_environment(client)
+    async with http_mcp_server(required_bearer=TOKEN) as url:
+        vault = await client.beta.agents.vaults.create(name="mcp")
+        await client.beta.agents.vaults.credentials.create(
+            vault.id, name="remote", auth={"type": "static_bearer", "token": TOKEN, "mcp_server_url": url}
+        )
+        session = await attach_session(client, env.id, vault_ids=[vault.id], agent={"model": "scripted", "tools": [remote(url)]})
+        call = await echo_call(client, session.id)
+        assert call is not None and (call.status, call.output) == ("completed", "authorized")
+
+        # Cleared: the open connection is not reused, and the server refuses the next one.
+        cleared = await sessions.update(session.id, vault_ids=[])
+        assert cleared.vault_ids == []
+        call = await echo_call(client, session.id)
+        assert call is None or call.output != "authorized"
+
+        restored = await sessions.update(session.id, vault_ids=[vault.id])
+        assert restored.vault_ids == [vault.id]
+        call = await echo_call(client, session.id)
+        assert call is not None and (call.status, call.output) == ("completed", "authorized")
+
+        # Another organization's vault is a 404 there and changes nothing.
+        other = stack.aclient(await stack.new_key())
+        foreign = await other.beta.agents.vaults.create(name="theirs")
+        async with stack.http() as http:
+            refused = await http.post(f"/agents/sessions/{session.id}", json={"vault_ids": [foreign.id]})
+            assert refused.status_code == 404, refused.text
+            assert refused.json()["error"]["param"] == "vault_ids"
+        assert (await sessions.retrieve(session.id)).vault_ids == [vault.id]
+
+        # A session's inline environment took its vaults for its secrets when
+        # its sandbox was made: they cannot change there (the same set can).
+        inline = await sessions.create(agent={"model": "scripted"}, environment={"type": "openai_hosted"}, vault_ids=[vault.id])
+        async with stack.http() as http:
+            refused = await http.post(f"/agents/sessions/{inline.id}", json={"vault_ids": []})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "vault_ids"
+        assert (await sessions.update(inline.id, vault_ids=[vault.id])).vault_ids == [vault.id]
+        assert (await sessions.retrieve(inline.id)).vault_ids == [vault.id]

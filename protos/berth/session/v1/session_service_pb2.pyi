@@ -816,6 +816,7 @@ class UpdateSessionRequest(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     AGENT_FIELD_NUMBER: _builtins.int
     UPDATE_MASK_FIELD_NUMBER: _builtins.int
+    VAULT_IDS_FIELD_NUMBER: _builtins.int
     CONTROLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session."""
@@ -830,10 +831,14 @@ class UpdateSessionRequest(_message.Message):
     @_builtins.property
     def update_mask(self) -> _field_mask_pb2.FieldMask:
         """The fields to change: "metadata", "agent.model", "agent.reasoning.effort",
-        "agent.service_tier", "agent.tools", "review", "spend_control" and
-        "prompt_cache_options". A named field left unset is reset ("agent.model"
-        must be set).
+        "agent.service_tier", "agent.tools", "review", "spend_control",
+        "prompt_cache_options" and "vault_ids". A named field left unset is reset
+        ("agent.model" must be set).
         """
+
+    @_builtins.property
+    def vault_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The session's vaults, replacing the old, for "vault_ids"."""
 
     @_builtins.property
     def controls(self) -> _session_pb2.SessionControls:
@@ -848,11 +853,12 @@ class UpdateSessionRequest(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         agent: _session_pb2.AgentConfig | None = ...,
         update_mask: _field_mask_pb2.FieldMask | None = ...,
+        vault_ids: _abc.Iterable[_builtins.str] | None = ...,
         controls: _session_pb2.SessionControls | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "controls", b"controls", "metadata", b"metadata", "session_id", b"session_id", "update_mask", b"update_mask", "vault_ids", b"vault_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
