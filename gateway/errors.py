@@ -111,6 +111,9 @@ GRPC_ERROR_TABLE: Mapping[tuple[grpc.StatusCode, str], HttpError] = {
     (grpc.StatusCode.FAILED_PRECONDITION, "SPEND_LIMIT_REACHED"): HttpError(
         409, INVALID_REQUEST, "spend_limit_reached", retryable=False
     ),
+    (grpc.StatusCode.FAILED_PRECONDITION, "TRACE_TOO_LARGE"): HttpError(
+        400, INVALID_REQUEST, "trace_too_large", retryable=False
+    ),
     (grpc.StatusCode.FAILED_PRECONDITION, "ENVIRONMENT_FAILED"): HttpError(
         409, INVALID_REQUEST, "environment_failed", retryable=False
     ),

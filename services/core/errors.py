@@ -22,6 +22,7 @@ __all__ = [
     "InitializationRunning",
     "SessionActive",
     "SpendLimitReached",
+    "TraceTooLarge",
     "EnvironmentFailed",
     "McpServerDead",
     "OAuthRefreshFailed",
@@ -107,6 +108,12 @@ class SpendLimitReached(FailedPrecondition):
     """The session's spend reached its ``spend_control.limit``."""
 
     reason = "SPEND_LIMIT_REACHED"
+
+
+class TraceTooLarge(FailedPrecondition):
+    """A trace that does not fit in a response page by itself."""
+
+    reason = "TRACE_TOO_LARGE"
 
 
 class EnvironmentFailed(FailedPrecondition):

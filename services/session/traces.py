@@ -13,6 +13,7 @@ import httpx
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.core.errors import TraceTooLarge
 from services.core.logging import get_logger
 from services.session import repository as repo
 from services.session.harness.trace import TurnTrace
@@ -20,9 +21,17 @@ from services.session.models import TraceRow, TurnRow
 from services.session.repository import Page
 from services.session.store import Store, Unit
 
-__all__ = ["TraceStore"]
+__all__ = ["TraceStore", "PAGE_BYTES"]
 
 log = get_logger(__name__)
+
+# A page of traces stays within the API's 16 MiB response limit: it holds
+# fewer traces than asked for when they would not fit, and a first trace
+# that cannot fit by itself is an error. A trace is measured by its stored
+# JSON (the response's compact UTF-8 is never longer) plus its fields.
+PAGE_BYTES = 16 * 1024 * 1024
+_PAGE_ENVELOPE_BYTES = 512
+_TRACE_FIELDS_BYTES = 256
 
 
 def _with_linked(root: TraceRow, linked: list[TraceRow]) -> TraceRow:
@@ -98,7 +107,8 @@ class TraceStore:
                     .order_by(TraceRow.pk)
                 )
             ).all()
-            return [_with_linked(r, [t for t in linked if t.root_turn_id == r.id]) for r in roots], more
+            traces = [_with_linked(r, [t for t in linked if t.root_turn_id == r.id]) for r in roots]
+            return _fit_page(traces, more)
 
         return await self.store.query(run)
 
@@ -107,3 +117,16 @@ class TraceStore:
             await asyncio.wait(set(self._exports), timeout=5)
         if self._client is not None:
             await self._client.aclose()
+
+
+def _fit_page(traces: list[TraceRow], more: bool) -> tuple[list[TraceRow], bool]:
+    """The leading traces that fit in ``PAGE_BYTES``; the rest are left for
+    the next page (``has_more``)."""
+    used = _PAGE_ENVELOPE_BYTES
+    for i, trace in enumerate(traces):
+        used += len(trace.otlp_json.encode()) + _TRACE_FIELDS_BYTES
+        if used > PAGE_BYTES:
+            if i == 0:
+                raise TraceTooLarge(f"trace {trace.id} does not fit in a 16 MiB response page by itself")
+            return traces[:i], True
+    return traces, more

@@ -7,6 +7,7 @@ organization's session is a 404."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +18,7 @@ import openai
 import pytest
 from e2e_stack import Stack, start_stack
 from fake_model import Answer, FakeModel
-from turns_support import NO_ENVIRONMENT, new_turn, session_status, strict_client, submit, turn_status
+from turns_support import NO_ENVIRONMENT, message, new_turn, session_status, strict_client, submit, turn_status
 from waiting import wait_until
 
 LOOKUP: Any = {
@@ -226,3 +227,43 @@ async def test_a_subagents_turns_are_spans_of_the_root_turn_that_created_it(stac
         for name, ids in child_turns.items()
     }
     assert all(models_under[name] for name in ("a", "b")), models_under
+
+
+def _padded_otlp(size: int) -> str:
+    """An OTLP JSON document of about ``size`` bytes: one span with a long name."""
+    span = {"traceId": "0" * 32, "spanId": "0" * 16, "name": "x" * size, "kind": 1}
+    return json.dumps({"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"scope": {"name": "pad"}, "spans": [span]}]}]})
+
+
+async def test_a_page_of_traces_holds_fewer_to_fit_16_mib_and_a_trace_that_cannot_fit_alone_is_trace_too_large(
+    stack: Stack, model: FakeModel
+) -> None:
+    model.script = [Answer(text="one", usage=(3, 1)), Answer(text="two", usage=(3, 1))]
+    client = strict_client(stack)
+    sessions = client.beta.agents.sessions
+    session = await sessions.create(agent={"model": "some-model"}, environment=NO_ENVIRONMENT, input="first")
+    first = await new_turn(client, session.id, [])
+    await turn_status(client, session.id, first, "completed")
+    await submit(client, session.id, message("second"))
+    second = await new_turn(client, session.id, [first])
+    await turn_status(client, session.id, second, "completed")
+    # Control: both small traces fit on one page.
+    page = await sessions.traces.list(session.id, order="asc")
+    assert ([t.id for t in page.data], page.has_more) == ([first, second], False)
+
+    # Two traces of 9 MiB: one a page, and the cursor reaches the other.
+    mib = 1024 * 1024
+    with sqlite3.connect(stack.data_dir / "session.db") as db:
+        db.execute("UPDATE traces SET otlp_json = ? WHERE session_id = ?", (_padded_otlp(9 * mib), session.id))
+    page = await sessions.traces.list(session.id, order="asc")
+    assert ([t.id for t in page.data], page.has_more, page.last_id) == ([first], True, first)
+    assert [t.id async for t in sessions.traces.list(session.id, order="asc")] == [first, second]
+
+    # One of 17 MiB: the page before it ends early, and the page it leads is refused.
+    with sqlite3.connect(stack.data_dir / "session.db") as db:
+        db.execute("UPDATE traces SET otlp_json = ? WHERE id = ?", (_padded_otlp(17 * mib), second))
+    page = await sessions.traces.list(session.id, order="asc")
+    assert ([t.id for t in page.data], page.has_more) == ([first], True)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sessions.traces.list(session.id, order="asc", after=first)
+    assert (refused.value.status_code, refused.value.code) == (400, "trace_too_large")
