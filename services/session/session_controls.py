@@ -29,9 +29,9 @@ import json
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import Table, and_, bindparam, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.session.v1 import session_pb2
@@ -195,25 +195,46 @@ async def budget_root(s: AsyncSession, row: SessionRow) -> SessionRow:
     return root if root is not None else row
 
 
+_SESSIONS = cast(Table, SessionRow.__table__)
+_TURNS = cast(Table, TurnRow.__table__)
+_SUBAGENTS = cast(Table, SubagentRow.__table__)
+# Each session of a tree with its running turn, if any (a session runs one
+# turn at a time), but the excepted turn's. Built once: building a statement
+# costs more CPU than running it on SQLite, and this runs at every session
+# view and before every model call of a budgeted turn.
+_TREE_SPEND = (
+    select(_SESSIONS.c.id, _SESSIONS.c.usage_json, _SESSIONS.c.agent_config_json, _TURNS.c.usage_json.label("turn_usage"))
+    .select_from(
+        _SESSIONS.outerjoin(
+            _TURNS,
+            and_(
+                _TURNS.c.session_id == _SESSIONS.c.id,
+                _TURNS.c.status.in_(RUNNING_TURN_STATUSES),
+                _TURNS.c.id != bindparam("except_turn_id"),
+            ),
+        )
+    )
+    .where(
+        _SESSIONS.c.org_id == bindparam("org_id"),
+        or_(
+            _SESSIONS.c.id == bindparam("root_id"),
+            _SESSIONS.c.id.in_(
+                select(_SUBAGENTS.c.child_session_id).where(
+                    _SUBAGENTS.c.org_id == bindparam("org_id"), _SUBAGENTS.c.root_session_id == bindparam("root_id")
+                )
+            ),
+        ),
+    )
+)
+
+
 async def tree_spend_cents(s: AsyncSession, root: SessionRow, prices: PriceTable, *, except_turn_id: str = "") -> float:
     """What the tree of ``root`` (the root session and every subagent's
     session under it) has spent: its sessions' finished turns, each priced
     at its session's model, and the usage their running turns have saved so
     far, but ``except_turn_id``'s, which that turn counts itself."""
-    children = select(SubagentRow.child_session_id).where(
-        SubagentRow.org_id == root.org_id, SubagentRow.root_session_id == root.id
-    )
-    # One statement: each session of the tree with its running turn, if any
-    # (a session runs one turn at a time).
-    running = and_(
-        TurnRow.session_id == SessionRow.id, TurnRow.status.in_(RUNNING_TURN_STATUSES), TurnRow.id != except_turn_id
-    )
     rows = (
-        await s.execute(
-            select(SessionRow.id, SessionRow.usage_json, SessionRow.agent_config_json, TurnRow.usage_json.label("turn_usage"))
-            .outerjoin(TurnRow, running)
-            .where(SessionRow.org_id == root.org_id, or_(SessionRow.id == root.id, SessionRow.id.in_(children)))
-        )
+        await s.execute(_TREE_SPEND, {"org_id": root.org_id, "root_id": root.id, "except_turn_id": except_turn_id})
     ).all()
     models = {r.id: _model(r.agent_config_json) for r in rows}
     finished = {r.id: r.usage_json for r in rows}
