@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The official Node SDK the Node conformance test drives (tests/e2e/node).
+NODE_SDK := tests/e2e/node/node_modules/.package-lock.json
 
 .PHONY: serve test install protos lint bench clean
 
@@ -14,12 +16,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+$(NODE_SDK): tests/e2e/node/package-lock.json
+	cd tests/e2e/node && npm ci --no-audit --no-fund --loglevel=error
+
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/berth serve
 
-test: $(STAMP)
+test: $(STAMP) $(NODE_SDK)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 protos: $(STAMP)
@@ -45,4 +50,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .berth .pytest_cache
+	rm -rf $(VENV) .berth .pytest_cache tests/e2e/node/node_modules
