@@ -268,7 +268,7 @@ class EnvironmentSetup:
         for i, command in enumerate(config.setup_commands, start=1):
             steps.append((f"command:{i}", functools.partial(self._run_setup_command, i, command)))
         for kind, raw, root in (("skill", config.skills_json, SKILLS_DIR), ("plugin", config.plugins_json, PLUGINS_DIR)):
-            if raw:
+            if _has_entries(raw):
                 steps.append((f"{kind}s", functools.partial(self._install_archives, raw, kind, root)))
         return steps
 
@@ -360,6 +360,18 @@ class EnvironmentSetup:
                 message = f"{kind} {cap.index + 1} ({cap.name}) could not be installed"
                 raise SetupFailed(f"{kind}_install_failed", message) from exc
         return ()
+
+
+def _has_entries(raw: str) -> bool:
+    """Whether a skills or plugins list gives its step anything to do: an
+    empty one is no step (nor a journal write). What does not parse is left
+    for its step to refuse."""
+    if not raw:
+        return False
+    try:
+        return bool(json.loads(raw) != [])
+    except ValueError:
+        return True
 
 
 async def _journal(session: AsyncSession, environment_id: str) -> tuple[environment_pb2.EnvironmentConfig, set[str]]:

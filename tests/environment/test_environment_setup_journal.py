@@ -220,3 +220,13 @@ async def test_the_journal_migration_upgrades_and_downgrades(database_url: str) 
             assert ("setup_steps" in tables) == (target == "head")
     finally:
         await engine.dispose()
+
+
+async def test_empty_skill_and_plugin_lists_are_no_setup_steps(
+    cluster: Cluster, database_url: str, fake: FakeCompute, db: Database
+) -> None:
+    service = await cluster.start(database_url, compute=fake)
+    # The gateway sends "[]" for an environment without skills or plugins.
+    empty = (await create_env(service.stub, config=setup_config(FIRST, skills_json="[]", plugins_json="[]"))).environment
+    assert (await ensure(service.stub, empty.id)).status == READY
+    assert await journal(db, empty.id) == {"sandbox", "command:1"}
