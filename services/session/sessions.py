@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import and_, exists, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from berth.environment.v1 import environment_pb2
@@ -31,7 +31,7 @@ from services.session.repository import Page
 from services.session.runner import TurnRunner
 from services.session.saved_agents import config_paths
 from services.session.session_input import enqueue_turn, input_messages
-from services.session.states import ACTIVE_TURN_STATUSES, SessionStatus
+from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
 from services.session.store import Store, Unit
 
 __all__ = ["Sessions", "CreatedSession"]
@@ -287,7 +287,8 @@ class Sessions:
 
     async def delete_session(self, org: str, session_id: str) -> str:
         """Refuses while a turn of the session, or of one of its subagents,
-        is queued or running. Deletes the subagents' child sessions first,
+        is running, or queued on a session that is not paused at its budget
+        (a paused one's queued turns are deleted with it). Deletes the subagents' child sessions first,
         then the session. For each: detaches the environment (a never-shared
         private one is deleted with its sandbox by the Environment service; a
         shared one closes the upstream of every HTTP MCP label the session
@@ -303,9 +304,18 @@ class Sessions:
                 if child is not None:
                     tree.append(child)
             ids = [r.id for r in tree]
+            # A session paused at its budget holds its queued turns: they go with it.
+            running = [r.id for r in tree if r.status != SessionStatus.BUDGET_REACHED]
             busy = (
                 await u.session.execute(
-                    select(exists().where(TurnRow.session_id.in_(ids), TurnRow.status.in_(ACTIVE_TURN_STATUSES)))
+                    select(
+                        exists().where(
+                            or_(
+                                and_(TurnRow.session_id.in_(ids), TurnRow.status.in_(RUNNING_TURN_STATUSES)),
+                                and_(TurnRow.session_id.in_(running), TurnRow.status == TurnStatus.QUEUED),
+                            )
+                        )
+                    )
                 )
             ).scalar()
             if busy or any(r.active_turn_id is not None for r in tree):

@@ -124,6 +124,19 @@ async def test_a_turn_reaching_the_spend_limit_pauses_the_session_until_the_limi
     assert (await run_script(client, session.id, "still fine")).status == "completed"
 
 
+async def test_a_session_paused_at_its_budget_is_deleted_with_its_queued_turns(stack: Stack) -> None:
+    client = strict_client(stack)
+    sessions = client.beta.agents.sessions
+    session = await sessions.create(agent={"model": "scripted"}, environment={"type": "openai_hosted"}, spend_control={"limit": 2})
+    await sessions.events.create(session.id, events=[_message("$ echo one\n$ echo two"), _message("later")])  # type: ignore[list-item]
+    await _log_until(client, session.id, 1, "agent.session.budget_reached")
+    assert [t.status async for t in sessions.turns.list(session.id, order="asc")] == ["failed", "queued"]
+    deleted = await sessions.delete(session.id)
+    assert deleted.deleted is True
+    async with stack.http() as http:
+        assert (await http.get(f"/agents/sessions/{session.id}")).status_code == 404
+
+
 async def test_a_streamed_creation_ends_at_the_budget_reached_event_of_its_turn(stack: Stack) -> None:
     client = strict_client(stack)
     async with asyncio.timeout(30):
