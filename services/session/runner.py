@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import structlog
-from sqlalchemy import Table, bindparam, insert, select, update
+from sqlalchemy import Table, insert, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -74,6 +74,7 @@ from services.session.harness.trace import TraceLink, TurnTrace
 from services.session.mcp_connections import McpConnections
 from services.session.models import EventRow, FunctionCallRow, ItemRow, SessionRow, TurnRow
 from services.session.states import RUNNING_TURN_STATUSES, SessionStatus, TurnStatus
+from services.session.history_cache import HistoryCache
 from services.session.session_controls import (
     BUDGET_ERROR_CODE,
     PriceTable,
@@ -93,18 +94,6 @@ __all__ = ["TurnRunner", "Outcome", "ClaimedTurn"]
 log = get_logger(__name__)
 
 _ITEMS = cast(Table, ItemRow.__table__)
-# Built once (see services/session/repository.py on prepared statements).
-_SESSIONS = cast(Table, SessionRow.__table__)
-# From the oldest item the model still sees (compactions drop the rest).
-_HISTORY = (
-    select(_ITEMS.c.id, _ITEMS.c.model_json)
-    .where(
-        _ITEMS.c.session_id == bindparam("session_id"),
-        _ITEMS.c.pk
-        >= select(_SESSIONS.c.context_from_pk).where(_SESSIONS.c.id == bindparam("session_id")).scalar_subquery(),
-    )
-    .order_by(_ITEMS.c.pk)
-)
 _INSERT_ITEMS = insert(_ITEMS)
 
 
@@ -212,6 +201,7 @@ class TurnRunner:
         self.blobs = blobs
         self.mcp = mcp
         self.environments = EnvironmentCache(env_client)
+        self.histories = HistoryCache()
         self.worker_id = f"w_{secrets.token_hex(8)}"
         self.lease_s = lease_s
         self.poll_s = poll_s
@@ -283,6 +273,7 @@ class TurnRunner:
     def forget(self, session_id: str) -> None:
         """The session is gone: drop what is known about it."""
         self.environments.forget(session_id)
+        self.histories.forget(session_id)
 
     def is_running(self, turn_id: str) -> bool:
         task = self._turns.get(turn_id)
@@ -370,8 +361,7 @@ class TurnRunner:
         for key, value in started.items():
             setattr(turn, key, value)
         # Items are only added by the active turn, so this is the whole history.
-        history = await u.session.execute(_HISTORY, {"session_id": session_id})
-        transcript: list[tuple[str, list[Entry]]] = [(item_id, json.loads(model_json)) for item_id, model_json in history]
+        transcript = await self.histories.read(u.session, session_id, row.context_from_pk)
         # No turn is waiting for function results: there are no required actions.
         view = await views.session_view(
             u.session, row, environment, prices=self.prices, status=SessionStatus.IN_PROGRESS, actions=[]

@@ -16,7 +16,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 from e2e_stack import Stack, destroy_sandboxes, start_stack
-from e2e_support import TERMINAL_TURN_EVENTS, api_error, assert_error, next_turn_end, run_script, send_script
+from e2e_support import TERMINAL_TURN_EVENTS, api_error, assert_error, next_turn_end, run_script
 from openai.types.beta.agents.sessions.turn import Turn
 from turns_support import NO_ENVIRONMENT, new_turn, strict_client, turn_status
 

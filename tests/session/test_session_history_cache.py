@@ -1,0 +1,102 @@
+"""The history a turn starts from, kept between turn starts, on SQLite and
+PostgreSQL: a start reads only the items added since the last one; a
+compaction, or an item that became visible below what was kept, makes it
+read the whole history again; a session that is forgotten is read again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from services.core.db import Database, open_database
+from services.core.settings import normalize_database_url
+from services.session.history_cache import HistoryCache
+from services.session.models import ItemRow
+
+_MIGRATIONS = Path(__file__).parents[2] / "services" / "session" / "migrations" / "versions"
+_SESSION = "sess_history"
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    database = await open_database(normalize_database_url(database_url), "session", _MIGRATIONS)
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+async def _add(db: Database, *texts: str, pk: int | None = None) -> None:
+    async with db.transaction() as s:
+        for text in texts:
+            s.add(
+                ItemRow(
+                    pk=pk,
+                    id=f"item_{text}",
+                    session_id=_SESSION,
+                    turn_id="turn_1",
+                    type="message",
+                    item_json="{}",
+                    model_json=json.dumps([{"role": "user", "text": text}]),
+                    visible=True,
+                    created_at=0.0,
+                )
+            )
+
+
+async def _spoil(db: Database, text: str) -> None:
+    """Makes an item's stored entries unreadable: a read that decodes it fails."""
+    async with db.transaction() as s:
+        await s.execute(update(ItemRow).where(ItemRow.id == f"item_{text}").values(model_json="not json"))
+
+
+async def _read(db: Database, cache: HistoryCache, context_from_pk: int = 0) -> list[str]:
+    async with db.transaction(read_only=True) as s:
+        history = await cache.read(s, _SESSION, context_from_pk)
+    return [entries[0]["text"] for _, entries in history]
+
+
+async def test_a_turn_start_decodes_only_the_items_added_since_the_last_one(db: Database) -> None:
+    cache = HistoryCache()
+    await _add(db, "a", "b")
+    assert await _read(db, cache) == ["a", "b"]
+    await _spoil(db, "a")  # kept: not read again
+    await _add(db, "c")
+    assert await _read(db, cache) == ["a", "b", "c"]
+    # Control: a cache that does not know the session reads everything.
+    with pytest.raises(json.JSONDecodeError):
+        await _read(db, HistoryCache())
+    cache.forget(_SESSION)
+    with pytest.raises(json.JSONDecodeError):
+        await _read(db, cache)
+
+
+async def test_a_compaction_or_an_item_below_what_was_kept_reads_the_whole_history_again(db: Database) -> None:
+    cache = HistoryCache()
+    await _add(db, "a", "b", "c")
+    assert await _read(db, cache) == ["a", "b", "c"]
+    async with db.transaction(read_only=True) as s:
+        from_b = (await s.execute(ItemRow.__table__.select().where(ItemRow.id == "item_b"))).one().pk
+    assert await _read(db, cache, context_from_pk=from_b) == ["b", "c"]
+
+    # An item that becomes visible below the kept ones (as a slower
+    # transaction's would on PostgreSQL) is read with everything else.
+    await _add(db, "e", pk=from_b + 10)
+    assert await _read(db, cache) == ["a", "b", "c", "e"]
+    await _add(db, "d", pk=from_b + 5)
+    assert await _read(db, cache) == ["a", "b", "c", "d", "e"]
+
+
+async def test_the_least_recently_started_session_is_dropped_first(db: Database) -> None:
+    cache = HistoryCache(max_sessions=1)
+    await _add(db, "a")
+    assert await _read(db, cache) == ["a"]
+    async with db.transaction(read_only=True) as s:
+        await cache.read(s, "sess_other", 0)  # takes the only place
+    await _spoil(db, "a")
+    with pytest.raises(json.JSONDecodeError):
+        await _read(db, cache)
