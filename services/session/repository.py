@@ -302,6 +302,18 @@ async def release_active_turn(
     return SessionRow(**columns), more
 
 
+async def move_idle_session(s: AsyncSession, session_id: str, expected: str, status: str) -> bool:
+    """Moves a session that no turn holds from ``expected`` to ``status``
+    (its budget pause and resume); False when a turn took it meanwhile or
+    its status changed. The loaded ORM row is left as it was read."""
+    result = await s.execute(
+        update(_SESSIONS)
+        .where(_SESSIONS.c.id == session_id, _SESSIONS.c.active_turn_id.is_(None), _SESSIONS.c.status == expected)
+        .values(status=status)
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
 async def has_queued_turn(s: AsyncSession, session_id: str) -> bool:
     found = await s.execute(select(TurnRow.pk).where(TurnRow.session_id == session_id, TurnRow.status == TurnStatus.QUEUED).limit(1))
     return found.first() is not None
@@ -370,6 +382,7 @@ __all__ += [
     "set_turn_status",
     "transition_turn",
     "release_active_turn",
+    "move_idle_session",
     "has_queued_turn",
     "unreferenced_blobs",
     "EVENTS_BATCH",

@@ -250,11 +250,11 @@ class Sessions:
                 controls.check_priced(self.runner.prices, str(views.snapshot(row)["config"].get("model") or ""))
                 row.controls_json = controls.to_json()
             if "spend_control" in paths:
+                await u.session.flush()
                 moved = await budget_move(u.session, row, self.runner.prices)
-                if moved is not None:
-                    row.status = moved
-                    await u.session.flush()
-                    view = await views.session_view(u.session, row, environment, prices=self.runner.prices)
+                # Only while no turn took the session meanwhile (a claim sets in_progress).
+                if moved is not None and await repo.move_idle_session(u.session, session_id, row.status, moved):
+                    view = await views.session_view(u.session, row, environment, prices=self.runner.prices, status=moved)
                     await u.emit(session_id, wire.session_event(f"agent.session.{moved}", view.message))
                     resumed = moved == SessionStatus.IDLE
 
