@@ -227,10 +227,12 @@ class Sessions:
         # A changed budget may pause or resume the session, whose event shows it
         # with its environment (read before the transaction, not inside it).
         environment = None
-        if "spend_control" in paths:
-            environment = await self._environment(await self.store.query(lambda s: repo.get_session(s, org, session_id)))
-        if "vault_ids" in paths:
-            await self._check_new_vaults(org, session_id, list(request.vault_ids))
+        if paths & {"spend_control", "vault_ids"}:
+            current = await self.store.query(lambda s: repo.get_session(s, org, session_id))
+            if "spend_control" in paths:
+                environment = await self._environment(current)
+            if "vault_ids" in paths:
+                await self._check_new_vaults(current, list(request.vault_ids))
         resumed = False
 
         async def update_row(u: Unit) -> None:
@@ -264,17 +266,16 @@ class Sessions:
             self.runner.kick(session_id, org)
         return await self.get_session(org, session_id)
 
-    async def _check_new_vaults(self, org: str, session_id: str, vault_ids: list[str]) -> None:
+    async def _check_new_vaults(self, row: SessionRow, vault_ids: list[str]) -> None:
         """A session's vaults may change when they give its own MCP
         connections their credentials alone. The vaults of a session that
         created its environment inline also select that environment's
         secrets, which its sandbox fixed at creation: those cannot change."""
-        row = await self.store.query(lambda s: repo.get_session(s, org, session_id))
         if row.environment_kind == "hosted":
             if self.env is None:
                 raise FailedPrecondition("no environment service is configured", param="vault_ids")
             environment = await self.env.get_environment(row.environment_id)
-            if environment.owner_session_id == session_id and set(vault_ids) != set(environment.vault_ids):
+            if environment.owner_session_id == row.id and set(vault_ids) != set(environment.vault_ids):
                 raise InvalidArgument(
                     "vault_ids cannot change on a session that created its environment inline: they also select"
                     " the environment's secrets, fixed when its sandbox was made; create a new session instead",

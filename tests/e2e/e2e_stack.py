@@ -9,7 +9,8 @@ they do across a real restart)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from reaping import destroy_local_sandboxes as destroy_sandboxes
 
 from services.core.settings import Settings
 
-__all__ = ["Stack", "start_stack", "destroy_sandboxes"]
+__all__ = ["Stack", "start_stack", "running_stack", "destroy_sandboxes"]
 
 
 async def _no_op() -> None:
@@ -105,3 +106,14 @@ async def start_stack(data_dir: Path, **overrides: object) -> tuple[Stack, Calla
         start_sandbox=start_sandbox,
     )
     return stack, stop
+
+
+@asynccontextmanager
+async def running_stack(data_dir: Path, **overrides: object) -> AsyncIterator[Stack]:
+    """``start_stack``'s stack, stopped on exit, with every sandbox it made destroyed."""
+    stack, stop = await start_stack(data_dir, **overrides)
+    try:
+        yield stack
+    finally:
+        await stop()
+        await destroy_sandboxes(data_dir)

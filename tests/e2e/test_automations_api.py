@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import pytest_asyncio
-from e2e_stack import Stack, destroy_sandboxes, start_stack
+from e2e_stack import Stack, running_stack
 from e2e_support import api_error, assert_error, run_script
 from openai.types.beta.agents.automations.automation_invocation import AutomationInvocation
 from openai.types.beta.agents.one_time_automation import OneTimeAutomation
@@ -30,13 +29,8 @@ NO_ENV: Any = {"type": "none"}
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    data_dir: Path = tmp_path_factory.mktemp("automations") / "berth"
-    s, stop = await start_stack(data_dir)
-    try:
+    async with running_stack(tmp_path_factory.mktemp("automations") / "berth") as s:
         yield s
-    finally:
-        await stop()
-        await destroy_sandboxes(data_dir)
 
 
 def strict(stack: Stack, key: str | None = None) -> openai.AsyncOpenAI:

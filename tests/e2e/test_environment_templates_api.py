@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import pytest_asyncio
-from e2e_stack import Stack, destroy_sandboxes, start_stack
+from e2e_stack import Stack, running_stack
 from e2e_support import api_error, assert_error, attach_session, b64, environment_of, run_script, workspace_file
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -24,13 +23,8 @@ SECRET_VALUE = "tpl-secret-value-81723"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> AsyncIterator[Stack]:
-    data_dir: Path = tmp_path_factory.mktemp("templates") / "berth"
-    s, stop = await start_stack(data_dir)
-    try:
+    async with running_stack(tmp_path_factory.mktemp("templates") / "berth") as s:
         yield s
-    finally:
-        await stop()
-        await destroy_sandboxes(data_dir)
 
 
 def strict(stack: Stack, key: str | None = None) -> openai.AsyncOpenAI:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from e2e_stack import Stack, destroy_sandboxes, start_stack
+from e2e_stack import Stack, running_stack
 
 NODE_DIR = Path(__file__).parent / "node"
 
@@ -36,13 +36,8 @@ def _node() -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> AsyncIterator[Stack]:
-    data_dir = tmp_path_factory.mktemp("node-sdk") / "berth"
-    s, stop = await start_stack(data_dir)
-    try:
+    async with running_stack(tmp_path_factory.mktemp("node-sdk") / "berth") as s:
         yield s
-    finally:
-        await stop()
-        await destroy_sandboxes(data_dir)
 
 
 async def test_the_official_node_sdk_runs_sessions_tools_and_errors_against_berth(stack: Stack) -> None:

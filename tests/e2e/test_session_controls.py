@@ -8,14 +8,13 @@ turns until the limit is raised."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import asyncio
 
 import pytest
 import pytest_asyncio
-from e2e_stack import Stack, destroy_sandboxes, start_stack
+from e2e_stack import Stack, running_stack
 from e2e_support import TERMINAL_TURN_EVENTS, api_error, assert_error, next_turn_end, run_script
 from openai.types.beta.agents.sessions.turn import Turn
 from turns_support import NO_ENVIRONMENT, new_turn, strict_client, turn_status
@@ -27,15 +26,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory, bwrap_available: None) -> AsyncIterator[Stack]:
-    data_dir: Path = tmp_path_factory.mktemp("controls") / "berth"
     # One cent per output token of the offline model; input is free.
     prices = {"scripted": ModelPrice(input=0, cached_input=0, output=10_000)}
-    s, stop = await start_stack(data_dir, model_prices=prices)
-    try:
+    async with running_stack(tmp_path_factory.mktemp("controls") / "berth", model_prices=prices) as s:
         yield s
-    finally:
-        await stop()
-        await destroy_sandboxes(data_dir)
 
 
 def _message(text: str) -> dict[str, Any]:
