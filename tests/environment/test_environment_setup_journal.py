@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,11 +15,12 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 from environment_fakes import ExecCall, FakeCompute
+from db_support import migrations_of, service_database
 from environment_helpers import Cluster, EnvService, create_env, ensure, get_env, reason_of, setup_config
 from waiting import wait_until
 
 from berth.environment.v1 import environment_pb2
-from services.core.db import Database, _alembic_config, create_engine, open_database
+from services.core.db import Database, _alembic_config, create_engine
 from services.core.settings import normalize_database_url
 from services.environment import repository as repo
 from services.environment.init_guard import LeaseLost, SetupFence
@@ -29,7 +29,7 @@ READY = environment_pb2.ENVIRONMENT_STATUS_READY
 FAILED = environment_pb2.ENVIRONMENT_STATUS_FAILED
 PENDING = environment_pb2.ENVIRONMENT_STATUS_PENDING
 INITIALIZING = environment_pb2.ENVIRONMENT_STATUS_INITIALIZING
-MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "environment" / "migrations" / "versions"
+MIGRATIONS = migrations_of("environment")
 FIRST, GATED, LAST = "echo one >> steps", "echo two >> steps  # gated", "echo three >> steps"
 
 
@@ -54,11 +54,8 @@ class Gate:
 
 @pytest.fixture
 async def db(database_url: str) -> AsyncIterator[Database]:
-    database = await open_database(normalize_database_url(database_url), "environment", MIGRATIONS)
-    try:
+    async with service_database(database_url, "environment") as database:
         yield database
-    finally:
-        await database.dispose()
 
 
 async def journal(db: Database, environment_id: str) -> set[str]:

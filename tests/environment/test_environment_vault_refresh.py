@@ -11,11 +11,11 @@ import asyncio
 import datetime
 import io
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from cryptography.fernet import Fernet
+from db_support import migrations_of, service_database
 from oauth_support import Grant, LocalCA, TokenServer, make_test_ca, token_server
 
 from berth.environment.v1 import vault_pb2
@@ -27,7 +27,7 @@ from services.core.settings import Settings, normalize_database_url
 from services.environment.oauth_refresh import TokenEndpointClient
 from services.environment.vaults import UNSET, CredentialRotation, SecretInput, VaultListPage, VaultStore
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "services" / "environment" / "migrations" / "versions"
+MIGRATIONS = migrations_of("environment")
 URL = "https://mcp.example.test/mcp"
 EXPIRED = "oauth-expired-access-5d1e"
 REFRESH_1, REFRESH_2, REFRESH_3 = "oauth-refresh-one-77c1", "oauth-refresh-two-a0b2", "oauth-refresh-three-19fe"
@@ -45,20 +45,14 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> LocalCA:
 @pytest.fixture
 async def db(database_url: str) -> AsyncIterator[Database]:
     """On SQLite and on PostgreSQL: their refreshes lock differently."""
-    database = await open_database(normalize_database_url(database_url), "environment", MIGRATIONS)
-    try:
+    async with service_database(database_url, "environment") as database:
         yield database
-    finally:
-        await database.dispose()
 
 
 @pytest.fixture
 async def sqlite_db(sqlite_url: str) -> AsyncIterator[Database]:
-    database = await open_database(normalize_database_url(sqlite_url), "environment", MIGRATIONS)
-    try:
+    async with service_database(sqlite_url, "environment") as database:
         yield database
-    finally:
-        await database.dispose()
 
 
 def settings(ca: LocalCA, **overrides: Any) -> Settings:

@@ -7,27 +7,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
+from db_support import service_database
 from sqlalchemy import update
 
-from services.core.db import Database, open_database
-from services.core.settings import normalize_database_url
+from services.core.db import Database
 from services.session.history_cache import HistoryCache
 from services.session.models import ItemRow
 
-_MIGRATIONS = Path(__file__).parents[2] / "services" / "session" / "migrations" / "versions"
 _SESSION = "sess_history"
 
 
 @pytest.fixture
 async def db(database_url: str) -> AsyncIterator[Database]:
-    database = await open_database(normalize_database_url(database_url), "session", _MIGRATIONS)
-    try:
+    async with service_database(database_url, "session") as database:
         yield database
-    finally:
-        await database.dispose()
 
 
 async def _add(db: Database, *texts: str, pk: int | None = None) -> None:
