@@ -16,7 +16,7 @@ import pytest
 from sandbox_support import Sandbox, SandboxFactory
 from waiting import wait_until
 
-from services.sandbox.backends.base import BackendUnavailable, SandboxSpec
+from services.sandbox.backends.base import BackendUnavailable, SandboxSpec, SandboxStartError
 from services.sandbox.backends.local import LocalBackend, detect_freezers
 from services.sandbox.daemon_client import DaemonClient, DaemonError, OutputChunk
 
@@ -221,6 +221,26 @@ async def test_missing_bubblewrap_is_reported_as_backend_unavailable(
 
     with pytest.raises(BackendUnavailable, match="BERTH_SANDBOX_ISOLATION=none"):
         await backend.create(SandboxSpec(sandbox_id="nobwrap"))
+
+
+async def test_a_sandbox_whose_bubblewrap_fails_before_its_namespaces_exist_fails_to_start_and_can_start_again(
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    backend = LocalBackend(tmp_path / "data", "bwrap", extra_ro_mounts={site: "/opt/site"})
+    site.rmdir()  # checked when the backend was made; bwrap's staging now fails
+
+    with pytest.raises(SandboxStartError):
+        await backend.create(SandboxSpec(sandbox_id="early"))
+
+    site.mkdir()
+    handle = await backend.create(SandboxSpec(sandbox_id="early"))
+    try:
+        async with DaemonClient(backend.socket_path(handle)) as client:
+            assert [ev.exit_code async for ev in client.exec(argv=["true"]) if not isinstance(ev, OutputChunk)] == [0]
+    finally:
+        await backend.destroy(handle)
 
 
 # A process whose children are started by the main thread and by a second,

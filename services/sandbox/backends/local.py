@@ -227,6 +227,41 @@ def _scanned_tree(root: int) -> list[int]:
     return [pid for pid in order if states.get(pid) not in ("Z", "X")]
 
 
+_MAX_INFO_BYTES = 4096
+
+
+async def _read_info(fd: int) -> object | None:
+    """The JSON object bubblewrap writes on its ``--info-fd`` (non-blocking
+    ``fd``), read as it arrives: bwrap writes it in parts and keeps the pipe
+    open, so the object ends where it first parses. None when the pipe
+    closes first (bwrap failed before the sandbox existed)."""
+    loop = asyncio.get_running_loop()
+    buffer = b""
+    while len(buffer) <= _MAX_INFO_BYTES:
+        readable: asyncio.Future[None] = loop.create_future()
+
+        def wake(future: asyncio.Future[None] = readable) -> None:
+            if not future.done():
+                future.set_result(None)
+
+        loop.add_reader(fd, wake)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+        try:
+            chunk = os.read(fd, _MAX_INFO_BYTES)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return None
+        buffer += chunk
+        with contextlib.suppress(ValueError):
+            info: object = json.loads(buffer)
+            return info
+    return None
+
+
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -705,8 +740,9 @@ class LocalBackend(SandboxBackend):
         }
         # Spawned from a worker thread: Popen blocks its caller until bwrap
         # has exec'd, which would stall every other start on the event loop.
+        info_fd: int | None = None
         if assets is not None and cgroup is not None:
-            popen = await asyncio.to_thread(self._spawn_confined, spec, paths, assets, cgroup, uid, dormant_after_s)
+            popen, info_fd = await asyncio.to_thread(self._spawn_confined, spec, paths, assets, cgroup, uid, dormant_after_s)
         else:
             popen = await asyncio.to_thread(self._spawn, self._unconfined_argv(paths, dormant_after_s), paths, env=_HOST_ENV)
         self._children[spec.sandbox_id] = popen
@@ -716,14 +752,17 @@ class LocalBackend(SandboxBackend):
             socket_path=str(paths.socket),
             private={"pid": popen.pid, "start_time": stat.start_time if stat is not None else 0, **private},
         )
-        self._save_handle(handle)
         try:
-            if confined:
-                handle = await self._start_network(handle, popen, spec)
+            self._save_handle(handle)
+            if info_fd is not None:
+                handle = await self._start_network(handle, popen, spec, info_fd)
             await self._wait_ready(handle, popen, awake=dormant_after_s == 0)
         except BaseException:
             await self._abandon_start(handle)
             raise
+        finally:
+            if info_fd is not None:
+                os.close(info_fd)
         log.info("sandbox_started", sandbox_id=spec.sandbox_id, pid=popen.pid, isolation=self._isolation, uid=uid, freezer=freezer)
         return handle
 
@@ -772,7 +811,10 @@ class LocalBackend(SandboxBackend):
 
     def _spawn_confined(
         self, spec: SandboxSpec, paths: _Paths, assets: _Assets, cgroup: SandboxCgroup, uid: int, dormant_after_s: float
-    ) -> subprocess.Popen[bytes]:
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """Starts the sandbox; returns its process and the read end of the
+        pipe on which its bubblewrap announces the sandbox's first process
+        (``--info-fd``; see ``_namespace_pid``), which the caller closes."""
         # The unprivileged uid bwrap runs as cannot (and must not) walk the
         # root-only host directories its mount sources live in. A first bwrap,
         # still root, stages them on a fresh tmpfs in a mount namespace of its
@@ -788,21 +830,32 @@ class LocalBackend(SandboxBackend):
         staging = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", _STAGE]
         for name, host in sources.items():
             staging += ["--bind" if name in ("workspace", "run") else "--ro-bind", host, stage[name]]
-        seccomp_fd = os.open(assets.seccomp, os.O_RDONLY | os.O_CLOEXEC)
+        info_read, info_write = os.pipe()
         try:
-            argv = [
-                "/bin/sh", "-c", _JOIN, "berth-join",
-                *staging, "--",
-                "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
-                "--inh-caps=-all", "--bounding-set=-all",
-                *self._bwrap_argv(spec, stage, seccomp_fd, dormant_after_s),
-            ]  # fmt: skip
-            env = {**_HOST_ENV, "BERTH_CGROUPS": " ".join(cgroup.procs_files())}
-            return self._spawn(argv, paths, env=env, pass_fds=(seccomp_fd,))
+            seccomp_fd = os.open(assets.seccomp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                argv = [
+                    "/bin/sh", "-c", _JOIN, "berth-join",
+                    *staging, "--",
+                    "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                    "--inh-caps=-all", "--bounding-set=-all",
+                    *self._bwrap_argv(spec, stage, seccomp_fd, info_write, dormant_after_s),
+                ]  # fmt: skip
+                env = {**_HOST_ENV, "BERTH_CGROUPS": " ".join(cgroup.procs_files())}
+                popen = self._spawn(argv, paths, env=env, pass_fds=(seccomp_fd, info_write))
+            finally:
+                os.close(seccomp_fd)
+        except BaseException:
+            os.close(info_read)
+            raise
         finally:
-            os.close(seccomp_fd)
+            os.close(info_write)
+        os.set_blocking(info_read, False)
+        return popen, info_read
 
-    def _bwrap_argv(self, spec: SandboxSpec, stage: Mapping[str, str], seccomp_fd: int, dormant_after_s: float) -> list[str]:
+    def _bwrap_argv(
+        self, spec: SandboxSpec, stage: Mapping[str, str], seccomp_fd: int, info_fd: int, dormant_after_s: float
+    ) -> list[str]:
         argv = [
             "bwrap",
             "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--disable-userns",
@@ -831,6 +884,8 @@ class LocalBackend(SandboxBackend):
             "--ro-bind", stage["sandboxd.pyz"], _DAEMON_IN_SANDBOX,
             *[arg for i, (_, target) in enumerate(self._extra_ro_mounts) for arg in ("--ro-bind", stage[f"ro{i}"], target)],
             "--seccomp", str(seccomp_fd),
+            # bwrap does not hand this descriptor to the sandbox's processes.
+            "--info-fd", str(info_fd),
             "--chdir", "/workspace",
             "--setenv", "HOME", "/workspace",
             *self._daemon_command(_DAEMON_IN_SANDBOX, dormant_after_s),
@@ -860,25 +915,35 @@ class LocalBackend(SandboxBackend):
             "--env-file", str(paths.mounted / "env.json"),
         ]  # fmt: skip
 
-    async def _namespace_pid(self, popen: subprocess.Popen[bytes]) -> int:
-        """The first process of the sandbox's tree inside its own network
-        namespace (sandboxd's ancestor inside bwrap)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._start_timeout_s
-        own_net = os.readlink("/proc/self/ns/net")
-        while loop.time() < deadline:
-            if popen.poll() is not None:
-                raise SandboxStartError(f"sandbox exited with status {popen.returncode} while starting")
-            for pid in _process_tree(popen.pid):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/ns/net") != own_net:
-                        return pid
-            await asyncio.sleep(_POLL_S / 5)
-        raise SandboxStartError("the sandbox's namespaces did not appear")
-
-    async def _start_network(self, handle: BackendHandle, popen: subprocess.Popen[bytes], spec: SandboxSpec) -> BackendHandle:
+    async def _namespace_pid(self, popen: subprocess.Popen[bytes], info_fd: int) -> int:
+        """The first process of the sandbox inside its own namespaces, as
+        bubblewrap announces it on ``info_fd`` (``{"child-pid": N, ...}``)
+        once they exist: the start waits for that, without polling."""
         try:
-            inner = await self._namespace_pid(popen)
+            async with asyncio.timeout(self._start_timeout_s):
+                info = await _read_info(info_fd)
+        except TimeoutError:
+            raise SandboxStartError("the sandbox's namespaces did not appear") from None
+        pid = info.get("child-pid") if isinstance(info, dict) else None
+        if info is None or not isinstance(pid, int) or pid <= 1:
+            # The pipe closed: bwrap is exiting; its status, if it comes soon.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(popen.wait, 1.0)
+            status = "did not exit" if popen.returncode is None else f"exited with status {popen.returncode}"
+            raise SandboxStartError(f"bubblewrap announced no sandbox process (it {status})")
+        try:
+            inside = os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        except OSError:
+            inside = False
+        if not inside:
+            raise SandboxStartError(f"the sandbox's process {pid} is not in a network namespace of its own")
+        return pid
+
+    async def _start_network(
+        self, handle: BackendHandle, popen: subprocess.Popen[bytes], spec: SandboxSpec, info_fd: int
+    ) -> BackendHandle:
+        try:
+            inner = await self._namespace_pid(popen, info_fd)
         except SandboxStartError as exc:
             raise SandboxStartError(f"sandbox {handle.sandbox_id}: {exc}: {self._log_tail(handle)}") from exc
         private = {**handle.private, "inner_pid": inner}
@@ -888,6 +953,12 @@ class LocalBackend(SandboxBackend):
                 await apply_filter(netns, filter_ruleset(self._allow, await asyncio.to_thread(host_addresses)))
                 user_network = await start_user_network(netns, Path(str(handle.private["run_dir"])) / "slirp.log")
             except NetworkSetupError as exc:
+                if popen.poll() is not None:
+                    # The sandbox died under its new namespace (as a failed
+                    # loopback setup does): a start error, retried as one.
+                    raise SandboxStartError(
+                        f"sandbox {handle.sandbox_id} exited with status {popen.returncode} while starting: {self._log_tail(handle)}"
+                    ) from exc
                 raise BackendUnavailable(f"the network of sandbox {handle.sandbox_id} cannot be set up: {exc}") from exc
             private["user_network"] = user_network.to_private()
         handle = BackendHandle(handle.sandbox_id, handle.socket_path, private)
