@@ -236,30 +236,26 @@ async def _read_info(fd: int) -> object | None:
     open, so the object ends where it first parses. None when the pipe
     closes first (bwrap failed before the sandbox existed)."""
     loop = asyncio.get_running_loop()
+    readable = asyncio.Event()
+    loop.add_reader(fd, readable.set)
     buffer = b""
-    while len(buffer) <= _MAX_INFO_BYTES:
-        readable: asyncio.Future[None] = loop.create_future()
-
-        def wake(future: asyncio.Future[None] = readable) -> None:
-            if not future.done():
-                future.set_result(None)
-
-        loop.add_reader(fd, wake)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
-        try:
-            chunk = os.read(fd, _MAX_INFO_BYTES)
-        except BlockingIOError:
-            continue
-        if not chunk:
-            return None
-        buffer += chunk
-        with contextlib.suppress(ValueError):
-            info: object = json.loads(buffer)
-            return info
-    return None
+    try:
+        while len(buffer) <= _MAX_INFO_BYTES:
+            await readable.wait()
+            readable.clear()
+            try:
+                chunk = os.read(fd, _MAX_INFO_BYTES)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return None
+            buffer += chunk
+            with contextlib.suppress(ValueError):
+                info: object = json.loads(buffer)
+                return info
+        return None
+    finally:
+        loop.remove_reader(fd)
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
@@ -925,8 +921,8 @@ class LocalBackend(SandboxBackend):
         except TimeoutError:
             raise SandboxStartError("the sandbox's namespaces did not appear") from None
         pid = info.get("child-pid") if isinstance(info, dict) else None
-        if info is None or not isinstance(pid, int) or pid <= 1:
-            # The pipe closed: bwrap is exiting; its status, if it comes soon.
+        if not isinstance(pid, int) or pid <= 1:
+            # No announcement (the pipe closed): bwrap is exiting; its status, if it comes soon.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(popen.wait, 1.0)
             status = "did not exit" if popen.returncode is None else f"exited with status {popen.returncode}"
