@@ -258,6 +258,25 @@ async def _read_info(fd: int) -> object | None:
         loop.remove_reader(fd)
 
 
+def _host_tops() -> list[str]:
+    """bwrap arguments that bind (read-only) or recreate as symlinks the
+    host's top-level program and library directories."""
+    argv = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    return argv
+
+
+def _staging_root() -> list[str]:
+    """The staging bwrap's root: what ``setpriv`` and the sandbox's bwrap
+    run with (programs, libraries, ``/etc``, the host's ``/proc``, whose
+    full view the sandbox's own proc mount requires, and ``/dev``)."""
+    return [*_host_tops(), "--ro-bind", "/etc", "/etc", "--bind", "/proc", "/proc", "--dev-bind", "/dev", "/dev"]
+
+
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -815,6 +834,11 @@ class LocalBackend(SandboxBackend):
         # root-only host directories its mount sources live in. A first bwrap,
         # still root, stages them on a fresh tmpfs in a mount namespace of its
         # own; the second, as the sandbox's uid, binds them from there.
+        # That namespace lives as long as the sandbox, so it holds only what
+        # the second bwrap needs (``_staging_root``), never a copy of the
+        # host's whole mount table: with one workspace mount per sandbox,
+        # every namespace holding them all would make each mount and unmount
+        # propagate to every other sandbox (quadratic in their number).
         sources = {
             "workspace": str(paths.workspace),
             "run": str(paths.mounted),
@@ -823,7 +847,7 @@ class LocalBackend(SandboxBackend):
             **{f"ro{i}": host for i, (host, _) in enumerate(self._extra_ro_mounts)},
         }
         stage = {name: f"{_STAGE}/{name}" for name in sources}
-        staging = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", _STAGE]
+        staging = ["bwrap", *_staging_root(), "--tmpfs", _STAGE]
         for name, host in sources.items():
             staging += ["--bind" if name in ("workspace", "run") else "--ro-bind", host, stage[name]]
         info_read, info_write = os.pipe()
@@ -860,14 +884,7 @@ class LocalBackend(SandboxBackend):
             "--as-pid-1",
             "--new-session",
             "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr",
-        ]  # fmt: skip
-        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-            if os.path.islink(top):
-                argv += ["--symlink", os.readlink(top), top]
-            elif os.path.isdir(top):
-                argv += ["--ro-bind", top, top]
-        argv += [
+            *_host_tops(),
             "--ro-bind", stage["etc"], "/etc",
             "--proc", "/proc",
             "--dev", "/dev",
