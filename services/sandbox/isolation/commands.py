@@ -1,4 +1,4 @@
-"""Running a host tool (mount, cp, nft...) for a sandbox's set-up."""
+"""Running a host tool (mkfs.ext4, nft...) for a sandbox's set-up."""
 
 from __future__ import annotations
 
