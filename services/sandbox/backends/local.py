@@ -702,11 +702,9 @@ class LocalBackend(SandboxBackend):
         confined = self._isolation == "bwrap"
         assets = self.assets() if confined else None
         uid = host_uid(self._install, spec.sandbox_id) if confined else os.getuid()
-        paths.home.mkdir(mode=0o700, parents=True, exist_ok=True)
-        paths.run.mkdir(mode=0o700, parents=True, exist_ok=True)
-        (paths.mounted / "state").mkdir(mode=0o700, parents=True, exist_ok=True)
-        for directory in (paths.mounted, paths.mounted / "state"):
-            os.chown(directory, uid, uid)
+        # Creating files waits on the host's filesystem (long, on one without
+        # a journal that just deleted many): off the event loop.
+        await asyncio.to_thread(self._prepare_dirs, paths, spec, uid, confined)
         if confined:
             try:
                 await mount_workspace(
@@ -719,11 +717,6 @@ class LocalBackend(SandboxBackend):
                 )
             except QuotaError as exc:
                 raise BackendUnavailable(f"the workspace disk quota cannot be applied: {exc}") from exc
-        else:
-            paths.workspace.mkdir(parents=True, exist_ok=True)
-        self._write_env(paths, spec, uid)
-        with contextlib.suppress(FileNotFoundError):
-            paths.socket.unlink()
 
         cgroup: SandboxCgroup | None = None
         freezer: FreezerKind = "signal"
@@ -768,10 +761,17 @@ class LocalBackend(SandboxBackend):
             private={"pid": popen.pid, "start_time": stat.start_time if stat is not None else 0, **private},
         )
         try:
-            self._save_handle(handle)
-            if info_fd is not None:
-                handle = await self._start_network(handle, popen, spec, info_fd)
-            await self._wait_ready(handle, popen, awake=dormant_after_s == 0)
+            await asyncio.to_thread(self._save_handle, handle)
+            # The daemon starts while the network is set up.
+            ready = asyncio.ensure_future(self._wait_ready(handle, popen, awake=dormant_after_s == 0))
+            try:
+                if info_fd is not None:
+                    handle = await self._start_network(handle, popen, spec, info_fd)
+            except BaseException:
+                ready.cancel()
+                await asyncio.gather(ready, return_exceptions=True)
+                raise
+            await ready
         except BaseException:
             await self._abandon_start(handle)
             raise
@@ -780,6 +780,20 @@ class LocalBackend(SandboxBackend):
                 os.close(info_fd)
         log.info("sandbox_started", sandbox_id=spec.sandbox_id, pid=popen.pid, isolation=self._isolation, uid=uid, freezer=freezer)
         return handle
+
+    def _prepare_dirs(self, paths: _Paths, spec: SandboxSpec, uid: int, confined: bool) -> None:
+        """The sandbox's directories on the host, its env.json, and no
+        socket of an earlier run."""
+        paths.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths.run.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (paths.mounted / "state").mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in (paths.mounted, paths.mounted / "state"):
+            os.chown(directory, uid, uid)
+        if not confined:
+            paths.workspace.mkdir(parents=True, exist_ok=True)
+        self._write_env(paths, spec, uid)
+        with contextlib.suppress(FileNotFoundError):
+            paths.socket.unlink()
 
     def _write_env(self, paths: _Paths, spec: SandboxSpec, uid: int) -> None:
         """The sandbox's env.json: what every command of it gets."""
@@ -975,7 +989,7 @@ class LocalBackend(SandboxBackend):
                 raise BackendUnavailable(f"the network of sandbox {handle.sandbox_id} cannot be set up: {exc}") from exc
             private["user_network"] = user_network.to_private()
         handle = BackendHandle(handle.sandbox_id, handle.socket_path, private)
-        self._save_handle(handle)
+        await asyncio.to_thread(self._save_handle, handle)
         return handle
 
     def _save_handle(self, handle: BackendHandle) -> None:

@@ -164,9 +164,10 @@ def _copy_extent(src: int, dst: int, pos: int, end: int) -> None:
     _write_nonzero(src, dst, pos, end)
 
 
-def _copy_sparse(source: Path, dest: Path) -> None:
+def _copy_sparse(source: Path, dest: Path, *, replace: Path | None = None) -> None:
     """Copies ``source`` to a new file ``dest`` byte for byte, writing only
-    its data extents, so that ``dest`` is as sparse as ``source``."""
+    its data extents, so that ``dest`` is as sparse as ``source``; then
+    renames it to ``replace``, if given."""
     try:
         src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -191,6 +192,8 @@ def _copy_sparse(source: Path, dest: Path) -> None:
             os.close(dst)
         finally:
             os.close(src)
+        if replace is not None:
+            dest.replace(replace)
     except OSError as exc:
         raise QuotaError(f"copying {source} to {dest} failed: {exc}") from exc
 
@@ -341,6 +344,15 @@ def _own_workspace(mount_point: Path, uid: int, gid: int) -> None:
             lost.rmdir()
 
 
+def _mount_point_ready(mount_point: Path, image: Path) -> bool | None:
+    """Makes the mount point; None if something is mounted there already,
+    else whether the image is still to be made."""
+    mount_point.mkdir(parents=True, exist_ok=True)
+    if is_mounted(mount_point):
+        return None
+    return not image.exists()
+
+
 async def mount_workspace(
     image: Path, mount_point: Path, *, size_mib: int, uid: int, gid: int, templates: Path | None = None
 ) -> None:
@@ -353,10 +365,9 @@ async def mount_workspace(
         raise QuotaError("mkfs.ext4 is needed for the workspace disk quota (apt-get install e2fsprogs)")
     if not os.path.exists(_LOOP_CONTROL):
         raise QuotaError(f"{_LOOP_CONTROL} is needed for the workspace disk quota (modprobe loop)")
-    mount_point.mkdir(parents=True, exist_ok=True)
-    if is_mounted(mount_point):
+    new_image = await asyncio.to_thread(_mount_point_ready, mount_point, image)
+    if new_image is None:
         return
-    new_image = not image.exists()
     if new_image:
         tmp = image.with_name(f".{image.name}.{secrets.token_hex(6)}.tmp")
         if templates is not None:
@@ -365,12 +376,16 @@ async def mount_workspace(
                 if not template.exists():
                     templates.mkdir(parents=True, exist_ok=True)
                     await _make_filesystem(template, size_mib)
-            await asyncio.to_thread(_copy_sparse, template, tmp)
+            await asyncio.to_thread(_copy_sparse, template, tmp, replace=image)
         else:
             await _make_filesystem(tmp, size_mib)
-        tmp.replace(image)
-    await asyncio.to_thread(_mount_image, image, mount_point, new_image=new_image)
-    await asyncio.to_thread(_own_workspace, mount_point, uid, gid)
+            tmp.replace(image)
+    await asyncio.to_thread(_mount_owned, image, mount_point, new_image=new_image, uid=uid, gid=gid)
+
+
+def _mount_owned(image: Path, mount_point: Path, *, new_image: bool, uid: int, gid: int) -> None:
+    _mount_image(image, mount_point, new_image=new_image)
+    _own_workspace(mount_point, uid, gid)
 
 
 def _unmount(mount_point: Path) -> None:
