@@ -7,6 +7,7 @@ import asyncio
 from gateway.app import start_gateway
 from services.core.grpc_server import wait_for_termination_signal
 from services.core.logging import configure_logging, get_logger
+from services.core.service import settle_heap
 from services.core.settings import Settings
 
 log = get_logger("berth.gateway")
@@ -18,6 +19,7 @@ def main() -> None:
 
     async def run() -> None:
         handle = await start_gateway(settings)
+        settle_heap()
         log.info("service_ready", service="gateway", port=handle.port)
         await wait_for_termination_signal(settings.serve_lifeline_fd)
         log.info("service_stopping", service="gateway")

@@ -202,6 +202,7 @@ async def _serve_one_process(settings: Settings) -> None:
     from gateway.keys import ensure_dev_key
     from services.core.grpc_server import wait_for_termination_signal
     from services.core.metrics import start_metrics_server
+    from services.core.service import settle_heap
     from services.environment.server import start_environment_service
     from services.sandbox.server import start_sandbox_service
     from services.session.server import start_session_service
@@ -215,6 +216,7 @@ async def _serve_one_process(settings: Settings) -> None:
     session = await start_session_service(settings)
     settings = settings.model_copy(update={"session_addr": _actual(settings.session_addr, session.port)})
     gateway = await start_gateway(settings)
+    settle_heap()
     try:
         _print_banner(settings, gateway.port, await ensure_dev_key(gateway.database, settings.dev_org))
         await wait_for_termination_signal()

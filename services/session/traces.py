@@ -7,10 +7,13 @@ is down or slow costs a log line, never the turn)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from typing import Any, cast
 
 import httpx
-from sqlalchemy import delete, select
+from sqlalchemy import Table, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.errors import TraceTooLarge
@@ -32,6 +35,19 @@ log = get_logger(__name__)
 PAGE_BYTES = 16 * 1024 * 1024
 _PAGE_ENVELOPE_BYTES = 512
 _TRACE_FIELDS_BYTES = 256
+
+
+_TRACES = cast(Table, TraceRow.__table__)
+
+
+@functools.cache
+def _upsert_trace(dialect: str) -> Any:
+    """``INSERT ... ON CONFLICT (id) DO UPDATE``: a previous worker of the
+    same turn may have stored its trace. Built once per dialect (every turn
+    runs it, and building costs more than running)."""
+    stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_TRACES)
+    replaced = ("org_id", "session_id", "created_at", "otlp_json", "root_turn_id")
+    return stmt.on_conflict_do_update(index_elements=[_TRACES.c.id], set_={c: stmt.excluded[c] for c in replaced})
 
 
 def _with_linked(root: TraceRow, linked: list[TraceRow]) -> TraceRow:
@@ -63,16 +79,16 @@ class TraceStore:
     async def record(self, u: Unit, turn: TurnRow, trace: TurnTrace) -> None:
         """Stores the turn's trace in the transaction that ends the turn
         (replacing one a previous worker of the same turn stored)."""
-        await u.session.execute(delete(TraceRow).where(TraceRow.id == turn.id))
-        u.session.add(
-            TraceRow(
-                id=turn.id,
-                org_id=turn.org_id,
-                session_id=turn.session_id,
-                created_at=turn.created_at,
-                otlp_json=json.dumps(trace.otlp(), separators=(",", ":")),
-                root_turn_id=trace.root_turn_id if trace.link is not None else None,
-            )
+        await u.session.execute(
+            _upsert_trace(u.session.get_bind().dialect.name),
+            {
+                "id": turn.id,
+                "org_id": turn.org_id,
+                "session_id": turn.session_id,
+                "created_at": turn.created_at,
+                "otlp_json": json.dumps(trace.otlp(), separators=(",", ":")),
+                "root_turn_id": trace.root_turn_id if trace.link is not None else None,
+            },
         )
 
     def export(self, turn_id: str, trace: TurnTrace) -> None:
