@@ -112,13 +112,17 @@ def _dumps(value: object) -> str:
 _OBFUSCATION_BLOCK = 32
 
 
-def obfuscated(payload: dict[str, Any]) -> dict[str, Any]:
-    """The event with ``obfuscation`` padding (the SDK's
+def obfuscated(payload: dict[str, Any]) -> str:
+    """The event's JSON with ``obfuscation`` padding (the SDK's
     ``include_obfuscation``, on by default): random alphanumeric characters
     that make a frame's size say little about its content's, as the Responses
-    API does against length side channels."""
-    length = (-len(_dumps(payload))) % _OBFUSCATION_BLOCK + secrets.randbelow(_OBFUSCATION_BLOCK)
-    return {**payload, "obfuscation": secrets.token_hex((length + 1) // 2)[:length]}
+    API does against length side channels. The padding is spliced in as the
+    last member, so the event is encoded once."""
+    text = _dumps(payload)
+    length = (-len(text)) % _OBFUSCATION_BLOCK + secrets.randbelow(_OBFUSCATION_BLOCK)
+    padding = secrets.token_hex((length + 1) // 2)[:length]
+    # A hex string needs no escaping; an event always has members.
+    return f'{text[:-1]},"obfuscation":"{padding}"}}'
 
 
 def _error_event(session_id: str, exc: grpc.RpcError) -> bytes:
@@ -199,9 +203,8 @@ async def relay_session_events(
             ended = False
             for event in events:
                 payload = render.event(event)
-                if obfuscation:
-                    payload = obfuscated(payload)
-                frames.append(format_event(event.sequence, event.type, _dumps(payload)))
+                data = obfuscated(payload) if obfuscation else _dumps(payload)
+                frames.append(format_event(event.sequence, event.type, data))
                 if boundary is not None and boundary.reached(event):
                     ended = True
                     break

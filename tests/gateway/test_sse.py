@@ -193,3 +193,25 @@ async def test_sdk_reads_an_event_stream_with_ids_and_keepalives(stack: Stack) -
     ids = [event.event_id async for event in stream]
     await client.close()
     assert ids == ["evt_1", "evt_2", "evt_3"]
+
+
+def test_obfuscation_pads_an_event_with_hex_characters_and_keeps_every_member() -> None:
+    from gateway.sse import obfuscated
+
+    payloads: list[dict[str, Any]] = [
+        {"type": "agent.session.idle"},
+        {"type": "x", "text": 'quote " and \\ and \u00e9', "nested": {"a": [1, 2, {"b": None}]}},
+        {"type": "y" * 31},
+    ]
+    for payload in payloads:
+        plain = json.dumps(payload, separators=(",", ":"))
+        lengths = set()
+        for _ in range(40):
+            decoded = json.loads(obfuscated(payload))
+            padding = decoded.pop("obfuscation")
+            assert decoded == payload
+            assert all(c in "0123456789abcdef" for c in padding)
+            base = (-len(plain)) % 32
+            assert base <= len(padding) < base + 32
+            lengths.add(len(padding))
+        assert len(lengths) > 1
