@@ -10,7 +10,7 @@ from services.session.harness.trace import TurnTrace
 from services.session.models import TraceRow, TurnRow
 from services.session.store import Store
 from services.session.traces import TraceStore
-from tests.db_support import service_database
+from db_support import service_database
 
 
 def _turn() -> TurnRow:
