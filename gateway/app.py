@@ -226,6 +226,8 @@ async def start_gateway(
         log_config=None,
         access_log=False,
         ws="none",
+        # A declared dependency: never a silent fall back to the pure-Python h11.
+        http="httptools",
         timeout_graceful_shutdown=max(int(settings.grace_s), 1),
     )
     server = _EmbeddedServer(config)
