@@ -164,6 +164,24 @@ class Compute(Protocol):
         once it has exited. Closing the iterator leaves the process running."""
         ...
 
+    def run_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+        stdin: bool = False,
+        by_name: bool = False,
+    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        """``start_process``, then ``attach_process`` from its first chunk, in
+        one sandbox call: the Process first, then its events. Closing the
+        iterator leaves the process running."""
+        ...
+
     async def kill_process(self, sandbox: SandboxRef, process_id: str, *, signal: int = 0) -> sandbox_pb2.Process | None:
         """Signals the process tree (0 is SIGKILL); None when the sandbox no longer knows it."""
         ...
@@ -384,6 +402,43 @@ class SandboxClient:
         with self._unreachable(sandbox_id):
             response = await self._stub.StartProcess(request)
         return response.process
+
+    async def run_process(
+        self,
+        sandbox_id: str,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+        stdin: bool = False,
+        by_name: bool = False,
+    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        start = sandbox_service_pb2.StartProcessRequest(
+            sandbox_id=sandbox_id,
+            name=name,
+            argv=list(argv),
+            shell=shell,
+            cwd=cwd,
+            env=dict(env or {}),
+            keepalive=keepalive,
+            stdin=stdin,
+            by_name=by_name,
+        )
+        call = self._stub.RunProcess(sandbox_service_pb2.RunProcessRequest(start=start))
+        try:
+            with self._unreachable(sandbox_id):
+                async for response in call:
+                    if response.HasField("process"):
+                        yield response.process
+                    elif response.HasField("chunk"):
+                        yield response.chunk
+                    elif response.HasField("exit"):
+                        yield response.exit
+        finally:
+            call.cancel()
 
     async def attach_process(self, sandbox_id: str, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
         request = sandbox_service_pb2.AttachProcessRequest(sandbox_id=sandbox_id, process_id=process_id, from_seq=from_seq)

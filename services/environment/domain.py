@@ -521,6 +521,40 @@ class EnvironmentDomain:
                 by_name=by_name,
             )
 
+    async def run_process(
+        self,
+        org_id: str,
+        environment_id: str,
+        *,
+        session_id: str,
+        name: str,
+        argv: Sequence[str],
+        shell: str,
+        cwd: str,
+        env: Mapping[str, str],
+        keepalive: bool,
+        stdin: bool = False,
+        by_name: bool = False,
+    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        """``start_process`` then ``attach_process`` from the first chunk: the
+        Process first, then its events, through one init guard entry and one
+        sandbox call."""
+        cwd = _command_cwd(argv, shell, cwd)
+        row, command_env = await self._command_site(org_id, environment_id, session_id, env)
+        with _sandbox_errors(environment_id, session_id):
+            async for event in self._compute.run_process(
+                _sandbox(row),
+                name=name,
+                argv=argv,
+                shell=shell,
+                cwd=cwd,
+                env=command_env,
+                keepalive=keepalive,
+                stdin=stdin,
+                by_name=by_name,
+            ):
+                yield event
+
     async def attach_process(
         self, org_id: str, environment_id: str, process_id: str, *, from_seq: int
     ) -> AsyncIterator[ExecEvent]:

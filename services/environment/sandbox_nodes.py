@@ -162,6 +162,31 @@ class SandboxNodes:
             by_name=by_name,
         )
 
+    def run_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+        stdin: bool = False,
+        by_name: bool = False,
+    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        return self._client(sandbox).run_process(
+            sandbox.sandbox_id,
+            name=name,
+            argv=argv,
+            shell=shell,
+            cwd=cwd,
+            env=env,
+            keepalive=keepalive,
+            stdin=stdin,
+            by_name=by_name,
+        )
+
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
         return self._client(sandbox).attach_process(sandbox.sandbox_id, process_id, from_seq=from_seq)
 

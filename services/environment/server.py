@@ -83,6 +83,7 @@ ENVIRONMENT_CALLERS = allowed_callers(
             "ListMcpServers",
             "StartProcess",
             "AttachProcess",
+            "RunProcess",
             "KillProcess",
             "ListProcesses",
             "WriteProcessStdin",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TypeAlias
+from typing import TypeAlias, TypedDict
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -139,6 +139,33 @@ def _process(process: sandbox_pb2.Process) -> environment_pb2.Process:
         start_time=process.start_time if process.HasField("start_time") else None,
         next_seq=process.next_seq,
         stdin_open=process.stdin_open,
+    )
+
+
+class _Start(TypedDict):
+    session_id: str
+    name: str
+    argv: list[str]
+    shell: str
+    cwd: str
+    env: dict[str, str]
+    keepalive: bool
+    stdin: bool
+    by_name: bool
+
+
+def _start(request: pb.StartProcessRequest) -> _Start:
+    """A StartProcess request's arguments to the domain (RunProcess carries one too)."""
+    return _Start(
+        session_id=request.session_id,
+        name=request.name or "process",
+        argv=list(request.argv),
+        shell=request.shell,
+        cwd=request.cwd,
+        env=dict(request.env),
+        keepalive=request.keepalive,
+        stdin=request.stdin,
+        by_name=request.by_name,
     )
 
 
@@ -376,20 +403,18 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
         return pb.ListMcpServersResponse(servers=[_mcp_server(s) for s in servers])
 
     async def StartProcess(self, request: pb.StartProcessRequest, context: _Context) -> pb.StartProcessResponse:
-        process = await self._domain.start_process(
-            current_org(),
-            request.environment_id,
-            session_id=request.session_id,
-            name=request.name or "process",
-            argv=list(request.argv),
-            shell=request.shell,
-            cwd=request.cwd,
-            env=dict(request.env),
-            keepalive=request.keepalive,
-            stdin=request.stdin,
-            by_name=request.by_name,
-        )
+        process = await self._domain.start_process(current_org(), request.environment_id, **_start(request))
         return pb.StartProcessResponse(process=_process(process))
+
+    async def RunProcess(self, request: pb.RunProcessRequest, context: _Context) -> AsyncIterator[pb.RunProcessResponse]:
+        start = request.start
+        async for event in self._domain.run_process(current_org(), start.environment_id, **_start(start)):
+            if isinstance(event, sandbox_pb2.Process):
+                yield pb.RunProcessResponse(process=_process(event))
+            elif isinstance(event, common_pb2.ExitStatus):
+                yield pb.RunProcessResponse(exit=event)
+            else:
+                yield pb.RunProcessResponse(chunk=event)
 
     async def AttachProcess(self, request: pb.AttachProcessRequest, context: _Context) -> AsyncIterator[pb.AttachProcessResponse]:
         events = self._domain.attach_process(

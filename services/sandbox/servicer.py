@@ -15,6 +15,7 @@ from berth.sandbox.v1 import sandbox_pb2, sandbox_service_pb2 as pb, sandbox_ser
 from services.core.context import current_org
 from services.core.errors import InvalidArgument
 from services.sandbox.daemon_client import (
+    DaemonClient,
     ExitStatus,
     FileEntry,
     McpBrokerInfo,
@@ -176,6 +177,20 @@ def _mcp_message(text: str) -> dict[str, Any]:
     return message
 
 
+async def _start(client: DaemonClient, request: pb.StartProcessRequest) -> ProcessInfo:
+    argv, shell = _command(list(request.argv), request.shell)
+    return await client.start_process(
+        name=request.name or "process",
+        argv=argv,
+        shell=shell,
+        cwd=request.cwd or None,
+        env=dict(request.env),
+        keepalive=request.keepalive,
+        stdin=request.stdin,
+        by_name=request.by_name,
+    )
+
+
 class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
     def __init__(self, manager: SandboxManager) -> None:
         self._m = manager
@@ -230,19 +245,25 @@ class SandboxServicer(sandbox_service_pb2_grpc.SandboxServiceServicer):
                 await stream.aclose()
 
     async def StartProcess(self, request: pb.StartProcessRequest, context: grpc.aio.ServicerContext) -> pb.StartProcessResponse:
-        argv, shell = _command(list(request.argv), request.shell)
         async with self._m.operation(current_org(), request.sandbox_id) as client:
-            info = await client.start_process(
-                name=request.name or "process",
-                argv=argv,
-                shell=shell,
-                cwd=request.cwd or None,
-                env=dict(request.env),
-                keepalive=request.keepalive,
-                stdin=request.stdin,
-                by_name=request.by_name,
-            )
+            info = await _start(client, request)
         return pb.StartProcessResponse(process=_process(info))
+
+    async def RunProcess(self, request: pb.RunProcessRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RunProcessResponse]:
+        start = request.start
+        # One operation for both: the sandbox is not idle-paused in between.
+        async with self._m.operation(current_org(), start.sandbox_id) as client:
+            info = await _start(client, start)
+            yield pb.RunProcessResponse(process=_process(info))
+            stream = client.attach_process(info.process_id, from_seq=0)
+            try:
+                async for ev in stream:
+                    if isinstance(ev, OutputChunk):
+                        yield pb.RunProcessResponse(chunk=_chunk(ev))
+                    else:
+                        yield pb.RunProcessResponse(exit=_exit(ev))
+            finally:
+                await stream.aclose()
 
     async def AttachProcess(self, request: pb.AttachProcessRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachProcessResponse]:
         async with self._m.operation(current_org(), request.sandbox_id) as client:

@@ -136,6 +136,33 @@ class EnvironmentClient:
         )
         return response.process
 
+    def run_process(
+        self,
+        environment_id: str,
+        session_id: str,
+        *,
+        name: str,
+        shell: str,
+        cwd: str = "",
+        keepalive: bool = False,
+        by_name: bool = False,
+    ) -> grpc.aio.UnaryStreamCall:
+        """The RunProcess stream (the process, then its output and exit);
+        cancelling the call leaves the process running."""
+        return self._stub.RunProcess(
+            environment_service_pb2.RunProcessRequest(
+                start=environment_service_pb2.StartProcessRequest(
+                    environment_id=environment_id,
+                    session_id=session_id,
+                    name=name,
+                    shell=shell,
+                    cwd=cwd,
+                    keepalive=keepalive,
+                    by_name=by_name,
+                )
+            )
+        )
+
     async def write_process_stdin(
         self, environment_id: str, process_id: str, data: bytes, *, close: bool = False
     ) -> environment_pb2.Process:

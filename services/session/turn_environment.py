@@ -53,7 +53,11 @@ def _exit(status: common_pb2.ExitStatus) -> CommandExit:
 
 
 def _command_event(
-    message: environment_service_pb2.ExecCommandResponse | environment_service_pb2.AttachProcessResponse,
+    message: (
+        environment_service_pb2.ExecCommandResponse
+        | environment_service_pb2.AttachProcessResponse
+        | environment_service_pb2.RunProcessResponse
+    ),
 ) -> CommandEvent | None:
     kind = message.WhichOneof("event")
     if kind == "chunk":
@@ -177,16 +181,16 @@ class TurnEnvironment:
         the daemon's lossless output log. Starting is idempotent by the name
         (``by_name``, decided in sandboxd): a start whose answer was lost, or
         a dead worker's start that reaches the sandbox after the resumed
-        turn's, finds the process the other started instead of a second run."""
+        turn's, finds the process the other started instead of a second run.
+        It is started and followed in one call (RunProcess)."""
         name = _command_name(key)
 
-        async def start() -> environment_pb2.Process:
-            return await self._client.start_process(
+        def start() -> Any:
+            return self._client.run_process(
                 self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=False, by_name=True
             )
 
-        process = await self._call(start)
-        async with contextlib.aclosing(self._command_events(process.process_id, timeout_ms=timeout_ms)) as events:
+        async with contextlib.aclosing(self._command_events(start, "", timeout_ms=timeout_ms)) as events:
             async for event in events:
                 yield event
 
@@ -194,7 +198,7 @@ class TurnEnvironment:
         process = await self._call(lambda: self._named(_command_name(key)))
         if process is None:
             return None
-        return self._command_events(process.process_id, timeout_ms=0)
+        return self._command_events(None, process.process_id, timeout_ms=0)
 
     async def _named(self, name: str) -> environment_pb2.Process | None:
         for process in await self._client.list_processes(self.environment_id):
@@ -202,27 +206,59 @@ class TurnEnvironment:
                 return process
         return None
 
-    async def _command_events(self, process_id: str, *, timeout_ms: int) -> AsyncGenerator[CommandEvent, None]:
-        """A command process's output from its start and its exit. It is
-        killed after ``timeout_ms`` (0: no bound), and when the reader stops
-        before its exit (unless the turn is ``detached``)."""
-        timer = asyncio.create_task(self._kill_after(process_id, timeout_ms / 1000)) if timeout_ms > 0 else None
+    async def _command_events(
+        self, start: Callable[[], Any] | None, process_id: str, *, timeout_ms: int
+    ) -> AsyncGenerator[CommandEvent, None]:
+        """A command process's output from its start and its exit: started
+        by ``start`` (a RunProcess call, whose first message names the
+        process), or, without it, the process ``process_id``. A broken
+        stream is opened again: as the start (idempotent by name) while no
+        process was named, then as an attach from the first chunk not yet
+        delivered. The process is killed after ``timeout_ms`` (0: no bound),
+        and when the reader stops before its exit (unless the turn is
+        ``detached``)."""
+        known = process_id
+        next_seq = 0
+        timer: asyncio.Task[None] | None = None
         exited = False
+
+        def named(found: str) -> None:
+            nonlocal known, timer
+            known = found
+            if timeout_ms > 0 and timer is None:
+                timer = asyncio.create_task(self._kill_after(found, timeout_ms / 1000))
+
+        def open_call() -> Any:
+            if known or start is None:
+                return self._client.attach_process(self.environment_id, known, from_seq=next_seq)
+            return start()
+
+        if known:
+            named(known)
         try:
-            async with contextlib.aclosing(self.process_output(process_id, from_seq=0)) as events:
-                async for event in events:
+            async with contextlib.aclosing(self._stream(open_call, resumable=lambda: True)) as messages:
+                async for message in messages:
+                    kind = message.WhichOneof("event")
+                    if kind == "process":
+                        if not known:
+                            named(message.process.process_id)
+                        continue
+                    if kind == "chunk":
+                        next_seq = int(message.chunk.seq) + 1
+                    event = _command_event(message)
                     if isinstance(event, CommandExit):
                         exited = True
                         timed_out = event.timed_out or (timer is not None and timer.done() and not timer.cancelled())
                         yield CommandExit(event.exit_code, timed_out, event.duration_ms)
                         return
-                    yield event
+                    if event is not None:
+                        yield event
         finally:
             if timer is not None:
                 timer.cancel()
-            if not exited and not self.detached:
+            if known and not exited and not self.detached:
                 with contextlib.suppress(BerthError):
-                    await asyncio.shield(self._client.kill_process(self.environment_id, process_id))
+                    await asyncio.shield(self._client.kill_process(self.environment_id, known))
 
     async def _kill_after(self, process_id: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)

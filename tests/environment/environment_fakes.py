@@ -190,6 +190,26 @@ class FakeCompute:
         table[process.process_id] = process
         return process
 
+    async def run_process(
+        self,
+        sandbox: SandboxRef,
+        *,
+        name: str,
+        argv: Sequence[str] = (),
+        shell: str = "",
+        cwd: str = "",
+        env: Mapping[str, str] | None = None,
+        keepalive: bool = False,
+        stdin: bool = False,
+        by_name: bool = False,
+    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        process = await self.start_process(
+            sandbox, name=name, argv=argv, shell=shell, cwd=cwd, env=env, keepalive=keepalive, stdin=stdin, by_name=by_name
+        )
+        yield process
+        async for event in self.attach_process(sandbox, process.process_id):
+            yield event
+
     async def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
         self._check()
         process = self.processes.get(sandbox.sandbox_id, {}).get(process_id)

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 from environment_helpers import Cluster, SandboxService, create_env, md, run_command
 from grpc_support import credentials
@@ -65,6 +66,49 @@ async def test_a_background_process_outlives_its_call_and_is_listed_followed_and
         return out.strip() == b"0"
 
     await wait_until(gone, timeout=10, what="the killed process is gone")
+
+
+async def test_run_process_starts_a_named_process_once_and_streams_the_process_then_its_output_and_exit(
+    cluster: Cluster, sqlite_url: str, sandbox_service: SandboxService
+) -> None:
+    service = await cluster.start(sqlite_url, sandbox_addr=sandbox_service.address)
+    env = (await create_env(service.stub, owner_session_id="sess_owner")).environment
+    start = pb.StartProcessRequest(
+        environment_id=env.id,
+        session_id="sess_owner",
+        name="exec-call_1",
+        shell='echo run >> /workspace/runs; echo "out=$REBYTE_OUTPUT_DIR"; exit 3',
+        by_name=True,
+    )
+
+    async def run_once() -> tuple[list[str], str, bytes, int]:
+        kinds: list[str] = []
+        process_id, out, code = "", b"", -1
+        async for message in service.stub.RunProcess(pb.RunProcessRequest(start=start), metadata=md()):
+            kind = str(message.WhichOneof("event"))
+            kinds.append(kind)
+            if kind == "process":
+                process_id = message.process.process_id
+            elif kind == "chunk":
+                out += message.chunk.data
+            else:
+                code = message.exit.exit_code
+        return kinds, process_id, out, code
+
+    kinds, process_id, out, code = await run_once()
+    assert (kinds[0], kinds[-1], out, code) == ("process", "exit", b"out=/workspace/outputs\n", 3)
+    assert set(kinds[1:-1]) <= {"chunk"}
+    # By name again: the same process, its output replayed from its first chunk, no second run.
+    again_kinds, again_id, again_out, again_code = await run_once()
+    assert (again_kinds[0], again_id, again_out, again_code) == ("process", process_id, out, 3)
+    assert await run_command(service.stub, env.id, "cat /workspace/runs") == (0, b"run\n")
+
+    # Another organization's environment is not found, and nothing runs.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in service.stub.RunProcess(pb.RunProcessRequest(start=start), metadata=md("org_b")):
+            pass
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert await run_command(service.stub, env.id, "cat /workspace/runs") == (0, b"run\n")
 
 
 @pytest.fixture

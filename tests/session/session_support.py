@@ -253,6 +253,19 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
         self._pumps.add(asyncio.create_task(self._pump(process)))
         return environment_service_pb2.StartProcessResponse(process=process.message())
 
+    async def RunProcess(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        start = request.start
+        started = await self.StartProcess(start, context)
+        yield environment_service_pb2.RunProcessResponse(process=started.process)
+        attach = environment_service_pb2.AttachProcessRequest(
+            environment_id=start.environment_id, process_id=started.process.process_id
+        )
+        async for message in self.AttachProcess(attach, context):
+            if message.HasField("exit"):
+                yield environment_service_pb2.RunProcessResponse(exit=message.exit)
+            else:
+                yield environment_service_pb2.RunProcessResponse(chunk=message.chunk)
+
     def _process(self, request: Any) -> FakeProcess:
         process = self._get(request.environment_id).processes.get(request.process_id)
         if process is None:

@@ -1482,6 +1482,68 @@ class AttachProcessResponse(_message.Message):
 Global___AttachProcessResponse: _TypeAlias = AttachProcessResponse  # noqa: Y015
 
 @_typing.final
+class RunProcessRequest(_message.Message):
+    """Request for RunProcess."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> Global___StartProcessRequest:
+        """The process to start, as StartProcess takes it (by_name included)."""
+
+    def __init__(
+        self,
+        *,
+        start: Global___StartProcessRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunProcessRequest: _TypeAlias = RunProcessRequest  # noqa: Y015
+
+@_typing.final
+class RunProcessResponse(_message.Message):
+    """One message of the RunProcess stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCESS_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def process(self) -> _environment_pb2.Process:
+        """The first message: the process started (or, by name, found)."""
+
+    @_builtins.property
+    def chunk(self) -> _common_pb2.OutputChunk:
+        """Output, from the process's first chunk."""
+
+    @_builtins.property
+    def exit(self) -> _common_pb2.ExitStatus:
+        """Sent once the process has exited; the last message."""
+
+    def __init__(
+        self,
+        *,
+        process: _environment_pb2.Process | None = ...,
+        chunk: _common_pb2.OutputChunk | None = ...,
+        exit: _common_pb2.ExitStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "exit", b"exit", "process", b"process"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "event", b"event", "exit", b"exit", "process", b"process"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["process", "chunk", "exit"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___RunProcessResponse: _TypeAlias = RunProcessResponse  # noqa: Y015
+
+@_typing.final
 class KillProcessRequest(_message.Message):
     """Request for KillProcess."""
 

@@ -185,6 +185,11 @@ class EnvironmentServiceStub:
                 request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessRequest.SerializeToString,
                 response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessResponse.FromString,
                 _registered_method=True)
+        self.RunProcess = channel.unary_stream(
+                '/berth.environment.v1.EnvironmentService/RunProcess',
+                request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RunProcessRequest.SerializeToString,
+                response_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RunProcessResponse.FromString,
+                _registered_method=True)
         self.KillProcess = channel.unary_unary(
                 '/berth.environment.v1.EnvironmentService/KillProcess',
                 request_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.KillProcessRequest.SerializeToString,
@@ -446,6 +451,16 @@ class EnvironmentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunProcess(self, request, context):
+        """StartProcess, then AttachProcess from the process's first chunk, in one
+        call (one init guard entry and one sandbox call where the two would make
+        two of each): the first message is the process, then its output and its
+        exit status. Cancelling the call stops only the stream, not the process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KillProcess(self, request, context):
         """Signals a background process and its whole process tree. Enters the
         init guard first.
@@ -630,6 +645,11 @@ def add_EnvironmentServiceServicer_to_server(servicer, server):
                     servicer.AttachProcess,
                     request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessRequest.FromString,
                     response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessResponse.SerializeToString,
+            ),
+            'RunProcess': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunProcess,
+                    request_deserializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RunProcessRequest.FromString,
+                    response_serializer=berth_dot_environment_dot_v1_dot_environment__service__pb2.RunProcessResponse.SerializeToString,
             ),
             'KillProcess': grpc.unary_unary_rpc_method_handler(
                     servicer.KillProcess,
@@ -1463,6 +1483,33 @@ class EnvironmentService:
             '/berth.environment.v1.EnvironmentService/AttachProcess',
             berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessRequest.SerializeToString,
             berth_dot_environment_dot_v1_dot_environment__service__pb2.AttachProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/berth.environment.v1.EnvironmentService/RunProcess',
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.RunProcessRequest.SerializeToString,
+            berth_dot_environment_dot_v1_dot_environment__service__pb2.RunProcessResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,6 +135,12 @@ class EnvironmentServiceStub:
     exit status once it has exited. Cancelling the call stops only this
     stream, not the process. Enters the init guard first.
     """
+    RunProcess: _grpc.UnaryStreamMultiCallable[_environment_service_pb2.RunProcessRequest, _environment_service_pb2.RunProcessResponse]
+    """StartProcess, then AttachProcess from the process's first chunk, in one
+    call (one init guard entry and one sandbox call where the two would make
+    two of each): the first message is the process, then its output and its
+    exit status. Cancelling the call stops only the stream, not the process.
+    """
     KillProcess: _grpc.UnaryUnaryMultiCallable[_environment_service_pb2.KillProcessRequest, _environment_service_pb2.KillProcessResponse]
     """Signals a background process and its whole process tree. Enters the
     init guard first.
@@ -254,6 +260,12 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     """Streams a background process's output from a sequence number, then its
     exit status once it has exited. Cancelling the call stops only this
     stream, not the process. Enters the init guard first.
+    """
+    RunProcess: _aio.UnaryStreamMultiCallable[_environment_service_pb2.RunProcessRequest, _environment_service_pb2.RunProcessResponse]  # type: ignore[assignment]
+    """StartProcess, then AttachProcess from the process's first chunk, in one
+    call (one init guard entry and one sandbox call where the two would make
+    two of each): the first message is the process, then its output and its
+    exit status. Cancelling the call stops only the stream, not the process.
     """
     KillProcess: _aio.UnaryUnaryMultiCallable[_environment_service_pb2.KillProcessRequest, _environment_service_pb2.KillProcessResponse]  # type: ignore[assignment]
     """Signals a background process and its whole process tree. Enters the
@@ -551,6 +563,18 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams a background process's output from a sequence number, then its
         exit status once it has exited. Cancelling the call stops only this
         stream, not the process. Enters the init guard first.
+        """
+
+    @_abc_1.abstractmethod
+    def RunProcess(
+        self,
+        request: _environment_service_pb2.RunProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_environment_service_pb2.RunProcessResponse], _abc.AsyncIterator[_environment_service_pb2.RunProcessResponse]]:
+        """StartProcess, then AttachProcess from the process's first chunk, in one
+        call (one init guard entry and one sandbox call where the two would make
+        two of each): the first message is the process, then its output and its
+        exit status. Cancelling the call stops only the stream, not the process.
         """
 
     @_abc_1.abstractmethod

@@ -70,6 +70,11 @@ class SandboxServiceStub:
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.AttachProcessRequest.SerializeToString,
                 response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.AttachProcessResponse.FromString,
                 _registered_method=True)
+        self.RunProcess = channel.unary_stream(
+                '/berth.sandbox.v1.SandboxService/RunProcess',
+                request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RunProcessRequest.SerializeToString,
+                response_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RunProcessResponse.FromString,
+                _registered_method=True)
         self.KillProcess = channel.unary_unary(
                 '/berth.sandbox.v1.SandboxService/KillProcess',
                 request_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.KillProcessRequest.SerializeToString,
@@ -207,6 +212,15 @@ class SandboxServiceServicer:
 
     def AttachProcess(self, request, context):
         """Streams a background process's output from a sequence number, then its exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunProcess(self, request, context):
+        """StartProcess, then AttachProcess from its first chunk, in one call: the
+        first message is the process, then its output and its exit status.
+        Cancelling the call stops only the stream, not the process.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -370,6 +384,11 @@ def add_SandboxServiceServicer_to_server(servicer, server):
                     servicer.AttachProcess,
                     request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.AttachProcessRequest.FromString,
                     response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.AttachProcessResponse.SerializeToString,
+            ),
+            'RunProcess': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunProcess,
+                    request_deserializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RunProcessRequest.FromString,
+                    response_serializer=berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RunProcessResponse.SerializeToString,
             ),
             'KillProcess': grpc.unary_unary_rpc_method_handler(
                     servicer.KillProcess,
@@ -637,6 +656,33 @@ class SandboxService:
             '/berth.sandbox.v1.SandboxService/AttachProcess',
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.AttachProcessRequest.SerializeToString,
             berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.AttachProcessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/berth.sandbox.v1.SandboxService/RunProcess',
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RunProcessRequest.SerializeToString,
+            berth_dot_sandbox_dot_v1_dot_sandbox__service__pb2.RunProcessResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,11 @@ class SandboxServiceStub:
     """Starts a background process that outlives this call."""
     AttachProcess: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.AttachProcessRequest, _sandbox_service_pb2.AttachProcessResponse]
     """Streams a background process's output from a sequence number, then its exit."""
+    RunProcess: _grpc.UnaryStreamMultiCallable[_sandbox_service_pb2.RunProcessRequest, _sandbox_service_pb2.RunProcessResponse]
+    """StartProcess, then AttachProcess from its first chunk, in one call: the
+    first message is the process, then its output and its exit status.
+    Cancelling the call stops only the stream, not the process.
+    """
     KillProcess: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.KillProcessRequest, _sandbox_service_pb2.KillProcessResponse]
     """Signals a background process and its whole process tree."""
     WriteProcessStdin: _grpc.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteProcessStdinRequest, _sandbox_service_pb2.WriteProcessStdinResponse]
@@ -153,6 +158,11 @@ class SandboxServiceAsyncStub(SandboxServiceStub):
     """Starts a background process that outlives this call."""
     AttachProcess: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.AttachProcessRequest, _sandbox_service_pb2.AttachProcessResponse]  # type: ignore[assignment]
     """Streams a background process's output from a sequence number, then its exit."""
+    RunProcess: _aio.UnaryStreamMultiCallable[_sandbox_service_pb2.RunProcessRequest, _sandbox_service_pb2.RunProcessResponse]  # type: ignore[assignment]
+    """StartProcess, then AttachProcess from its first chunk, in one call: the
+    first message is the process, then its output and its exit status.
+    Cancelling the call stops only the stream, not the process.
+    """
     KillProcess: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.KillProcessRequest, _sandbox_service_pb2.KillProcessResponse]  # type: ignore[assignment]
     """Signals a background process and its whole process tree."""
     WriteProcessStdin: _aio.UnaryUnaryMultiCallable[_sandbox_service_pb2.WriteProcessStdinRequest, _sandbox_service_pb2.WriteProcessStdinResponse]  # type: ignore[assignment]
@@ -280,6 +290,17 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_sandbox_service_pb2.AttachProcessResponse], _abc.AsyncIterator[_sandbox_service_pb2.AttachProcessResponse]]:
         """Streams a background process's output from a sequence number, then its exit."""
+
+    @_abc_1.abstractmethod
+    def RunProcess(
+        self,
+        request: _sandbox_service_pb2.RunProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_sandbox_service_pb2.RunProcessResponse], _abc.AsyncIterator[_sandbox_service_pb2.RunProcessResponse]]:
+        """StartProcess, then AttachProcess from its first chunk, in one call: the
+        first message is the process, then its output and its exit status.
+        Cancelling the call stops only the stream, not the process.
+        """
 
     @_abc_1.abstractmethod
     def KillProcess(
