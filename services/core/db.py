@@ -17,13 +17,14 @@ from typing import Any, TypeVar
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import bindparam, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from services.core import sqlite_inline
 
-__all__ = ["Database", "create_engine", "migrate"]
+__all__ = ["Database", "create_engine", "migrate", "upsert_insert"]
 
 T = TypeVar("T")
 
@@ -212,6 +213,14 @@ __all__ += ["open_database", "set_clause", "set_params", "start_tracked"]
 # ``v_<column>``: a bound parameter may not share its column's name in a SET
 # clause. ``set_clause`` builds the SET part once (per set of columns);
 # ``set_params`` names the values for each execution.
+def upsert_insert(dialect: str, table: Any) -> Any:
+    """``INSERT`` of ``dialect`` (``postgresql`` or ``sqlite``) into
+    ``table``, the form that takes ``on_conflict_do_update`` and
+    ``on_conflict_do_nothing``: the one place the two dialects' upserts are
+    told apart."""
+    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+
+
 def set_clause(columns: Iterable[str]) -> dict[str, BindParameter[Any]]:
     return {column: bindparam(f"v_{column}") for column in columns}
 

@@ -13,11 +13,11 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import bindparam, delete, false, func, select, true, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
+from services.core.db import upsert_insert
 from services.environment.models import (
     LIFETIME_SHARED,
     BindingRow,
@@ -85,9 +85,7 @@ def _rowcount(result: Any) -> int:
 
 
 def _insert(session: AsyncSession, table: Any) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(table)
-    return sqlite.insert(table)
+    return upsert_insert(session.get_bind().dialect.name, table)
 
 
 # Environments ---------------------------------------------------------------

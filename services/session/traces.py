@@ -13,9 +13,9 @@ from typing import Any, cast
 
 import httpx
 from sqlalchemy import Table, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.core.db import upsert_insert
 from services.core.errors import TraceTooLarge
 from services.core.logging import get_logger
 from services.session import repository as repo
@@ -45,7 +45,7 @@ def _upsert_trace(dialect: str) -> Any:
     """``INSERT ... ON CONFLICT (id) DO UPDATE``: a previous worker of the
     same turn may have stored its trace. Built once per dialect (every turn
     runs it, and building costs more than running)."""
-    stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_TRACES)
+    stmt = upsert_insert(dialect, _TRACES)
     replaced = ("org_id", "session_id", "created_at", "otlp_json", "root_turn_id")
     return stmt.on_conflict_do_update(index_elements=[_TRACES.c.id], set_={c: stmt.excluded[c] for c in replaced})
 
