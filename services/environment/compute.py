@@ -32,6 +32,7 @@ __all__ = [
     "SandboxRef",
     "SandboxSpec",
     "ExecEvent",
+    "ProcessStart",
     "SandboxClient",
     "SandboxInventory",
     "EnvironmentSandbox",
@@ -81,6 +82,37 @@ class SandboxSpec:
     container_size: str = ""
     # environment_variable credentials; secret values, so never in a repr.
     secret_substitutions: Sequence[sandbox_pb2.SecretSubstitution] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class ProcessStart:
+    """What starts a background process in a sandbox: a StartProcessRequest
+    but for the sandbox. With ``stdin`` its stdin is a pipe for
+    ``write_process_stdin``; with ``by_name`` a process of that name that
+    exists is returned instead of a new one."""
+
+    name: str
+    argv: Sequence[str] = ()
+    shell: str = ""
+    cwd: str = ""
+    # The command's variables; they may hold secrets, so never in a repr.
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    keepalive: bool = False
+    stdin: bool = False
+    by_name: bool = False
+
+    def request(self, sandbox_id: str) -> sandbox_service_pb2.StartProcessRequest:
+        return sandbox_service_pb2.StartProcessRequest(
+            sandbox_id=sandbox_id,
+            name=self.name,
+            argv=list(self.argv),
+            shell=self.shell,
+            cwd=self.cwd,
+            env=dict(self.env),
+            keepalive=self.keepalive,
+            stdin=self.stdin,
+            by_name=self.by_name,
+        )
 
 
 class Compute(Protocol):
@@ -141,22 +173,8 @@ class Compute(Protocol):
         """The label's broker and whether this call created it with ``transport``."""
         ...
 
-    async def start_process(
-        self,
-        sandbox: SandboxRef,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> sandbox_pb2.Process:
-        """Starts a background process that outlives the call; with
-        ``stdin`` its stdin is a pipe for ``write_process_stdin``. With
-        ``by_name`` a process of that name that exists is returned instead."""
+    async def start_process(self, sandbox: SandboxRef, start: ProcessStart) -> sandbox_pb2.Process:
+        """Starts a background process that outlives the call."""
         ...
 
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
@@ -164,19 +182,7 @@ class Compute(Protocol):
         once it has exited. Closing the iterator leaves the process running."""
         ...
 
-    def run_process(
-        self,
-        sandbox: SandboxRef,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+    def run_process(self, sandbox: SandboxRef, start: ProcessStart) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
         """``start_process``, then ``attach_process`` from its first chunk, in
         one sandbox call: the Process first, then its events. Closing the
         iterator leaves the process running."""
@@ -375,59 +381,13 @@ class SandboxClient:
             # call makes the Sandbox service kill the command's process tree.
             call.cancel()
 
-    async def start_process(
-        self,
-        sandbox_id: str,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> sandbox_pb2.Process:
-        request = sandbox_service_pb2.StartProcessRequest(
-            sandbox_id=sandbox_id,
-            name=name,
-            argv=list(argv),
-            shell=shell,
-            cwd=cwd,
-            env=dict(env or {}),
-            keepalive=keepalive,
-            stdin=stdin,
-            by_name=by_name,
-        )
+    async def start_process(self, sandbox_id: str, start: ProcessStart) -> sandbox_pb2.Process:
         with self._unreachable(sandbox_id):
-            response = await self._stub.StartProcess(request)
+            response = await self._stub.StartProcess(start.request(sandbox_id))
         return response.process
 
-    async def run_process(
-        self,
-        sandbox_id: str,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
-        start = sandbox_service_pb2.StartProcessRequest(
-            sandbox_id=sandbox_id,
-            name=name,
-            argv=list(argv),
-            shell=shell,
-            cwd=cwd,
-            env=dict(env or {}),
-            keepalive=keepalive,
-            stdin=stdin,
-            by_name=by_name,
-        )
-        call = self._stub.RunProcess(sandbox_service_pb2.RunProcessRequest(start=start))
+    async def run_process(self, sandbox_id: str, start: ProcessStart) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        call = self._stub.RunProcess(sandbox_service_pb2.RunProcessRequest(start=start.request(sandbox_id)))
         try:
             with self._unreachable(sandbox_id):
                 async for response in call:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import structlog
@@ -38,7 +38,7 @@ from services.core.logging import get_logger
 from services.core.settings import Settings
 from services.environment import paging
 from services.environment import repository as repo
-from services.environment.compute import Compute, ExecEvent, SandboxRef
+from services.environment.compute import Compute, ExecEvent, ProcessStart, SandboxRef
 from services.environment.environment_secrets import environment_secrets_problem
 from services.environment.file_store import FileStore
 from services.environment.vaults import VaultStore
@@ -491,69 +491,30 @@ class EnvironmentDomain:
                 await self._ensure_output_dir(row, binding)
         return row, command_env
 
-    async def start_process(
-        self,
-        org_id: str,
-        environment_id: str,
-        *,
-        session_id: str,
-        name: str,
-        argv: Sequence[str],
-        shell: str,
-        cwd: str,
-        env: Mapping[str, str],
-        keepalive: bool,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> sandbox_pb2.Process:
-        cwd = _command_cwd(argv, shell, cwd)
-        row, command_env = await self._command_site(org_id, environment_id, session_id, env)
+    async def start_process(self, org_id: str, environment_id: str, *, session_id: str, start: ProcessStart) -> sandbox_pb2.Process:
+        row, start = await self._process_site(org_id, environment_id, session_id, start)
         with _sandbox_errors(environment_id, session_id):
-            return await self._compute.start_process(
-                _sandbox(row),
-                name=name,
-                argv=argv,
-                shell=shell,
-                cwd=cwd,
-                env=command_env,
-                keepalive=keepalive,
-                stdin=stdin,
-                by_name=by_name,
-            )
+            return await self._compute.start_process(_sandbox(row), start)
 
     async def run_process(
-        self,
-        org_id: str,
-        environment_id: str,
-        *,
-        session_id: str,
-        name: str,
-        argv: Sequence[str],
-        shell: str,
-        cwd: str,
-        env: Mapping[str, str],
-        keepalive: bool,
-        stdin: bool = False,
-        by_name: bool = False,
+        self, org_id: str, environment_id: str, *, session_id: str, start: ProcessStart
     ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
         """``start_process`` then ``attach_process`` from the first chunk: the
         Process first, then its events, through one init guard entry and one
         sandbox call."""
-        cwd = _command_cwd(argv, shell, cwd)
-        row, command_env = await self._command_site(org_id, environment_id, session_id, env)
+        row, start = await self._process_site(org_id, environment_id, session_id, start)
         with _sandbox_errors(environment_id, session_id):
-            async for event in self._compute.run_process(
-                _sandbox(row),
-                name=name,
-                argv=argv,
-                shell=shell,
-                cwd=cwd,
-                env=command_env,
-                keepalive=keepalive,
-                stdin=stdin,
-                by_name=by_name,
-            ):
+            async for event in self._compute.run_process(_sandbox(row), start):
                 yield event
+
+    async def _process_site(
+        self, org_id: str, environment_id: str, session_id: str, start: ProcessStart
+    ) -> tuple[EnvironmentRow, ProcessStart]:
+        """The environment a process starts in, and ``start`` as it runs
+        there: in its working directory, with the environment's variables."""
+        cwd = _command_cwd(start.argv, start.shell, start.cwd)
+        row, command_env = await self._command_site(org_id, environment_id, session_id, start.env)
+        return row, replace(start, cwd=cwd, env=command_env)
 
     async def attach_process(
         self, org_id: str, environment_id: str, process_id: str, *, from_seq: int

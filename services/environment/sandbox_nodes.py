@@ -23,7 +23,7 @@ from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2
 from services.core.errors import BerthError, SandboxUnavailable
 from services.core.logging import get_logger
-from services.environment.compute import EnvironmentSandbox, ExecEvent, SandboxClient, SandboxRef, SandboxSpec
+from services.environment.compute import EnvironmentSandbox, ExecEvent, ProcessStart, SandboxClient, SandboxRef, SandboxSpec
 
 __all__ = ["SandboxNodes"]
 
@@ -137,55 +137,11 @@ class SandboxNodes:
             sandbox.sandbox_id, argv=argv, shell=shell, cwd=cwd, env=env, timeout_ms=timeout_ms
         )
 
-    async def start_process(
-        self,
-        sandbox: SandboxRef,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> sandbox_pb2.Process:
-        return await self._client(sandbox).start_process(
-            sandbox.sandbox_id,
-            name=name,
-            argv=argv,
-            shell=shell,
-            cwd=cwd,
-            env=env,
-            keepalive=keepalive,
-            stdin=stdin,
-            by_name=by_name,
-        )
+    async def start_process(self, sandbox: SandboxRef, start: ProcessStart) -> sandbox_pb2.Process:
+        return await self._client(sandbox).start_process(sandbox.sandbox_id, start)
 
-    def run_process(
-        self,
-        sandbox: SandboxRef,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
-        return self._client(sandbox).run_process(
-            sandbox.sandbox_id,
-            name=name,
-            argv=argv,
-            shell=shell,
-            cwd=cwd,
-            env=env,
-            keepalive=keepalive,
-            stdin=stdin,
-            by_name=by_name,
-        )
+    def run_process(self, sandbox: SandboxRef, start: ProcessStart) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        return self._client(sandbox).run_process(sandbox.sandbox_id, start)
 
     def attach_process(self, sandbox: SandboxRef, process_id: str, *, from_seq: int = 0) -> AsyncIterator[ExecEvent]:
         return self._client(sandbox).attach_process(sandbox.sandbox_id, process_id, from_seq=from_seq)

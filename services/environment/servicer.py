@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import TypeAlias, TypedDict
+from typing import TypeAlias
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -14,6 +14,7 @@ from berth.common.v1 import common_pb2
 from berth.environment.v1 import environment_pb2, environment_service_pb2 as pb, environment_service_pb2_grpc
 from berth.sandbox.v1 import sandbox_pb2
 from services.core.context import current_org
+from services.environment.compute import ProcessStart
 from services.environment.domain import EnvironmentDomain, LiveFile
 from services.environment.file_store import FileStore
 from services.environment.mcp_registry import McpServerInfo
@@ -142,22 +143,9 @@ def _process(process: sandbox_pb2.Process) -> environment_pb2.Process:
     )
 
 
-class _Start(TypedDict):
-    session_id: str
-    name: str
-    argv: list[str]
-    shell: str
-    cwd: str
-    env: dict[str, str]
-    keepalive: bool
-    stdin: bool
-    by_name: bool
-
-
-def _start(request: pb.StartProcessRequest) -> _Start:
-    """A StartProcess request's arguments to the domain (RunProcess carries one too)."""
-    return _Start(
-        session_id=request.session_id,
+def _start(request: pb.StartProcessRequest) -> ProcessStart:
+    """A StartProcess request's process (RunProcess carries one too)."""
+    return ProcessStart(
         name=request.name or "process",
         argv=list(request.argv),
         shell=request.shell,
@@ -403,12 +391,15 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
         return pb.ListMcpServersResponse(servers=[_mcp_server(s) for s in servers])
 
     async def StartProcess(self, request: pb.StartProcessRequest, context: _Context) -> pb.StartProcessResponse:
-        process = await self._domain.start_process(current_org(), request.environment_id, **_start(request))
+        process = await self._domain.start_process(
+            current_org(), request.environment_id, session_id=request.session_id, start=_start(request)
+        )
         return pb.StartProcessResponse(process=_process(process))
 
     async def RunProcess(self, request: pb.RunProcessRequest, context: _Context) -> AsyncIterator[pb.RunProcessResponse]:
         start = request.start
-        async for event in self._domain.run_process(current_org(), start.environment_id, **_start(start)):
+        events = self._domain.run_process(current_org(), start.environment_id, session_id=start.session_id, start=_start(start))
+        async for event in events:
             if isinstance(event, sandbox_pb2.Process):
                 yield pb.RunProcessResponse(process=_process(event))
             elif isinstance(event, common_pb2.ExitStatus):

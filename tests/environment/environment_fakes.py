@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from berth.common.v1 import common_pb2
 from berth.sandbox.v1 import sandbox_pb2
 from services.core.errors import McpServerDead, NotFound, SandboxUnavailable
-from services.environment.compute import ExecEvent, SandboxRef, SandboxSpec
+from services.environment.compute import ExecEvent, ProcessStart, SandboxRef, SandboxSpec
 
 
 @dataclass
@@ -166,46 +166,20 @@ class FakeCompute:
         )
         return brokers[label], True
 
-    async def start_process(
-        self,
-        sandbox: SandboxRef,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> sandbox_pb2.Process:
+    async def start_process(self, sandbox: SandboxRef, start: ProcessStart) -> sandbox_pb2.Process:
         self._check()
         table = self.processes.setdefault(sandbox.sandbox_id, {})
-        for existing in table.values() if by_name else ():
-            if existing.name == name:
+        for existing in table.values() if start.by_name else ():
+            if existing.name == start.name:
                 return existing
         process = sandbox_pb2.Process(
-            process_id=f"proc_{len(table) + 1}", name=name, running=True, keepalive=keepalive, stdin_open=stdin
+            process_id=f"proc_{len(table) + 1}", name=start.name, running=True, keepalive=start.keepalive, stdin_open=start.stdin
         )
         table[process.process_id] = process
         return process
 
-    async def run_process(
-        self,
-        sandbox: SandboxRef,
-        *,
-        name: str,
-        argv: Sequence[str] = (),
-        shell: str = "",
-        cwd: str = "",
-        env: Mapping[str, str] | None = None,
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
-        process = await self.start_process(
-            sandbox, name=name, argv=argv, shell=shell, cwd=cwd, env=env, keepalive=keepalive, stdin=stdin, by_name=by_name
-        )
+    async def run_process(self, sandbox: SandboxRef, start: ProcessStart) -> AsyncIterator[sandbox_pb2.Process | ExecEvent]:
+        process = await self.start_process(sandbox, start)
         yield process
         async for event in self.attach_process(sandbox, process.process_id):
             yield event
