@@ -88,6 +88,12 @@ BLOCKED_V6: tuple[str, ...] = (
 
 log = structlog.stdlib.get_logger(__name__)
 
+# The slirp4netns processes this process started, until ``UserNetwork.stop``
+# reaps them. A Popen dropped unwaited joins subprocess's list of children
+# that every later Popen polls, one wait call each: with hundreds of
+# sandboxes, each start paid for every running one.
+_SLIRPS: dict[int, subprocess.Popen[bytes]] = {}
+
 
 class NetworkSetupError(Exception):
     """The sandbox's network could not be set up as its policy demands."""
@@ -193,6 +199,10 @@ class UserNetwork:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
+        popen = _SLIRPS.pop(self.pid, None)
+        if popen is not None:
+            popen.wait()
+            return
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
 
@@ -343,4 +353,5 @@ async def _spawn_slirp(binary: str, netns: Path, log_path: Path, *, sandboxed: b
         popen.wait()
         tail = log_path.read_bytes()[-500:].decode(errors="replace").strip() if log_path.exists() else ""
         raise NetworkSetupError(f"slirp4netns failed to configure the sandbox's network: {tail}")
+    _SLIRPS[popen.pid] = popen
     return UserNetwork(pid=popen.pid, start_time=process_start_time(popen.pid) or 0)
