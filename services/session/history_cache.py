@@ -10,7 +10,11 @@ the session's compaction point (``context_from_pk``) must be unchanged, and
 the number of the session's items from it must be what was kept plus what
 was read; otherwise (a compaction, or items that became visible out of
 primary-key order) the whole history is read again. Bounded: the sessions
-whose turns started least recently are dropped first."""
+whose turns started least recently are dropped first.
+
+Each kept session also keeps its token estimator (``estimator``), which
+remembers the sizes of the entries kept here, so compaction's estimate of a
+turn's first request serializes only the items added since."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import cast
 from sqlalchemy import Table, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.session.harness.context import TokenEstimator
 from services.session.harness.models.base import Entry
 from services.session.models import ItemRow
 
@@ -42,6 +47,8 @@ class _Kept:
     context_from_pk: int
     last_pk: int
     items: History
+    # The session's token estimator, which sizes these items' entries.
+    estimator: TokenEstimator
 
 
 class HistoryCache:
@@ -54,15 +61,24 @@ class HistoryCache:
         entries) in order: a new list the caller may change."""
         params = {"session_id": session_id, "from_pk": context_from_pk}
         kept = self._kept.pop(session_id, None)
+        estimator = kept.estimator if kept is not None else TokenEstimator()
         if kept is not None and kept.context_from_pk == context_from_pk:
             rows = (await s.execute(_HISTORY_AFTER, {**params, "after_pk": kept.last_pk})).all()
             total = int((await s.execute(_COUNT, params)).scalar_one())
             if total == len(kept.items) + len(rows):
                 items = kept.items + [(r.id, json.loads(r.model_json)) for r in rows]
-                return self._keep(session_id, _Kept(context_from_pk, rows[-1].pk if rows else kept.last_pk, items))
+                last_pk = rows[-1].pk if rows else kept.last_pk
+                return self._keep(session_id, _Kept(context_from_pk, last_pk, items, estimator))
         rows = (await s.execute(_HISTORY, params)).all()
         items = [(r.id, json.loads(r.model_json)) for r in rows]
-        return self._keep(session_id, _Kept(context_from_pk, rows[-1].pk if rows else -1, items))
+        return self._keep(session_id, _Kept(context_from_pk, rows[-1].pk if rows else -1, items, estimator))
+
+    def estimator(self, session_id: str) -> TokenEstimator:
+        """The session's token estimator, which remembers the sizes of the
+        entries it has estimated; kept as long as the session's history is
+        (a new one for a session not kept)."""
+        kept = self._kept.get(session_id)
+        return kept.estimator if kept is not None else TokenEstimator()
 
     def forget(self, session_id: str) -> None:
         self._kept.pop(session_id, None)

@@ -545,6 +545,7 @@ class TurnRunner:
             tool_concurrency=self.providers.tool_concurrency,
             limits=self.limits,
             trace=trace,
+            estimator=self.histories.estimator(claimed.session_id),
         )
 
     async def _watch(self, turn_id: str, task: asyncio.Task[None], io: DbTurnIO) -> None:

@@ -1,7 +1,9 @@
 """The history a turn starts from, kept between turn starts, on SQLite and
 PostgreSQL: a start reads only the items added since the last one; a
 compaction, or an item that became visible below what was kept, makes it
-read the whole history again; a session that is forgotten is read again."""
+read the whole history again; a session that is forgotten is read again.
+The session's token estimator is kept with its history, so a turn sizes
+only the entries that are new to it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from db_support import service_database
 from sqlalchemy import update
 
 from services.core.db import Database
+from services.session.harness import context
+from services.session.harness.models.base import Entry
 from services.session.history_cache import HistoryCache
 from services.session.models import ItemRow
 
@@ -94,3 +98,52 @@ async def test_the_least_recently_started_session_is_dropped_first(db: Database)
     await _spoil(db, "a")
     with pytest.raises(json.JSONDecodeError):
         await _read(db, cache)
+
+
+class _CountingSizes:
+    """Counts the entries a token estimator serializes to size them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sized = 0
+        original = context._chars
+
+        def counted(value: object) -> int:
+            self.sized += 1
+            return original(value)
+
+        monkeypatch.setattr(context, "_chars", counted)
+
+
+async def _estimate(db: Database, cache: HistoryCache) -> int:
+    async with db.transaction(read_only=True) as s:
+        history = await cache.read(s, _SESSION, 0)
+    return cache.estimator(_SESSION).entries([entry for _, entries in history for entry in entries])
+
+
+async def test_a_sessions_token_estimator_is_kept_with_its_history_and_sizes_only_the_entries_added_since(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = HistoryCache()
+    sizes = _CountingSizes(monkeypatch)
+    await _add(db, "a", "b")
+    first = await _estimate(db, cache)
+    assert sizes.sized == 2
+    await _add(db, "c")
+    assert await _estimate(db, cache) > first
+    assert sizes.sized == 3
+    # Control: a session that is forgotten is sized again, from its first entry.
+    cache.forget(_SESSION)
+    await _estimate(db, cache)
+    assert sizes.sized == 6
+
+
+def test_a_token_estimator_forgets_entries_that_left_its_transcript(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = _CountingSizes(monkeypatch)
+    estimator = context.TokenEstimator()
+    long: list[Entry] = [{"role": "user", "text": str(n)} for n in range(200)]
+    estimator.entries(long)
+    estimator.entries(long)
+    assert sizes.sized == 200
+    estimator.entries(long[-1:])  # compacted: only the last entry is left
+    estimator.entries(long)
+    assert sizes.sized == 399

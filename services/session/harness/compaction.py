@@ -56,7 +56,12 @@ class Compactor:
     """The compactions of one turn."""
 
     def __init__(
-        self, io: TurnIO, provider_for: Callable[[str], ModelProvider], limits: ContextLimits, trace: TurnTrace
+        self,
+        io: TurnIO,
+        provider_for: Callable[[str], ModelProvider],
+        limits: ContextLimits,
+        trace: TurnTrace,
+        estimator: TokenEstimator | None = None,
     ) -> None:
         self.io = io
         self.provider_for = provider_for
@@ -64,7 +69,7 @@ class Compactor:
         self.trace = trace
         self._reported = 0
         self._background: asyncio.Task[bool] | None = None
-        self._estimate = TokenEstimator()
+        self._estimate = estimator or TokenEstimator()
 
     def observe(self, usage: Usage) -> None:
         """The model's own count of the last call's context."""

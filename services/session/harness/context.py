@@ -58,6 +58,8 @@ KNOWN_CONTEXT_WINDOWS: Mapping[str, int] = {
 # message framing the APIs add.
 _CHARS_PER_TOKEN = 4
 _ENTRY_OVERHEAD = 4
+# Sizes a TokenEstimator may remember beyond twice its last transcript's.
+_REMEMBERED_SLACK = 64
 
 
 def context_window(model: str, configured: Mapping[str, int], default: int) -> int:
@@ -88,11 +90,16 @@ def _chars(value: object) -> int:
 
 class TokenEstimator:
     """Token estimates of requests, remembering each transcript entry's
-    serialized size by identity: a turn's transcript grows by a few entries
-    per model call, so only those are serialized again. An entry is never
+    serialized size by identity: a transcript grows by a few entries per
+    model call, so only those are serialized again. An entry is never
     changed in place once it is in a transcript (the turn's writer replaces
     an item's entries), and each remembered size holds its entry, so an
-    identity cannot be reused while it is remembered. One per turn."""
+    identity cannot be reused while it is remembered.
+
+    One per session: the history cache keeps it between turns with the
+    entries it sized (``HistoryCache.estimator``), so a turn of a long
+    conversation serializes only what is new. It remembers no more than the
+    last estimated transcript's entries, and a few more besides."""
 
     def __init__(self) -> None:
         self._sizes: dict[int, tuple[Entry, int]] = {}
@@ -107,7 +114,11 @@ class TokenEstimator:
 
     def entries(self, entries: list[Entry]) -> int:
         """Estimated tokens of transcript entries."""
-        return sum(self._entry(e) for e in entries)
+        total = sum(self._entry(e) for e in entries)
+        if len(self._sizes) > 2 * len(entries) + _REMEMBERED_SLACK:
+            # Entries no longer in the transcript (compacted or replaced).
+            self._sizes = {id(e): self._sizes[id(e)] for e in entries}
+        return total
 
     def request(self, request: ModelRequest) -> int:
         """Estimated tokens of a whole request: instructions, tool

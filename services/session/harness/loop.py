@@ -198,13 +198,15 @@ async def run_turn(
     tool_concurrency: int = DEFAULT_TOOL_CONCURRENCY,
     limits: ContextLimits | None = None,
     trace: TurnTrace | None = None,
+    estimator: TokenEstimator | None = None,
 ) -> None:
     """Runs until the final answer. Raises TurnFailure for a failed turn;
     cancellation arrives as CancelledError at any await. Compaction
     (``harness/compaction.py``) keeps each request within the model's
-    context window; ``trace`` records the turn's spans."""
+    context window, sized by ``estimator`` (the session's, kept between
+    turns; a new one if none); ``trace`` records the turn's spans."""
     trace = trace or TurnTrace(session_id=io.session_id, turn_id=io.turn_id)
-    compactor = Compactor(io, provider_for, limits or ContextLimits(), trace)
+    compactor = Compactor(io, provider_for, limits or ContextLimits(), trace, estimator)
     try:
         await _iterate(io, provider_for, tool_concurrency, compactor, trace)
         # The last tool results may still be being written: the turn has
