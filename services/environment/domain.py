@@ -67,7 +67,7 @@ from services.environment.workspace_paths import (
     workspace_file_path,
 )
 
-__all__ = ["EnvironmentDomain", "LiveFile", "output_env"]
+__all__ = ["EnvironmentDomain", "LiveFile", "SessionOutputs", "output_env"]
 
 log = get_logger(__name__)
 
@@ -121,6 +121,17 @@ def _command_cwd(argv: Sequence[str], shell: str, cwd: str) -> str:
     if bool(argv) == bool(shell):
         raise InvalidArgument("exactly one of argv and shell is required", param="argv")
     return workspace_dir_path(cwd or WORKSPACE, param="cwd")
+
+
+@dataclass(frozen=True)
+class SessionOutputs:
+    """A session's output directory, the regular files in it to publish,
+    and the environment as read with the session's binding (None unless it
+    was ready then)."""
+
+    output_dir: str
+    entries: list[common_pb2.FileEntry]
+    environment: EnvironmentRow | None
 
 
 def _sandbox(row: EnvironmentRow) -> SandboxRef:
@@ -389,14 +400,15 @@ class EnvironmentDomain:
         return _require_binding(binding, org_id, environment_id, session_id)
 
     async def _binding_and_environment(
-        self, org_id: str, environment_id: str, session_id: str
+        self, org_id: str, environment_id: str, session_id: str, *, with_config: bool = False
     ) -> tuple[BindingRow, EnvironmentRow | None]:
         """The session's binding and the environment (without its
-        configuration), read together: the hot path of every command."""
+        configuration unless asked), read together: the hot path of every
+        command."""
         _require_env_id(environment_id)
         async with self._db.transaction(read_only=True) as s:
             binding = await repo.get_binding(s, environment_id, session_id)
-            row = await repo.get_environment(s, environment_id, org_id) if binding is not None else None
+            row = await repo.get_environment(s, environment_id, org_id, with_config=with_config) if binding is not None else None
         return _require_binding(binding, org_id, environment_id, session_id), row
 
     async def detach_session(self, org_id: str, environment_id: str, session_id: str) -> bool:
@@ -596,10 +608,8 @@ class EnvironmentDomain:
         except NotFound:
             return []
 
-    async def list_session_outputs(
-        self, org_id: str, environment_id: str, session_id: str
-    ) -> tuple[str, list[common_pb2.FileEntry]]:
-        binding, found = await self._binding_and_environment(org_id, environment_id, session_id)
+    async def list_session_outputs(self, org_id: str, environment_id: str, session_id: str) -> SessionOutputs:
+        binding, found = await self._binding_and_environment(org_id, environment_id, session_id, with_config=True)
         if found is None:
             raise _not_found(environment_id)
         row = found
@@ -607,7 +617,7 @@ class EnvironmentDomain:
             row = await self._guard.wait_settled(environment_id, org_id, timeout_s=self._settings.setup_timeout_s)
         if row.status != EnvironmentStatus.READY:
             # Never initialized (or failed before anything could run): nothing to publish.
-            return binding.output_dir, []
+            return SessionOutputs(binding.output_dir, [], None)
         entries = [
             e
             for e in await self._list_or_empty(row, binding.output_dir, session_id)
@@ -617,7 +627,8 @@ class EnvironmentDomain:
             and not (binding.role == ROLE_OWNER and e.path.startswith(SESSIONS_OUTPUT_DIR + "/"))
         ]
         entries.sort(key=lambda e: e.path)
-        return binding.output_dir, entries
+        # The row read with the binding, when it was ready then: it has its configuration.
+        return SessionOutputs(binding.output_dir, entries, found if row is found else None)
 
     # Environment-origin MCP servers -------------------------------------------
 

@@ -304,10 +304,9 @@ class EnvironmentServicer(environment_service_pb2_grpc.EnvironmentServiceService
     async def ListSessionOutputs(
         self, request: pb.ListSessionOutputsRequest, context: _Context
     ) -> pb.ListSessionOutputsResponse:
-        output_dir, entries = await self._domain.list_session_outputs(
-            current_org(), request.environment_id, request.session_id
-        )
-        return pb.ListSessionOutputsResponse(output_dir=output_dir, entries=entries)
+        outputs = await self._domain.list_session_outputs(current_org(), request.environment_id, request.session_id)
+        environment = environment_to_proto(outputs.environment) if outputs.environment is not None else None
+        return pb.ListSessionOutputsResponse(output_dir=outputs.output_dir, entries=outputs.entries, environment=environment)
 
     async def CreateEnvironmentFile(
         self, request: pb.CreateEnvironmentFileRequest, context: _Context

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from berth.common.v1 import common_pb2
 from services.core.ids import new_id
 from services.core.logging import get_logger
-from services.session.environment_client import EnvironmentClient
+from services.session.environment_client import EnvironmentClient, SessionOutputs
 from services.session.models import ArtifactRow, PublishedOutputRow
 
 __all__ = ["BlobStore", "OutputFile", "published_state", "collect_outputs", "record_publication"]
@@ -104,14 +104,14 @@ async def collect_outputs(
     env: EnvironmentClient,
     blobs: BlobStore,
     previous: Callable[[], Awaitable[dict[str, PublishedOutputRow]]],
+    outputs: SessionOutputs,
     *,
-    session_id: str,
     environment_id: str,
 ) -> list[OutputFile]:
-    """Reads new or changed output files into the blob store (no transaction
+    """Reads the new or changed files of ``outputs`` (the session's, as
+    ``list_session_outputs`` gave them) into the blob store (no transaction
     is held meanwhile). ``previous`` loads the session's publication state;
     it is only read when there are output files."""
-    outputs = await env.list_session_outputs(environment_id, session_id)
     entries = [e for e in outputs.entries if e.type == common_pb2.FILE_TYPE_FILE]
     if not entries:
         return []

@@ -7,6 +7,8 @@ environment is ready (setup never undoes that; only deletion ends it). The
 snapshot kept for rendering also carries fields that do change
 (``session_count``, ``lifetime``), so a snapshot older than ``refresh_s`` is
 refreshed in the background when it is next used, never on a turn's path.
+A turn's output listing returns a snapshot too (``refreshed``), so a session
+that runs turns keeps a fresh one without asking for it.
 """
 
 from __future__ import annotations
@@ -89,7 +91,15 @@ class EnvironmentCache:
         except BerthError as exc:
             log.warning("environment_refresh_failed", environment_id=environment_id, reason=exc.reason)
             return
-        if session_id not in self._known:
+        self.refreshed(session_id, environment_id, environment)
+
+    def refreshed(self, session_id: str, environment_id: str, environment: environment_pb2.Environment) -> None:
+        """A snapshot of the session's environment read just now, by a
+        refresh or on the way (a turn's output listing carries one): it
+        replaces what is kept of a session that is known, and restarts its
+        age, so an active session needs no refresh of its own."""
+        known = self._known.get(session_id)
+        if known is None or known.environment_id != environment_id:
             return
         if environment.status == environment_pb2.ENVIRONMENT_STATUS_READY:
             self.remember(session_id, environment_id, environment)

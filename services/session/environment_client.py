@@ -30,6 +30,9 @@ _VAULT_SERVICE = vault_service_pb2.DESCRIPTOR.services_by_name["VaultService"]
 class SessionOutputs:
     output_dir: str
     entries: list[common_pb2.FileEntry]
+    # The environment as read with the session's binding (None when it was
+    # not ready then, or from an older Environment service).
+    environment: environment_pb2.Environment | None = None
 
 
 class EnvironmentClient:
@@ -227,7 +230,8 @@ class EnvironmentClient:
         response = await self._stub.ListSessionOutputs(
             environment_service_pb2.ListSessionOutputsRequest(environment_id=environment_id, session_id=session_id)
         )
-        return SessionOutputs(output_dir=response.output_dir, entries=list(response.entries))
+        environment = response.environment if response.HasField("environment") else None
+        return SessionOutputs(output_dir=response.output_dir, entries=list(response.entries), environment=environment)
 
     async def start_mcp_server(
         self, environment_id: str, session_id: str, label: str, transport_json: str, *, credential_id: str = ""

@@ -626,11 +626,14 @@ class TurnRunner:
                 env = await client.get_environment(environment_id)
                 if env.status != environment_pb2.ENVIRONMENT_STATUS_READY:
                     return []
+            outputs = await client.list_session_outputs(environment_id, claimed.session_id)
+            if outputs.environment is not None:
+                self.environments.refreshed(claimed.session_id, environment_id, outputs.environment)
             return await collect_outputs(
                 client,
                 self.blobs,
                 lambda: self.store.query(lambda s: published_state(s, claimed.session_id)),
-                session_id=claimed.session_id,
+                outputs,
                 environment_id=environment_id,
             )
 

@@ -107,6 +107,24 @@ async def test_commands_see_their_session_output_directory_and_the_owner_collect
     assert [e.path for e in ref.entries] == ["/workspace/outputs/sessions/sess_ref/result.txt"]
 
 
+async def test_a_session_output_listing_carries_the_environment_as_get_environment_returns_it(
+    cluster: Cluster, sqlite_url: str, sandbox_service: SandboxService
+) -> None:
+    service = await cluster.start(sqlite_url, sandbox_addr=sandbox_service.address)
+    env = (await create_env(service.stub, config=setup_config("true"), owner_session_id="sess_owner")).environment
+    request = pb.ListSessionOutputsRequest(environment_id=env.id, session_id="sess_owner")
+    # Not ready yet (setup has not run): no snapshot to keep.
+    assert not (await service.stub.ListSessionOutputs(request, metadata=md())).HasField("environment")
+    assert (await ensure(service.stub, env.id)).status == READY
+    await service.stub.AttachSession(pb.AttachSessionRequest(environment_id=env.id, session_id="sess_ref"), metadata=md())
+
+    listed = await service.stub.ListSessionOutputs(request, metadata=md())
+
+    assert listed.environment == await get_env(service.stub, env.id)
+    assert listed.environment.session_count == 2
+    assert len(listed.environment.config.setup_commands) == 1
+
+
 async def test_an_unreachable_sandbox_service_is_unavailable_and_never_fails_the_environment(
     cluster: Cluster, sqlite_url: str, sandbox_service: SandboxService
 ) -> None:

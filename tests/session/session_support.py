@@ -334,7 +334,11 @@ class FakeEnvironmentService(environment_service_pb2_grpc.EnvironmentServiceServ
                         path=f"{out}/{rel}", type=common_pb2.FILE_TYPE_FILE, size_bytes=stat.st_size, mtime=stat.st_mtime
                     )
                 )
-        return environment_service_pb2.ListSessionOutputsResponse(output_dir=out, entries=entries)
+        # As the real service: the environment read with the binding, when ready.
+        ready = fake.env.status == environment_pb2.ENVIRONMENT_STATUS_READY
+        return environment_service_pb2.ListSessionOutputsResponse(
+            output_dir=out, entries=entries, environment=fake.env if ready else None
+        )
 
 
 # --------------------------------------------------------------------------- client helpers

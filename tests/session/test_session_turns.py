@@ -283,6 +283,25 @@ async def test_turns_on_a_ready_environment_start_without_asking_the_environment
     assert outputs == ["one\n", "two\n", "three\n"]
 
 
+async def test_the_environment_a_session_shows_follows_its_turns_output_listings_without_a_lookup(
+    client: Client, fake: FakeEnvironmentService
+) -> None:
+    created = await client.create_session({"agent": AGENT, "environment": HOSTED, "input": "$ echo one"})
+    session_id = created.session.id
+    assert (await client.wait_turn_end(session_id, created.turn_id))["type"] == "agent.session.turn.completed"
+    environment_id = created.session.environment_id
+    lookups = fake.get_calls
+    fake.envs[environment_id].env.session_count = 7  # another session attached meanwhile
+    for text in ("$ echo two", "$ echo three"):
+        turn_id = await client.say(session_id, text)
+        assert (await client.wait_turn_end(session_id, turn_id))["type"] == "agent.session.turn.completed"
+
+    shown = [e["session"]["environment"]["session_count"] for _, e in await client.events(session_id) if e["type"] == "agent.session.in_progress"]
+    # The second turn started from the first one's listing; the third from the second's.
+    assert shown[-2:] == [1, 7]
+    assert fake.get_calls == lookups
+
+
 async def test_an_agent_update_during_a_turn_applies_to_its_next_model_call(client: Client) -> None:
     hold = {"type": "function", "name": "hold", "description": "", "parameters": {}}
     later = {"type": "function", "name": "later", "description": "", "parameters": {}}

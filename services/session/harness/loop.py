@@ -22,7 +22,7 @@ from typing import Any
 from services.core.logging import get_logger
 from services.session.agents import AgentConfig
 from services.session.harness.compaction import Compactor
-from services.session.harness.context import ContextLimits
+from services.session.harness.context import ContextLimits, TokenEstimator
 from services.session.harness.io import ItemHandle, TurnFailure, TurnIO
 from services.session.harness.mcp_tools import McpToolbox, is_mcp_call
 from services.session.harness.models.base import ModelError, ModelProvider, ModelRequest, ModelResponse, ToolCall

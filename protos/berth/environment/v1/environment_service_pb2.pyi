@@ -734,21 +734,30 @@ class ListSessionOutputsResponse(_message.Message):
 
     OUTPUT_DIR_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    ENVIRONMENT_FIELD_NUMBER: _builtins.int
     output_dir: _builtins.str
     """The session's output directory."""
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FileEntry]:
         """Regular files to publish, with absolute paths."""
 
+    @_builtins.property
+    def environment(self) -> _environment_pb2.Environment:
+        """The environment as GetEnvironment returns it, read with the session's
+        binding: a caller that keeps a snapshot of it need not ask again. Unset
+        when the environment was not ready at the call's start.
+        """
+
     def __init__(
         self,
         *,
         output_dir: _builtins.str = ...,
         entries: _abc.Iterable[_common_pb2.FileEntry] | None = ...,
+        environment: _environment_pb2.Environment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["environment", b"environment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "output_dir", b"output_dir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "environment", b"environment", "output_dir", b"output_dir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
