@@ -84,6 +84,8 @@ class HistoryCache:
         self._kept.pop(session_id, None)
 
     def _keep(self, session_id: str, kept: _Kept) -> History:
+        # Sizes of entries compacted away or replaced are not held any longer.
+        kept.estimator.retain(entry for _, entries in kept.items for entry in entries)
         self._kept[session_id] = kept
         while len(self._kept) > self._max_sessions:
             self._kept.popitem(last=False)

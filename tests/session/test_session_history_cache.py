@@ -137,13 +137,14 @@ async def test_a_sessions_token_estimator_is_kept_with_its_history_and_sizes_onl
     assert sizes.sized == 6
 
 
-def test_a_token_estimator_forgets_entries_that_left_its_transcript(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_token_estimator_retains_only_the_sizes_of_the_transcript_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = _CountingSizes(monkeypatch)
     estimator = context.TokenEstimator()
     long: list[Entry] = [{"role": "user", "text": str(n)} for n in range(200)]
     estimator.entries(long)
+    estimator.entries(long[:1])  # a part of it: nothing is forgotten
     estimator.entries(long)
     assert sizes.sized == 200
-    estimator.entries(long[-1:])  # compacted: only the last entry is left
+    estimator.retain(long[-1:])  # compacted: only the last entry is left
     estimator.entries(long)
     assert sizes.sized == 399

@@ -14,7 +14,7 @@ what the turn that compacted saw."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.session.harness.models.base import Entry, ModelRequest
@@ -58,8 +58,6 @@ KNOWN_CONTEXT_WINDOWS: Mapping[str, int] = {
 # message framing the APIs add.
 _CHARS_PER_TOKEN = 4
 _ENTRY_OVERHEAD = 4
-# Sizes a TokenEstimator may remember beyond twice its last transcript's.
-_REMEMBERED_SLACK = 64
 
 
 def context_window(model: str, configured: Mapping[str, int], default: int) -> int:
@@ -98,8 +96,9 @@ class TokenEstimator:
 
     One per session: the history cache keeps it between turns with the
     entries it sized (``HistoryCache.estimator``), so a turn of a long
-    conversation serializes only what is new. It remembers no more than the
-    last estimated transcript's entries, and a few more besides."""
+    conversation serializes only what is new. Each turn start keeps (``retain``)
+    only the sizes of the history it starts from, so what it remembers stays
+    bounded by the conversation plus one turn's entries."""
 
     def __init__(self) -> None:
         self._sizes: dict[int, tuple[Entry, int]] = {}
@@ -114,11 +113,13 @@ class TokenEstimator:
 
     def entries(self, entries: list[Entry]) -> int:
         """Estimated tokens of transcript entries."""
-        total = sum(self._entry(e) for e in entries)
-        if len(self._sizes) > 2 * len(entries) + _REMEMBERED_SLACK:
-            # Entries no longer in the transcript (compacted or replaced).
-            self._sizes = {id(e): self._sizes[id(e)] for e in entries}
-        return total
+        return sum(self._entry(e) for e in entries)
+
+    def retain(self, entries: Iterable[Entry]) -> None:
+        """Forgets every size but those of ``entries`` (a transcript as it
+        is now: what was compacted or replaced is no longer held)."""
+        sizes = self._sizes
+        self._sizes = {id(e): sizes[id(e)] for e in entries if id(e) in sizes and sizes[id(e)][0] is e}
 
     def request(self, request: ModelRequest) -> int:
         """Estimated tokens of a whole request: instructions, tool
