@@ -20,7 +20,7 @@ from berth.environment.v1 import (
 from services.core.context import PeerCredentials
 from services.core.grpc_server import open_channel
 
-__all__ = ["EnvironmentClient", "SessionOutputs"]
+__all__ = ["EnvironmentClient", "SessionOutputs", "process_request"]
 
 _SERVICE = environment_service_pb2.DESCRIPTOR.services_by_name["EnvironmentService"]
 _VAULT_SERVICE = vault_service_pb2.DESCRIPTOR.services_by_name["VaultService"]
@@ -33,6 +33,31 @@ class SessionOutputs:
     # The environment as read with the session's binding (None when it was
     # not ready then, or from an older Environment service).
     environment: environment_pb2.Environment | None = None
+
+
+def process_request(
+    environment_id: str,
+    session_id: str,
+    *,
+    name: str,
+    shell: str,
+    cwd: str = "",
+    keepalive: bool = False,
+    stdin: bool = False,
+    by_name: bool = False,
+) -> environment_service_pb2.StartProcessRequest:
+    """What starts a session's background process, for ``start_process``
+    and ``run_process``."""
+    return environment_service_pb2.StartProcessRequest(
+        environment_id=environment_id,
+        session_id=session_id,
+        name=name,
+        shell=shell,
+        cwd=cwd,
+        keepalive=keepalive,
+        stdin=stdin,
+        by_name=by_name,
+    )
 
 
 class EnvironmentClient:
@@ -113,58 +138,14 @@ class EnvironmentClient:
             )
         )
 
-    async def start_process(
-        self,
-        environment_id: str,
-        session_id: str,
-        *,
-        name: str,
-        shell: str,
-        cwd: str = "",
-        keepalive: bool = False,
-        stdin: bool = False,
-        by_name: bool = False,
-    ) -> environment_pb2.Process:
-        response = await self._stub.StartProcess(
-            environment_service_pb2.StartProcessRequest(
-                environment_id=environment_id,
-                session_id=session_id,
-                name=name,
-                shell=shell,
-                cwd=cwd,
-                keepalive=keepalive,
-                stdin=stdin,
-                by_name=by_name,
-            )
-        )
-        return response.process
+    async def start_process(self, start: environment_service_pb2.StartProcessRequest) -> environment_pb2.Process:
+        """Starts ``start`` (see ``process_request``)."""
+        return (await self._stub.StartProcess(start)).process
 
-    def run_process(
-        self,
-        environment_id: str,
-        session_id: str,
-        *,
-        name: str,
-        shell: str,
-        cwd: str = "",
-        keepalive: bool = False,
-        by_name: bool = False,
-    ) -> grpc.aio.UnaryStreamCall:
-        """The RunProcess stream (the process, then its output and exit);
-        cancelling the call leaves the process running."""
-        return self._stub.RunProcess(
-            environment_service_pb2.RunProcessRequest(
-                start=environment_service_pb2.StartProcessRequest(
-                    environment_id=environment_id,
-                    session_id=session_id,
-                    name=name,
-                    shell=shell,
-                    cwd=cwd,
-                    keepalive=keepalive,
-                    by_name=by_name,
-                )
-            )
-        )
+    def run_process(self, start: environment_service_pb2.StartProcessRequest) -> grpc.aio.UnaryStreamCall:
+        """The RunProcess stream of ``start`` (the process, then its output
+        and exit); cancelling the call leaves the process running."""
+        return self._stub.RunProcess(environment_service_pb2.RunProcessRequest(start=start))
 
     async def write_process_stdin(
         self, environment_id: str, process_id: str, data: bytes, *, close: bool = False

@@ -25,7 +25,7 @@ from berth.environment.v1 import environment_pb2, environment_service_pb2
 from services.core.errors import BerthError, EnvironmentFailed, Unavailable
 from services.core.grpc_client import call_until_available, peer_unavailable
 from services.session import wire
-from services.session.environment_client import EnvironmentClient
+from services.session.environment_client import EnvironmentClient, process_request
 from services.session.harness.environment import CommandEvent, CommandExit, CommandOutput, Process
 from services.session.harness.io import TurnFailure
 from services.session.models import SessionRow
@@ -185,10 +185,10 @@ class TurnEnvironment:
         It is started and followed in one call (RunProcess)."""
         name = _command_name(key)
 
+        request = process_request(self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, by_name=True)
+
         def start() -> Any:
-            return self._client.run_process(
-                self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=False, by_name=True
-            )
+            return self._client.run_process(request)
 
         async with contextlib.aclosing(self._command_events(start, "", timeout_ms=timeout_ms)) as events:
             async for event in events:
@@ -278,13 +278,9 @@ class TurnEnvironment:
     ) -> Process:
         # Not repeated: a start whose answer was lost may have started it.
         process = await self._client.start_process(
-            self.environment_id,
-            self._writer.session_id,
-            name=name,
-            shell=shell,
-            cwd=cwd,
-            keepalive=keepalive,
-            stdin=stdin,
+            process_request(
+                self.environment_id, self._writer.session_id, name=name, shell=shell, cwd=cwd, keepalive=keepalive, stdin=stdin
+            )
         )
         return _process(process)
 
