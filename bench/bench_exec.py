@@ -41,9 +41,14 @@ async def raw_spawn(argv: list[str]) -> None:
 
 
 async def via_service(tmp: Path, **overrides: object) -> list[float]:
+    """Warm ``Exec(true)`` latencies through the Sandbox service, on a unix
+    socket in a 0700 control directory as ``berth serve`` runs it."""
     settings = Settings(data_dir=tmp, sandbox_idle_pause_s=0, internal_token=INTERNAL_TOKEN, **overrides)  # type: ignore[arg-type]
-    service = await start_sandbox_service(settings, address="127.0.0.1:0")
-    channel = internal_channel(service.address, "environment")
+    control = tmp / "control"
+    control.mkdir(mode=0o700, parents=True, exist_ok=True)
+    address = f"unix:{control / 'sandbox.sock'}"
+    service = await start_sandbox_service(settings, address=address)
+    channel = internal_channel(address, "environment")
     stub = sandbox_service_pb2_grpc.SandboxServiceStub(channel)
     try:
         await stub.CreateSandbox(pb.CreateSandboxRequest(sandbox_id="sbx_bench"), metadata=ORG)
