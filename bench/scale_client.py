@@ -9,7 +9,12 @@ runs turns for ``SECONDS``: POST the input, wait for ``turn.completed`` on
 its stream, wait for ``session.idle``, again. It prints JSON: the turns
 completed in the window, the window, each turn's latency (ms, POST to
 ``turn.completed``) and the count of events seen twice or missing (by
-sequence number), which must be zero."""
+sequence number), which must be zero.
+
+Each session has an HTTP client of its own (its stream's connection and
+the one it posts on): httpcore scans its whole pool on every request and
+every response, so one pool shared by 200 sessions (400 connections) cost
+the client more CPU per turn than the Session service spends on it."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -32,13 +38,13 @@ async def _create(http: httpx.AsyncClient, gate: asyncio.Semaphore) -> str:
 
 
 async def _session(
-    http: httpx.AsyncClient, session_id: str, gate: asyncio.Semaphore, warm: _Countdown, start: asyncio.Event, stop: asyncio.Event
+    client: _Client, session_id: str, gate: asyncio.Semaphore, warm: _Countdown, start: asyncio.Event, stop: asyncio.Event
 ) -> tuple[list[float], list[float], TurnStream]:
     """Runs turns on one session; returns (turn latencies in the window,
     completion times, the stream's counters)."""
     samples: list[float] = []
     ends: list[float] = []
-    async with turn_stream(http, session_id) as stream:
+    async with client() as http, turn_stream(http, session_id) as stream:
         async with gate:
             # The first turn provisions the sandbox.
             await stream.turn()
@@ -55,16 +61,23 @@ async def _session(
     return samples, ends, stream
 
 
+_Client = Callable[[], httpx.AsyncClient]
+
+
 async def run_load(base_url: str, key: str, sessions: int, seconds: float) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}", "OpenAI-Beta": "agents=v1"}
     # Idle connections are dropped before uvicorn's 5 s keep-alive closes them under a request.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as http:
+
+    def client() -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits)
+
+    async with client() as http:
         gate = asyncio.Semaphore(_CREATE_CONCURRENCY)
         ids = await asyncio.gather(*(_create(http, gate) for _ in range(sessions)))
         start, stop = asyncio.Event(), asyncio.Event()
         warm = _Countdown(sessions)
-        tasks = [asyncio.create_task(_session(http, sid, gate, warm, start, stop)) for sid in ids]
+        tasks = [asyncio.create_task(_session(client, sid, gate, warm, start, stop)) for sid in ids]
         await warm.wait(tasks)
         t0 = time.perf_counter()
         start.set()
