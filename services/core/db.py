@@ -9,6 +9,9 @@ event loop, waits for locks are asynchronous); PostgreSQL runs through asyncpg.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -24,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from services.core import sqlite_inline
 
-__all__ = ["Database", "create_engine", "migrate", "upsert_insert"]
+__all__ = ["Database", "WalCheckpointer", "create_engine", "migrate", "upsert_insert"]
 
 T = TypeVar("T")
 
@@ -107,6 +110,68 @@ async def _shielded(work: Awaitable[T], inflight: set[asyncio.Future[Any]] | Non
     return await asyncio.shield(start_tracked(work, inflight))
 
 
+class WalCheckpointer:
+    """Checkpoints a SQLite database's write-ahead log from a thread of its
+    own, on a connection of its own, every ``interval_s``.
+
+    Without it, the connection whose commit fills the WAL past a thousand
+    pages checkpoints it inside that commit: on the event loop's thread,
+    which then waits for the checkpoint's copy and its two fsyncs (a few
+    percent of a busy Session service's loop). The ``Database`` that starts
+    one turns its own connections' automatic checkpoints off. ``PASSIVE``
+    never waits for readers or writers, and sqlite3 releases the GIL while
+    it runs; the next writer after a complete checkpoint starts the log over,
+    so it stays about ``interval_s`` of writes long."""
+
+    def __init__(self, path: str, *, interval_s: float = 0.25) -> None:
+        self._path = path
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wal-checkpoint", daemon=True)
+        self.checkpoints = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        # This thread may wait for a lock (a migration switching the journal
+        # mode, say); a PASSIVE checkpoint itself never waits.
+        connection = sqlite3.connect(self._path, timeout=1.0, isolation_level=None, check_same_thread=False)
+        try:
+            # The same durability as the service's connections: fsync at
+            # checkpoints (and more, FULL, should even this fail).
+            with contextlib.suppress(sqlite3.Error):
+                connection.execute("PRAGMA synchronous=NORMAL")
+            while not self._stop.wait(self._interval_s):
+                self.checkpoint(connection)
+        finally:
+            connection.close()
+
+    def checkpoint(self, connection: sqlite3.Connection) -> None:
+        try:
+            # A read first: a connection opened before the database was in
+            # WAL mode learns that it is only when it next reads.
+            connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            self.checkpoints += 1
+        except sqlite3.Error:
+            # Busy (another checkpoint, a schema change): the next round tries again.
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def _sqlite_file(engine: AsyncEngine) -> str | None:
+    """The database file of an engine on Berth's inline SQLite driver."""
+    if engine.dialect.name != "sqlite" or engine.dialect.driver != sqlite_inline.DRIVER:
+        return None
+    path = engine.url.database
+    return path if path and path != ":memory:" else None
+
+
 class Database:
     """An engine plus a session factory. The caller owns the unit of work:
     ``async with db.transaction() as s`` or ``await db.run(fn)`` is one
@@ -117,10 +182,19 @@ class Database:
     runs to its end in a task of its own and then returns the connection
     and SQLite's write lock. An interrupted ending would leave the
     connection checked out inside an open transaction, holding SQLite's
-    write lock. ``run`` shields the whole unit of work as well."""
+    write lock. ``run`` shields the whole unit of work as well.
+
+    On the inline SQLite driver its WAL is checkpointed off the event loop
+    (``WalCheckpointer``) until ``dispose``."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self._checkpointer: WalCheckpointer | None = None
+        path = _sqlite_file(engine)
+        if path is not None:
+            self._checkpointer = WalCheckpointer(path)
+            event.listen(engine.sync_engine, "connect", _no_autocheckpoint)
+            self._checkpointer.start()
         # SQLite has one writer at a time: this process's writers queue here
         # rather than polling the database lock.
         self._write_lock = asyncio.Lock() if engine.dialect.name == "sqlite" else None
@@ -190,7 +264,16 @@ class Database:
                     lock.release()
 
     async def dispose(self) -> None:
+        if self._checkpointer is not None:
+            await asyncio.to_thread(self._checkpointer.stop)
         await self.engine.dispose()
+
+
+def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
+    """A connection of a ``Database`` whose ``WalCheckpointer`` checkpoints for it."""
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA wal_autocheckpoint=0")
+    cur.close()
 
 
 async def open_database(url: str, service: str, versions: Path) -> Database:

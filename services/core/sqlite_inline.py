@@ -21,8 +21,8 @@ Blocking is bounded by design:
 * Reads in WAL mode never wait for writers.
 
 What remains on the loop is the statement's own work (microseconds for the
-indexed reads and small writes Berth issues) and, every thousand pages of
-WAL, an automatic checkpoint.
+indexed reads and small writes Berth issues). Checkpoints of the WAL run on
+a thread of their own (``WalCheckpointer`` in services/core/db.py).
 
 Use it with the URL scheme ``sqlite+berth:///path`` (registered on import).
 """

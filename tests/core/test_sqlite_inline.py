@@ -131,3 +131,40 @@ async def test_a_failed_statement_rolls_back_the_transaction(tmp_path: Path) -> 
         assert await _count(db) == 3
     finally:
         await db.dispose()
+
+
+async def test_commits_leave_the_wal_to_the_checkpointer_which_copies_it_into_the_database_off_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "db.sqlite"
+    db = await _database(path)
+    try:
+        async with db.transaction() as s:
+            # A commit that fills the WAL never checkpoints on the loop's thread.
+            assert (await s.execute(text("PRAGMA wal_autocheckpoint"))).scalar_one() == 0
+            await s.execute(text("CREATE TABLE blobs (id INTEGER PRIMARY KEY, data BLOB NOT NULL)"))
+        before = path.stat().st_size
+        # About 2,500 pages of WAL: past the thousand at which a commit would checkpoint itself.
+        for _ in range(100):
+            async with db.transaction() as s:
+                await s.execute(text("INSERT INTO blobs (data) VALUES (randomblob(100000))"))
+        async with asyncio.timeout(10):
+            while path.stat().st_size < before + 100 * 100_000:
+                await asyncio.sleep(0.05)
+        async with db.transaction(read_only=True) as s:
+            assert (await s.execute(text("SELECT count(*) FROM blobs"))).scalar_one() == 100
+    finally:
+        await db.dispose()
+
+
+async def test_disposing_a_database_stops_its_checkpointer(tmp_path: Path) -> None:
+    import threading
+
+    def checkpointers() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "wal-checkpoint")
+
+    running = checkpointers()
+    db = await _database(tmp_path / "db.sqlite")
+    assert checkpointers() == running + 1
+    await db.dispose()
+    assert checkpointers() == running
