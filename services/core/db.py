@@ -128,7 +128,6 @@ class WalCheckpointer:
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wal-checkpoint", daemon=True)
-        self.checkpoints = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -143,17 +142,16 @@ class WalCheckpointer:
             with contextlib.suppress(sqlite3.Error):
                 connection.execute("PRAGMA synchronous=NORMAL")
             while not self._stop.wait(self._interval_s):
-                self.checkpoint(connection)
+                self._checkpoint(connection)
         finally:
             connection.close()
 
-    def checkpoint(self, connection: sqlite3.Connection) -> None:
+    def _checkpoint(self, connection: sqlite3.Connection) -> None:
         try:
             # A read first: a connection opened before the database was in
             # WAL mode learns that it is only when it next reads.
             connection.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
             connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            self.checkpoints += 1
         except sqlite3.Error:
             # Busy (another checkpoint, a schema change): the next round tries again.
             pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -158,8 +159,6 @@ async def test_commits_leave_the_wal_to_the_checkpointer_which_copies_it_into_th
 
 
 async def test_disposing_a_database_stops_its_checkpointer(tmp_path: Path) -> None:
-    import threading
-
     def checkpointers() -> int:
         return sum(1 for t in threading.enumerate() if t.name == "wal-checkpoint")
 
