@@ -133,18 +133,32 @@ class WalCheckpointer:
         self._thread.start()
 
     def _run(self) -> None:
-        # This thread may wait for a lock (a migration switching the journal
-        # mode, say); a PASSIVE checkpoint itself never waits.
-        connection = sqlite3.connect(self._path, timeout=1.0, isolation_level=None, check_same_thread=False)
+        # The ``Database``'s connections never checkpoint themselves, so this
+        # thread never ends before ``stop``: a connect that fails (the file
+        # not there yet, say) is retried every round.
+        connection: sqlite3.Connection | None = None
         try:
-            # The same durability as the service's connections: fsync at
-            # checkpoints (and more, FULL, should even this fail).
-            with contextlib.suppress(sqlite3.Error):
-                connection.execute("PRAGMA synchronous=NORMAL")
             while not self._stop.wait(self._interval_s):
-                self._checkpoint(connection)
+                if connection is None:
+                    connection = self._connect()
+                if connection is not None:
+                    self._checkpoint(connection)
         finally:
-            connection.close()
+            if connection is not None:
+                connection.close()
+
+    def _connect(self) -> sqlite3.Connection | None:
+        try:
+            # This thread may wait for a lock (a migration switching the
+            # journal mode, say); a PASSIVE checkpoint itself never waits.
+            connection = sqlite3.connect(self._path, timeout=1.0, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error:
+            return None
+        # The same durability as the service's connections: fsync at
+        # checkpoints (and more, FULL, should even this fail).
+        with contextlib.suppress(sqlite3.Error):
+            connection.execute("PRAGMA synchronous=NORMAL")
+        return connection
 
     def _checkpoint(self, connection: sqlite3.Connection) -> None:
         try:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy.exc
 from sqlalchemy import text
 
-from services.core.db import Database, create_engine
+from services.core.db import Database, WalCheckpointer, create_engine
 from services.core.settings import normalize_database_url
 
 
@@ -167,3 +168,33 @@ async def test_disposing_a_database_stops_its_checkpointer(tmp_path: Path) -> No
     assert checkpointers() == running + 1
     await db.dispose()
     assert checkpointers() == running
+
+
+def test_a_checkpointer_that_cannot_open_its_database_yet_keeps_trying_and_checkpoints_once_it_can(tmp_path: Path) -> None:
+    path = tmp_path / "later" / "db.sqlite"
+    checkpointer = WalCheckpointer(str(path), interval_s=0.02)
+    checkpointer.start()
+    try:
+        # Its directory is missing: every connect fails, and the thread goes on.
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            assert any(t.name == "wal-checkpoint" for t in threading.enumerate())
+            time.sleep(0.02)
+        path.parent.mkdir()
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("PRAGMA journal_mode=WAL")
+            writer.execute("PRAGMA wal_autocheckpoint=0")
+            writer.execute("CREATE TABLE blobs (id INTEGER PRIMARY KEY, data BLOB NOT NULL)")
+            before = path.stat().st_size
+            for _ in range(20):
+                writer.execute("INSERT INTO blobs (data) VALUES (randomblob(100000))")
+            # Only a checkpoint copies the log into the database file.
+            deadline = time.monotonic() + 10
+            while path.stat().st_size < before + 20 * 100_000:
+                assert time.monotonic() < deadline, "the WAL was never checkpointed"
+                time.sleep(0.02)
+        finally:
+            writer.close()
+    finally:
+        checkpointer.stop()
