@@ -18,29 +18,18 @@ fault-injection test's (``tests/e2e/fault_stack.py``)."""
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from pathlib import Path
 
+from bench.postgres import scratch_database
 from bench.runner import Result
 from bench.stack import INTERNAL_TOKEN
 
 __all__ = ["run"]
 
 _ROOT = Path(__file__).resolve().parents[1]
-_SERVER_URL = os.environ.get("BERTH_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SESSIONS = 8
 TURNS = 6
-
-
-async def _admin(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(_SERVER_URL, timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 async def run(tmp: Path) -> list[Result]:
@@ -48,11 +37,8 @@ async def run(tmp: Path) -> list[Result]:
     from fault_stack import FaultLoad, running_processes  # type: ignore[import-not-found]
 
     os.environ.setdefault("BERTH_INTERNAL_TOKEN", INTERNAL_TOKEN.get_secret_value())
-    name = f"berth_bench_faults_{secrets.token_hex(4)}"
-    await _admin(f'CREATE DATABASE "{name}"')
     try:
-        url = _SERVER_URL.rsplit("/", 1)[0] + f"/{name}"
-        async with running_processes(tmp / "berth", url) as stack:
+        async with scratch_database("berth_bench_faults") as url, running_processes(tmp / "berth", url) as stack:
             load = FaultLoad(stack, sessions=SESSIONS, turns=TURNS, kill_order=("environment", "sandbox", "session", "gateway"))
             report = await load.run()
         print(f"faults: {SESSIONS} sessions x {TURNS} turns, each service killed once (SIGKILL) and restarted")
@@ -72,7 +58,6 @@ async def run(tmp: Path) -> list[Result]:
         for turn_id, why in report.failed:
             print(f"  failed {turn_id}: {why}")
     finally:
-        await _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         from services.sandbox.backends.local import LocalBackend
 
         backend = LocalBackend(tmp / "berth", isolation="none")

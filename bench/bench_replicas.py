@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
+from bench.postgres import scratch_database
 from bench.runner import Result, summarize
 from bench.stack import INTERNAL_TOKEN, internal_channel
 from berth.session.v1 import session_service_pb2 as pb
@@ -42,25 +40,12 @@ from services.core.settings import Settings
 from services.core.wire_json import to_message
 from services.session.server import start_session_service
 
-SERVER_URL = os.environ.get("BERTH_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 EVENT_RUNS = int(os.environ.get("BENCH_REPLICA_EVENT_RUNS", "40"))
 CANCEL_RUNS = int(os.environ.get("BENCH_REPLICA_CANCEL_RUNS", "20"))
 WARMUP = 3
 _ORG = (("x-berth-org", "org_bench"),)
 _HOLD = {"model": "scripted", "tools": [{"type": "function", "name": "hold", "description": "", "parameters": {}}]}
 _ENDED = {"agent.session.turn.completed", "agent.session.turn.failed", "agent.session.turn.cancelled"}
-
-
-@asynccontextmanager
-async def _database() -> AsyncIterator[str]:
-    name = f"berth_bench_{secrets.token_hex(4)}"
-    admin = await asyncpg.connect(SERVER_URL, timeout=5)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        yield SERVER_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
 
 
 class _Follower:
@@ -193,7 +178,7 @@ async def _cancel_latency(replicas: _Replicas, runs: int) -> list[float]:
 
 async def run(tmp: Path) -> list[Result]:
     measured: dict[bool, tuple[list[float], list[float]]] = {}
-    async with _database() as url:
+    async with scratch_database() as url:
         for listen in (False, True):
             async with _replicas(tmp / f"listen-{listen}", url, listen=listen) as replicas:
                 events = await _event_latency(replicas, EVENT_RUNS)

@@ -10,6 +10,11 @@ loop (how ``berth serve`` ran before). Targets (issue 14): at 100 sessions
 at least 150 turns/s with p95 under 1 s; 200 sessions no lower than 100;
 throughput at 100 over throughput at 1 is the scaling ratio.
 
+The multi-process layout also runs on PostgreSQL, a scratch database per
+service on ``BERTH_BENCH_POSTGRES_URL`` (``bench.postgres``), printed beside
+the same layout on SQLite from the same run ("the multi-process PostgreSQL
+deployment scales the same way"); ``BENCH_SCALE_POSTGRES=0`` skips it.
+
 Also here: cross-replica event and cancel latency (``bench replicas``), and
 the rows of ``bench sandboxes`` (idle PSS per sandbox, creation rate, warm
 pool) where that benchmark exists."""
@@ -25,15 +30,18 @@ import signal
 import socket
 import statistics
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.postgres import reachable, scratch_database
 from bench.runner import Result, percentile, run_client
 
 LOADS = [int(n) for n in os.environ.get("BENCH_SCALE_LOADS", "1,20,100,200").split(",")]
 SECONDS = float(os.environ.get("BENCH_SCALE_SECONDS", "10"))
+# The multi-process layout again on PostgreSQL (``bench.postgres``), unless 0.
+POSTGRES = os.environ.get("BENCH_SCALE_POSTGRES", "1") != "0"
 _KEY = re.compile(r"sk-berth-[A-Za-z0-9_-]+")
 _START_TIMEOUT_S = 180.0
 
@@ -56,12 +64,15 @@ def _free_port() -> int:
 
 
 @asynccontextmanager
-async def berth_serve(data_dir: Path, *, processes: bool) -> AsyncIterator[tuple[str, str, int]]:
-    """``berth serve`` on a fresh data directory; yields (base URL, the dev
-    key it printed, its PID)."""
+async def berth_serve(
+    data_dir: Path, *, processes: bool, env_extra: Mapping[str, str] | None = None
+) -> AsyncIterator[tuple[str, str, int]]:
+    """``berth serve`` on a fresh data directory (and ``env_extra`` in its
+    environment); yields (base URL, the dev key it printed, its PID)."""
     port = _free_port()
     env = {
         **os.environ,
+        **(env_extra or {}),
         "BERTH_DATA_DIR": str(data_dir),
         "BERTH_GATEWAY_PORT": str(port),
         "BERTH_LOG_LEVEL": "ERROR",
@@ -105,13 +116,32 @@ async def _destroy_sandboxes(data_dir: Path) -> None:
         await backend.destroy(handle)
 
 
-async def measure_loads(data_dir: Path, *, processes: bool, loads: list[int], seconds: float) -> list[Load]:
+_SERVICES = ("gateway", "session", "environment", "sandbox")
+
+
+@asynccontextmanager
+async def _postgres_urls() -> AsyncIterator[dict[str, str]]:
+    """A scratch PostgreSQL database per service, as ``berth serve``'s
+    ``BERTH_<SERVICE>_DATABASE_URL`` variables."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {}
+        for service in _SERVICES:
+            url = await stack.enter_async_context(scratch_database(f"berth_bench_scale_{service}"))
+            urls[f"BERTH_{service.upper()}_DATABASE_URL"] = url
+        yield urls
+
+
+async def measure_loads(
+    data_dir: Path, *, processes: bool, loads: list[int], seconds: float, postgres: bool = False
+) -> list[Load]:
     out: list[Load] = []
     for sessions in loads:
         # A fresh server per load: sandboxes of an earlier load do not weigh on this one.
-        name = f"{'procs' if processes else 'single'}-{sessions}"
+        name = f"{'pg' if postgres else 'procs' if processes else 'single'}-{sessions}"
         try:
-            async with berth_serve(data_dir / name, processes=processes) as (url, key, _):
+            async with contextlib.AsyncExitStack() as stack:
+                env = await stack.enter_async_context(_postgres_urls()) if postgres else {}
+                url, key, _ = await stack.enter_async_context(berth_serve(data_dir / name, processes=processes, env_extra=env))
                 report = await run_client("bench.scale_client", url, key, str(sessions), str(seconds))
         except Exception as exc:  # an overloaded server fails one load, not the table
             print(f"scale: {name} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -161,6 +191,27 @@ def print_scale(measured: list[Load], baseline: list[Load]) -> None:
         print(f"{'scaling: rate at 200 / rate at 100':<40} {by[200] / by[100]:>6.2f}   single-process {base[200] / base[100]:>6.2f}   target >= 1")
 
 
+def print_postgres(postgres: list[Load], sqlite: list[Load]) -> None:
+    """The multi-process layout on PostgreSQL (a database per service),
+    beside the same layout on SQLite from the same run."""
+    header = (
+        f"{'scale on PostgreSQL: sessions':<30} {'turns/s':>9} {'p50 ms':>9} {'p95 ms':>9}   "
+        f"{'on SQLite turns/s':>17} {'ratio':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for p, m in zip(postgres, sqlite, strict=True):
+        ratio = p.turns_per_s / m.turns_per_s if m.turns_per_s else float("nan")
+        lost = "" if p.repeats == p.gaps == 0 else f"  ({p.repeats} repeated, {p.gaps} gaps!)"
+        lost += "  (failed: see above)" if p.failed else ""
+        print(f"{p.sessions:<30} {p.turns_per_s:>9.1f} {p.p50_ms:>9.1f} {p.p95_ms:>9.1f}   {m.turns_per_s:>17.1f} {ratio:>6.2f}{lost}")
+    by = {p.sessions: p.turns_per_s for p in postgres}
+    if 1 in by and 100 in by:
+        print(f"{'scaling on PostgreSQL: rate at 100 / rate at 1':<48} {by[100] / by[1]:>6.2f}   target > 1")
+    if 100 in by and 200 in by:
+        print(f"{'scaling on PostgreSQL: rate at 200 / rate at 100':<48} {by[200] / by[100]:>6.2f}   target >= 1")
+
+
 # Benchmarks whose rows ``bench scale`` adds to its table: cross-replica
 # latency, and (where the module exists) bench_sandboxes' idle PSS per
 # sandbox, creation rate and warm pool.
@@ -170,11 +221,20 @@ ROW_BENCHMARKS = ["replicas", "sandboxes"]
 async def run(tmp: Path) -> list[Result]:
     measured: list[Load] = []
     baseline: list[Load] = []
-    # Interleaved, so that both see the same machine load.
+    postgres: list[Load] = []
+    unreachable = await reachable() if POSTGRES else "BENCH_SCALE_POSTGRES=0"
+    # Interleaved, so that every layout sees the same machine load.
     for sessions in LOADS:
         measured += await measure_loads(tmp / "m", processes=True, loads=[sessions], seconds=SECONDS)
         baseline += await measure_loads(tmp / "b", processes=False, loads=[sessions], seconds=SECONDS)
+        if unreachable is None:
+            postgres += await measure_loads(tmp / "p", processes=True, loads=[sessions], seconds=SECONDS, postgres=True)
     print_scale(measured, baseline)
+    print()
+    if unreachable is None:
+        print_postgres(postgres, measured)
+    else:
+        print(f"scale on PostgreSQL: skipped ({unreachable})")
     print()
     rows: list[Result] = []
     for name in ROW_BENCHMARKS:
