@@ -111,7 +111,7 @@ def hash_key(plaintext: str) -> str:
 
 async def open_gateway_database(settings: Settings) -> Database:
     """The gateway's database, migrated to head (also used by the CLI)."""
-    return await open_database(settings.database_url("gateway"), "gateway", MIGRATIONS)
+    return await open_database(settings.database_url("gateway"), "gateway", MIGRATIONS, pool=settings.database_pool())
 
 
 def _org(row: OrganizationRow) -> Org:

@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import sqlalchemy.exc
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import bindparam, event
@@ -26,6 +28,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from services.core import sqlite_inline
+from services.core.settings import DatabasePool
 
 __all__ = ["Database", "WalCheckpointer", "create_engine", "migrate", "upsert_insert"]
 
@@ -34,7 +37,7 @@ T = TypeVar("T")
 _ALEMBIC_DIR = Path(__file__).parent / "alembic"
 
 
-def create_engine(url: str, *, sqlite_lock_timeout_s: float = 30.0) -> AsyncEngine:
+def create_engine(url: str, *, sqlite_lock_timeout_s: float = 30.0, pool: DatabasePool = DatabasePool()) -> AsyncEngine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -66,7 +69,42 @@ def create_engine(url: str, *, sqlite_lock_timeout_s: float = 30.0) -> AsyncEngi
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    engine = create_async_engine(url, pool_size=pool.size, max_overflow=pool.max_overflow)
+    _ping_when_idle(engine, pool.ping_idle_s)
+    return engine
+
+
+# Where a pooled connection records when it was last returned.
+_RETURNED_AT = "berth_returned_at"
+
+
+def _ping_when_idle(engine: AsyncEngine, idle_s: float) -> None:
+    """Pings a connection at checkout only when it sat in the pool longer
+    than ``idle_s``. SQLAlchemy's ``pool_pre_ping`` pings every checkout:
+    on asyncpg that is three round trips (BEGIN, a query, ROLLBACK), more
+    than most of Berth's transactions make themselves. A connection in
+    steady use has just proven itself; one that sat idle may have died with
+    a database restart, and a dead one is replaced before it is used. The
+    first error that shows a disconnect (``is_disconnect``) invalidates the
+    whole pool either way."""
+
+    @event.listens_for(engine.sync_engine.pool, "checkin")
+    def _returned(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_RETURNED_AT] = time.monotonic()
+
+    @event.listens_for(engine.sync_engine.pool, "checkout")
+    def _checked_out(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        if idle_s > 0:
+            returned = record.info.get(_RETURNED_AT)
+            if returned is None or time.monotonic() - returned < idle_s:
+                # New (it just connected), or in steady use.
+                return
+        try:
+            dbapi_conn.ping()
+        except Exception as exc:
+            # The pool discards this connection and checks out another.
+            raise sqlalchemy.exc.DisconnectionError(f"a pooled connection failed its ping: {exc}") from exc
 
 
 def _alembic_config(service: str, versions: Path, connection: Connection) -> Config:
@@ -288,8 +326,8 @@ def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-async def open_database(url: str, service: str, versions: Path) -> Database:
-    engine = create_engine(url)
+async def open_database(url: str, service: str, versions: Path, *, pool: DatabasePool = DatabasePool()) -> Database:
+    engine = create_engine(url, pool=pool)
     for attempt in range(3):
         try:
             await migrate(engine, service, versions)

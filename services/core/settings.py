@@ -11,13 +11,14 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "ServiceName", "ModelRoute", "ModelPrice", "DEFAULT_MODEL_PRICES"]
+__all__ = ["Settings", "DatabasePool", "ServiceName", "ModelRoute", "ModelPrice", "DEFAULT_MODEL_PRICES"]
 
 ServiceName = Literal["gateway", "session", "environment", "sandbox"]
 
@@ -66,6 +67,16 @@ class ModelRoute(BaseModel):
         if (self.model is None) == (self.prefix is None):
             raise ValueError("a model route names exactly one of model or prefix")
         return self
+
+
+@dataclass(frozen=True)
+class DatabasePool:
+    """A PostgreSQL engine's connection pool (``Settings.database_pool``)."""
+
+    size: int = 20
+    max_overflow: int = 0
+    # A connection idle longer than this is pinged at checkout.
+    ping_idle_s: float = 5.0
 
 
 class Settings(BaseSettings):
@@ -147,6 +158,32 @@ class Settings(BaseSettings):
     session_database_url: str = ""
     environment_database_url: str = ""
     sandbox_database_url: str = ""
+    database_pool_size: int = Field(
+        default=20,
+        gt=0,
+        description=(
+            "On PostgreSQL, the connections each service keeps open once it has needed them; a transaction that "
+            "finds them all busy waits for one. The four services' pools (times their replicas) must fit the "
+            "server's `max_connections` (100 by default)."
+        ),
+    )
+    database_max_overflow: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "On PostgreSQL, connections a busy service opens beyond `database_pool_size`, each closed when it is "
+            "returned: a load hovering above the pool opens and closes one per transaction, which costs more than "
+            "waiting for a pooled one."
+        ),
+    )
+    database_ping_idle_s: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "On PostgreSQL, a pooled connection idle this long is pinged before it is handed out (a dead one, after a "
+            "database restart, is replaced); one in steady use is not. 0 pings every checkout."
+        ),
+    )
 
     notify_listen: bool = Field(
         default=True,
@@ -414,6 +451,9 @@ class Settings(BaseSettings):
     @classmethod
     def _cidrs_valid(cls, value: list[str]) -> list[str]:
         return [str(ipaddress.ip_network(entry, strict=False)) for entry in value]
+
+    def database_pool(self) -> DatabasePool:
+        return DatabasePool(self.database_pool_size, self.database_max_overflow, self.database_ping_idle_s)
 
     def database_url(self, service: ServiceName) -> str:
         """The service's own database; SQLite under data_dir unless configured."""

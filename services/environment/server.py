@@ -131,7 +131,7 @@ async def start_environment_service(
     ``settings.sandbox_nodes()``: ``sandbox_addrs``, or the one
     ``sandbox_addr``."""
     credentials = PeerCredentials.from_settings(settings, "environment")
-    db = await open_database(settings.database_url("environment"), "environment", _MIGRATIONS)
+    db = await open_database(settings.database_url("environment"), "environment", _MIGRATIONS, pool=settings.database_pool())
     closers: list[Callable[[], Awaitable[None]]] = [db.dispose]
     try:
         inventory: SandboxInventory | None = None

@@ -86,7 +86,7 @@ def _proxy_env(settings: Settings) -> dict[str, str]:
 async def start_sandbox_service(settings: Settings, *, address: str | None = None) -> ServiceHandle:
     token = internal_token(settings)
     backend, name, isolation = build_backend(settings)
-    db = await open_database(settings.database_url("sandbox"), "sandbox", _MIGRATIONS)
+    db = await open_database(settings.database_url("sandbox"), "sandbox", _MIGRATIONS, pool=settings.database_pool())
     manager = SandboxManager(
         db,
         backend,

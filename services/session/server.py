@@ -73,7 +73,7 @@ async def start_session_service(
     ``clock`` is what the automation schedule reads (tests move it);
     ``automation_notice`` hears each automation invocation's outcome."""
     credentials = PeerCredentials.from_settings(settings, "session")
-    db = await open_database(settings.database_url("session"), "session", _MIGRATIONS)
+    db = await open_database(settings.database_url("session"), "session", _MIGRATIONS, pool=settings.database_pool())
     # Replicas hear each other's commits through it (LISTEN/NOTIFY on PostgreSQL).
     notifier = open_notifier(
         db,

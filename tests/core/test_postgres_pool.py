@@ -1,0 +1,83 @@
+"""A service's PostgreSQL connection pool: a fixed set of connections reused
+under load, and a connection that died while idle replaced before use."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import pytest
+import sqlalchemy.exc
+from sqlalchemy import text
+
+from services.core.db import Database, create_engine
+from services.core.settings import DatabasePool, normalize_database_url
+
+pytestmark = pytest.mark.postgres
+
+
+async def _backend_pid(db: Database) -> int:
+    async with db.transaction(read_only=True) as s:
+        pid = int((await s.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+        # Held a moment, so that concurrent transactions need connections of their own.
+        await asyncio.sleep(0.01)
+        return pid
+
+
+async def test_a_busy_service_reuses_its_pooled_connections_instead_of_opening_one_per_transaction(
+    fresh_postgres_database: str,
+) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=4)))
+    try:
+        pids: set[int] = set()
+        # Three times the pool's size at once, ten rounds.
+        for _ in range(10):
+            pids.update(await asyncio.gather(*(_backend_pid(db) for _ in range(12))))
+        assert len(pids) <= 4
+    finally:
+        await db.dispose()
+
+
+async def _terminate(url: str, pids: set[int]) -> None:
+    admin = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"), timeout=5)
+    try:
+        for pid in pids:
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+        async with asyncio.timeout(10):
+            while await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = any($1::int[])", list(pids)):
+                await asyncio.sleep(0.02)
+    finally:
+        await admin.close()
+
+
+async def test_a_pooled_connection_that_died_while_idle_is_replaced_before_the_next_transaction_uses_it(
+    fresh_postgres_database: str,
+) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=2, ping_idle_s=0.2)))
+    try:
+        pid = await _backend_pid(db)
+        # The server goes away under the idle connection (a restart, a failover).
+        await _terminate(fresh_postgres_database, {pid})
+        # Time must pass for this: the connection idles longer than ping_idle_s.
+        await asyncio.sleep(0.3)
+        # Idle past ping_idle_s: pinged at checkout, found dead, replaced.
+        assert await _backend_pid(db) != pid
+    finally:
+        await db.dispose()
+
+
+async def test_a_connection_in_steady_use_is_not_pinged_so_one_that_died_fails_once_and_the_pool_recovers(
+    fresh_postgres_database: str,
+) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=2, ping_idle_s=60)))
+    try:
+        pid = await _backend_pid(db)
+        await _terminate(fresh_postgres_database, {pid})
+        # Returned a moment ago: handed out without a ping, so its first use fails ...
+        with pytest.raises(sqlalchemy.exc.DBAPIError) as failed:
+            await _backend_pid(db)
+        assert failed.value.connection_invalidated
+        # ... and that disconnect invalidated the pool: the next transaction gets a new connection.
+        assert await _backend_pid(db) != pid
+    finally:
+        await db.dispose()
