@@ -56,6 +56,14 @@ class Load:
     gaps: int
     failed: bool = False
 
+    def ratio_to(self, other: Load) -> float:
+        return self.turns_per_s / other.turns_per_s if other.turns_per_s else float("nan")
+
+    def trouble(self) -> str:
+        """Events seen twice or missed, and a failed load, for its row."""
+        out = "" if self.repeats == self.gaps == 0 else f"  ({self.repeats} repeated, {self.gaps} gaps!)"
+        return out + ("  (failed: see above)" if self.failed else "")
+
 
 def _free_port() -> int:
     with socket.socket() as probe:
@@ -173,12 +181,10 @@ def print_scale(measured: list[Load], baseline: list[Load]) -> None:
     print(header)
     print("-" * len(header))
     for m, b in zip(measured, baseline, strict=True):
-        ratio = m.turns_per_s / b.turns_per_s if b.turns_per_s else float("nan")
-        lost = "" if m.repeats == m.gaps == 0 else f"  ({m.repeats} repeated, {m.gaps} gaps!)"
-        lost += "  (failed: see above)" if m.failed else ""
         print(
             f"{m.sessions:<18} {m.turns_per_s:>9.1f} {m.p50_ms:>9.1f} {m.p95_ms:>9.1f}   "
-            f"{b.turns_per_s:>22.1f} {b.p50_ms:>9.1f} {b.p95_ms:>9.1f} {ratio:>6.2f}  {_TARGETS.get(m.sessions, '')}{lost}"
+            f"{b.turns_per_s:>22.1f} {b.p50_ms:>9.1f} {b.p95_ms:>9.1f} {m.ratio_to(b):>6.2f}  "
+            f"{_TARGETS.get(m.sessions, '')}{m.trouble()}"
         )
     by = {m.sessions: m.turns_per_s for m in measured}
     base = {b.sessions: b.turns_per_s for b in baseline}
@@ -201,10 +207,10 @@ def print_postgres(postgres: list[Load], sqlite: list[Load]) -> None:
     print(header)
     print("-" * len(header))
     for p, m in zip(postgres, sqlite, strict=True):
-        ratio = p.turns_per_s / m.turns_per_s if m.turns_per_s else float("nan")
-        lost = "" if p.repeats == p.gaps == 0 else f"  ({p.repeats} repeated, {p.gaps} gaps!)"
-        lost += "  (failed: see above)" if p.failed else ""
-        print(f"{p.sessions:<30} {p.turns_per_s:>9.1f} {p.p50_ms:>9.1f} {p.p95_ms:>9.1f}   {m.turns_per_s:>17.1f} {ratio:>6.2f}{lost}")
+        print(
+            f"{p.sessions:<30} {p.turns_per_s:>9.1f} {p.p50_ms:>9.1f} {p.p95_ms:>9.1f}   "
+            f"{m.turns_per_s:>17.1f} {p.ratio_to(m):>6.2f}{p.trouble()}"
+        )
     by = {p.sessions: p.turns_per_s for p in postgres}
     if 1 in by and 100 in by:
         print(f"{'scaling on PostgreSQL: rate at 100 / rate at 1':<48} {by[100] / by[1]:>6.2f}   target > 1")
