@@ -159,7 +159,7 @@ class Settings(BaseSettings):
     environment_database_url: str = ""
     sandbox_database_url: str = ""
     database_pool_size: int = Field(
-        default=20,
+        default=DatabasePool.size,
         gt=0,
         description=(
             "On PostgreSQL, the connections each service keeps open once it has needed them; a transaction that "
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
         ),
     )
     database_max_overflow: int = Field(
-        default=0,
+        default=DatabasePool.max_overflow,
         ge=0,
         description=(
             "On PostgreSQL, connections a busy service opens beyond `database_pool_size`, each closed when it is "
@@ -177,7 +177,7 @@ class Settings(BaseSettings):
         ),
     )
     database_ping_idle_s: float = Field(
-        default=5.0,
+        default=DatabasePool.ping_idle_s,
         ge=0,
         description=(
             "On PostgreSQL, a pooled connection idle this long is pinged before it is handed out (a dead one, after a "
