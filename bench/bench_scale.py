@@ -34,9 +34,11 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 from bench.postgres import reachable, scratch_database
 from bench.runner import Result, percentile, run_client
+from services.core.settings import ServiceName
 
 LOADS = [int(n) for n in os.environ.get("BENCH_SCALE_LOADS", "1,20,100,200").split(",")]
 SECONDS = float(os.environ.get("BENCH_SCALE_SECONDS", "10"))
@@ -124,16 +126,13 @@ async def _destroy_sandboxes(data_dir: Path) -> None:
         await backend.destroy(handle)
 
 
-_SERVICES = ("gateway", "session", "environment", "sandbox")
-
-
 @asynccontextmanager
 async def _postgres_urls() -> AsyncIterator[dict[str, str]]:
     """A scratch PostgreSQL database per service, as ``berth serve``'s
     ``BERTH_<SERVICE>_DATABASE_URL`` variables."""
     async with contextlib.AsyncExitStack() as stack:
         urls = {}
-        for service in _SERVICES:
+        for service in get_args(ServiceName):
             url = await stack.enter_async_context(scratch_database(f"berth_bench_scale_{service}"))
             urls[f"BERTH_{service.upper()}_DATABASE_URL"] = url
         yield urls
@@ -186,15 +185,10 @@ def print_scale(measured: list[Load], baseline: list[Load]) -> None:
             f"{b.turns_per_s:>22.1f} {b.p50_ms:>9.1f} {b.p95_ms:>9.1f} {m.ratio_to(b):>6.2f}  "
             f"{_TARGETS.get(m.sessions, '')}{m.trouble()}"
         )
-    by = {m.sessions: m.turns_per_s for m in measured}
-    base = {b.sessions: b.turns_per_s for b in baseline}
-    if 1 in by and 100 in by:
-        print(
-            f"{'scaling: rate at 100 / rate at 1':<40} {by[100] / by[1]:>6.2f}   single-process {base[100] / base[1]:>6.2f}"
-            "   target > 1 (issue: 0.86)"
-        )
-    if 100 in by and 200 in by:
-        print(f"{'scaling: rate at 200 / rate at 100':<40} {by[200] / by[100]:>6.2f}   single-process {base[200] / base[100]:>6.2f}   target >= 1")
+    base = _scaling(baseline)
+    for (label, ratio, target), (_, base_ratio, _) in zip(_scaling(measured), base, strict=True):
+        issue = " (issue: 0.86)" if label.endswith("at 1") else ""
+        print(f"{'scaling: ' + label:<40} {ratio:>6.2f}   single-process {base_ratio:>6.2f}   {target}{issue}")
 
 
 def print_postgres(postgres: list[Load], sqlite: list[Load]) -> None:
@@ -211,11 +205,18 @@ def print_postgres(postgres: list[Load], sqlite: list[Load]) -> None:
             f"{p.sessions:<30} {p.turns_per_s:>9.1f} {p.p50_ms:>9.1f} {p.p95_ms:>9.1f}   "
             f"{m.turns_per_s:>17.1f} {p.ratio_to(m):>6.2f}{p.trouble()}"
         )
-    by = {p.sessions: p.turns_per_s for p in postgres}
-    if 1 in by and 100 in by:
-        print(f"{'scaling on PostgreSQL: rate at 100 / rate at 1':<48} {by[100] / by[1]:>6.2f}   target > 1")
-    if 100 in by and 200 in by:
-        print(f"{'scaling on PostgreSQL: rate at 200 / rate at 100':<48} {by[200] / by[100]:>6.2f}   target >= 1")
+    for label, ratio, target in _scaling(postgres):
+        print(f"{'scaling on PostgreSQL: ' + label:<48} {ratio:>6.2f}   {target}")
+
+
+def _scaling(loads: list[Load]) -> list[tuple[str, float, str]]:
+    """The scaling ratios the issue asks for, of the loads measured: (what, ratio, target)."""
+    rates = {load.sessions: load.turns_per_s for load in loads}
+    return [
+        (f"rate at {high} / rate at {low}", rates[high] / rates[low], target)
+        for high, low, target in ((100, 1, "target > 1"), (200, 100, "target >= 1"))
+        if high in rates and low in rates
+    ]
 
 
 # Benchmarks whose rows ``bench scale`` adds to its table: cross-replica
