@@ -159,26 +159,28 @@ async def test_commits_leave_the_wal_to_the_checkpointer_which_copies_it_into_th
         await db.dispose()
 
 
-async def test_disposing_a_database_stops_its_checkpointer(tmp_path: Path) -> None:
-    def checkpointers() -> int:
-        return sum(1 for t in threading.enumerate() if t.name == "wal-checkpoint")
+def _checkpointers() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "wal-checkpoint")
 
-    running = checkpointers()
+
+async def test_disposing_a_database_stops_its_checkpointer(tmp_path: Path) -> None:
+    running = _checkpointers()
     db = await _database(tmp_path / "db.sqlite")
-    assert checkpointers() == running + 1
+    assert _checkpointers() == running + 1
     await db.dispose()
-    assert checkpointers() == running
+    assert _checkpointers() == running
 
 
 def test_a_checkpointer_that_cannot_open_its_database_yet_keeps_trying_and_checkpoints_once_it_can(tmp_path: Path) -> None:
     path = tmp_path / "later" / "db.sqlite"
+    running = _checkpointers()
     checkpointer = WalCheckpointer(str(path), interval_s=0.02)
     checkpointer.start()
     try:
         # Its directory is missing: every connect fails, and the thread goes on.
         deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline:
-            assert any(t.name == "wal-checkpoint" for t in threading.enumerate())
+            assert _checkpointers() == running + 1
             time.sleep(0.02)
         path.parent.mkdir()
         writer = sqlite3.connect(path, isolation_level=None)
