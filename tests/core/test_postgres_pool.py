@@ -1,5 +1,6 @@
-"""A service's PostgreSQL connection pool: a fixed set of connections reused
-under load, and a connection that died while idle replaced before use."""
+"""A service's PostgreSQL connections: a fixed set reused under load, one
+that died while idle replaced before use, and read-only units that run
+their statements without a transaction around them."""
 
 from __future__ import annotations
 
@@ -79,5 +80,24 @@ async def test_a_connection_in_steady_use_is_not_pinged_so_one_that_died_fails_o
         assert failed.value.connection_invalidated
         # ... and that disconnect invalidated the pool: the next transaction gets a new connection.
         assert await _backend_pid(db) != pid
+    finally:
+        await db.dispose()
+
+
+async def test_a_read_only_unit_runs_each_statement_on_its_own_without_begin_or_commit(fresh_postgres_database: str) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database)))
+    try:
+        async with db.transaction(read_only=True) as s:
+            # now() is the start of the statement's transaction: one transaction would give one value.
+            first = (await s.execute(text("SELECT now()"))).scalar_one()
+            await asyncio.sleep(0.01)
+            second = (await s.execute(text("SELECT now()"))).scalar_one()
+        assert second > first
+        async with db.transaction() as s:
+            first = (await s.execute(text("SELECT now()"))).scalar_one()
+            await asyncio.sleep(0.01)
+            second = (await s.execute(text("SELECT now()"))).scalar_one()
+        # A unit that may write is one transaction.
+        assert second == first
     finally:
         await db.dispose()
