@@ -28,11 +28,20 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from services.core import sqlite_inline
+from services.core.errors import DatabaseUnavailable
+from services.core.logging import get_logger
 from services.core.settings import DatabasePool
 
 __all__ = ["Database", "WalCheckpointer", "create_engine", "migrate", "upsert_insert"]
 
 T = TypeVar("T")
+
+log = get_logger("berth.db")
+
+# SQLSTATEs of a PostgreSQL server that cannot serve a connection now but
+# will (besides class 08, connection exceptions): too many connections, an
+# administrator's shutdown, a crash shutdown, starting up.
+_PASSING_SQLSTATES = frozenset({"53300", "57P01", "57P02", "57P03"})
 
 _ALEMBIC_DIR = Path(__file__).parent / "alembic"
 
@@ -234,6 +243,12 @@ class Database:
     connection checked out inside an open transaction, holding SQLite's
     write lock. ``run`` shields the whole unit of work as well.
 
+    A unit that fails for a reason that passes (``_passing``: a lost or
+    refused connection, a server restarting, a full pool, SQLite's lock held
+    too long) raises ``DatabaseUnavailable``, which callers see as
+    UNAVAILABLE (a 503 at the gateway) instead of an internal error; a
+    read-only ``run`` that lost its connection is tried once more.
+
     On the inline SQLite driver its WAL is checkpointed off the event loop
     (``WalCheckpointer``) until ``dispose``."""
 
@@ -283,29 +298,47 @@ class Database:
         the transaction has committed, in the same task."""
 
         async def work() -> T:
-            # This task is shielded already: its ending needs no task of its own.
-            async with self._unit(read_only, shield_end=False) as session:
-                result = await fn(session)
+            try:
+                result = await self._run_unit(fn, read_only)
+            except DatabaseUnavailable as exc:
+                # A read that lost its connection is tried once more: the
+                # disconnect replaced the pool, and reading again changes nothing.
+                if not (read_only and _disconnected(exc.__cause__)):
+                    raise
+                result = await self._run_unit(fn, read_only)
             if after_commit is not None:
                 after_commit(result)
             return result
 
         return await _shielded(work(), inflight)
 
+    async def _run_unit(self, fn: Callable[[AsyncSession], Awaitable[T]], read_only: bool) -> T:
+        # Called in a shielded task already: its ending needs no task of its own.
+        async with self._unit(read_only, shield_end=False) as session:
+            return await fn(session)
+
     @asynccontextmanager
     async def _unit(self, read_only: bool, *, shield_end: bool) -> AsyncIterator[AsyncSession]:
-        lock = None if read_only else self._write_lock
-        if lock is not None:
-            await lock.acquire()
-        session = (self._read_sessions if read_only else self._sessions)()
         try:
-            yield session
-        except BaseException:
-            end = self._end(session, lock, commit=False)
+            lock = None if read_only else self._write_lock
+            if lock is not None:
+                await lock.acquire()
+            session = (self._read_sessions if read_only else self._sessions)()
+            try:
+                yield session
+            except BaseException:
+                end = self._end(session, lock, commit=False)
+                await (_shielded(end) if shield_end else end)
+                raise
+            end = self._end(session, lock, commit=True)
             await (_shielded(end) if shield_end else end)
-            raise
-        end = self._end(session, lock, commit=True)
-        await (_shielded(end) if shield_end else end)
+        except Exception as exc:
+            if not _passing(exc):
+                raise
+            # The driver's own message: SQLAlchemy's would quote the statement and its parameters.
+            cause = exc.orig if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None else exc
+            log.warning("database_unavailable", read_only=read_only, error_type=type(cause).__name__, error=str(cause)[:300])
+            raise DatabaseUnavailable("the service's database is unavailable at the moment; try again") from exc
 
     @staticmethod
     async def _end(session: AsyncSession, lock: asyncio.Lock | None, *, commit: bool) -> None:
@@ -324,6 +357,29 @@ class Database:
         if self._checkpointer is not None:
             await asyncio.to_thread(self._checkpointer.stop)
         await self.engine.dispose()
+
+
+def _disconnected(exc: BaseException | None) -> bool:
+    """The unit lost its connection (the pool has replaced its connections)."""
+    return isinstance(exc, sqlalchemy.exc.DisconnectionError) or (
+        isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated
+    )
+
+
+def _passing(exc: BaseException) -> bool:
+    """A failure of the database that passes and says nothing of the unit's
+    own work: a lost or refused connection (asyncpg raises a refused connect
+    as a bare ``ConnectionError``), a server shutting down or starting up,
+    every pooled connection busy past the pool's timeout, SQLite's lock held
+    past its timeout. A constraint violation or a bad query is not one."""
+    if _disconnected(exc) or isinstance(exc, (sqlalchemy.exc.TimeoutError, ConnectionError)):
+        return True
+    if not isinstance(exc, sqlalchemy.exc.DBAPIError):
+        return False
+    if isinstance(exc.orig, sqlite3.OperationalError):
+        return sqlite_inline.is_busy(exc.orig)
+    state = str(getattr(exc.orig, "sqlstate", "") or "")
+    return state.startswith("08") or state in _PASSING_SQLSTATES
 
 
 def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "Conflict",
     "Unavailable",
     "SandboxUnavailable",
+    "DatabaseUnavailable",
     "PermissionDenied",
     "Unauthenticated",
     "PeerUnauthenticated",
@@ -148,6 +149,16 @@ class Unavailable(BerthError):
 
 class SandboxUnavailable(Unavailable):
     reason = "SANDBOX_UNAVAILABLE"
+
+
+class DatabaseUnavailable(Unavailable):
+    """The service's database could not serve a unit of work for a reason
+    that passes (a lost or refused connection, a server restarting, every
+    pooled connection busy, SQLite's lock held past its timeout). Raised by
+    ``Database`` (services/core/db.py); the message never quotes the
+    database's own error, which the service logs."""
+
+    reason = "DATABASE_UNAVAILABLE"
 
 
 class PermissionDenied(BerthError):

@@ -42,7 +42,7 @@ from sqlalchemy.dialects.sqlite.aiosqlite import (
 )
 from sqlalchemy.util.concurrency import await_
 
-__all__ = ["InlineSQLiteDialect", "Connection", "Cursor", "connect", "DRIVER"]
+__all__ = ["InlineSQLiteDialect", "Connection", "Cursor", "connect", "is_busy", "DRIVER"]
 
 DRIVER = "berth"
 __version__ = "1.0"
@@ -61,7 +61,7 @@ _BUSY_FIRST_S = 0.001
 _BUSY_MAX_S = 0.05
 
 
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
+def is_busy(exc: sqlite3.OperationalError) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None:
         return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -75,7 +75,7 @@ async def _retry_busy(call: Callable[[], Any], deadline_s: float) -> Any:
     try:
         return call()
     except sqlite3.OperationalError as exc:
-        if not _is_busy(exc):
+        if not is_busy(exc):
             raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
@@ -85,7 +85,7 @@ async def _retry_busy(call: Callable[[], Any], deadline_s: float) -> Any:
         try:
             return call()
         except sqlite3.OperationalError as exc:
-            if not _is_busy(exc) or loop.time() >= deadline:
+            if not is_busy(exc) or loop.time() >= deadline:
                 raise
         delay = min(delay * 2, _BUSY_MAX_S)
 

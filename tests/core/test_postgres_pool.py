@@ -1,17 +1,21 @@
 """A service's PostgreSQL connections: a fixed set reused under load, one
-that died while idle replaced before use, and read-only units that run
-their statements without a transaction around them."""
+that died while idle replaced before use, read-only units that run their
+statements without a transaction around them, and a database that goes
+away seen as unavailable (UNAVAILABLE, a 503) instead of an internal error."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import asyncpg
 import pytest
 import sqlalchemy.exc
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.core.db import Database, create_engine
+from services.core.errors import DatabaseUnavailable
 from services.core.settings import DatabasePool, normalize_database_url
 
 pytestmark = pytest.mark.postgres
@@ -75,9 +79,10 @@ async def test_a_connection_in_steady_use_is_not_pinged_so_one_that_died_fails_o
         pid = await _backend_pid(db)
         await _terminate(fresh_postgres_database, {pid})
         # Returned a moment ago: handed out without a ping, so its first use fails ...
-        with pytest.raises(sqlalchemy.exc.DBAPIError) as failed:
+        with pytest.raises(DatabaseUnavailable) as failed:
             await _backend_pid(db)
-        assert failed.value.connection_invalidated
+        cause = failed.value.__cause__
+        assert isinstance(cause, sqlalchemy.exc.DBAPIError) and cause.connection_invalidated
         # ... and that disconnect invalidated the pool: the next transaction gets a new connection.
         assert await _backend_pid(db) != pid
     finally:
@@ -99,5 +104,80 @@ async def test_a_read_only_unit_runs_each_statement_on_its_own_without_begin_or_
             second = (await s.execute(text("SELECT now()"))).scalar_one()
         # A unit that may write is one transaction.
         assert second == first
+    finally:
+        await db.dispose()
+
+
+async def _pid_of(s: AsyncSession) -> int:
+    return int((await s.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+
+async def test_a_read_only_run_whose_connection_died_in_steady_use_is_tried_again_on_a_new_connection(
+    fresh_postgres_database: str,
+) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=1, ping_idle_s=60)))
+    try:
+        pid = await db.run(_pid_of, read_only=True)
+        await _terminate(fresh_postgres_database, {pid})
+        attempts = 0
+
+        async def counted(s: AsyncSession) -> int:
+            nonlocal attempts
+            attempts += 1
+            return await _pid_of(s)
+
+        # Its first attempt meets the dead connection; the second, a new one.
+        assert await db.run(counted, read_only=True) != pid
+        assert attempts == 2
+    finally:
+        await db.dispose()
+
+
+async def test_a_writing_run_whose_connection_died_is_unavailable_and_is_not_run_again(fresh_postgres_database: str) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=1, ping_idle_s=60)))
+    try:
+        async with db.transaction() as s:
+            await s.execute(text("CREATE TABLE marks (n int)"))
+        pid = await db.run(_pid_of)
+        await _terminate(fresh_postgres_database, {pid})
+        attempts = 0
+
+        async def write(s: AsyncSession) -> None:
+            nonlocal attempts
+            attempts += 1
+            await s.execute(text("INSERT INTO marks VALUES (1)"))
+
+        # A write may have reached the server before the connection died: never run twice.
+        with pytest.raises(DatabaseUnavailable):
+            await db.run(write)
+        assert attempts == 1
+        async with db.transaction(read_only=True) as s:
+            assert (await s.execute(text("SELECT count(*) FROM marks"))).scalar_one() == 0
+    finally:
+        await db.dispose()
+
+
+async def test_a_server_that_refuses_connections_makes_a_unit_unavailable(fresh_postgres_database: str) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    # Nothing listens on the port any more: the connect is refused.
+    url = normalize_database_url(fresh_postgres_database).replace("127.0.0.1:5432", f"127.0.0.1:{closed}")
+    assert str(closed) in url
+    db = Database(create_engine(url))
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            await db.run(_pid_of, read_only=True)
+    finally:
+        await db.dispose()
+
+
+async def test_a_query_the_server_rejects_is_not_mistaken_for_an_unavailable_database(fresh_postgres_database: str) -> None:
+    db = Database(create_engine(normalize_database_url(fresh_postgres_database)))
+    try:
+        # The server's own error, as it was (an internal error for the caller).
+        with pytest.raises(sqlalchemy.exc.ProgrammingError):
+            async with db.transaction() as s:
+                await s.execute(text("SELECT * FROM no_such_table"))
     finally:
         await db.dispose()

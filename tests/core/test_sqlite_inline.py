@@ -14,6 +14,7 @@ import sqlalchemy.exc
 from sqlalchemy import text
 
 from services.core.db import Database, WalCheckpointer, create_engine
+from services.core.errors import DatabaseUnavailable
 from services.core.settings import normalize_database_url
 
 
@@ -64,16 +65,17 @@ async def test_a_writer_waits_for_another_processes_lock_while_the_event_loop_ke
         await db.dispose()
 
 
-async def test_a_writer_fails_with_operational_error_once_the_lock_timeout_passes(tmp_path: Path) -> None:
+async def test_a_writer_is_told_the_database_is_unavailable_once_the_lock_timeout_passes(tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite"
     await (await _database(path)).dispose()
     db = await _database(path, timeout_s=0.2)
     holder = sqlite3.connect(path, isolation_level=None)
     try:
         holder.execute("BEGIN IMMEDIATE")
-        with pytest.raises(sqlalchemy.exc.OperationalError):
+        with pytest.raises(DatabaseUnavailable) as failed:
             async with asyncio.timeout(5), db.transaction() as s:
                 await s.execute(text("UPDATE counter SET n = n + 1 WHERE id = 1"))
+        assert isinstance(failed.value.__cause__, sqlalchemy.exc.OperationalError)
         holder.execute("ROLLBACK")
         # Nothing was written, and the database is usable afterwards.
         assert await _count(db) == 0
