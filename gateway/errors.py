@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.core.errors import reason_from_rpc_error
+from services.core.errors import BerthError, reason_from_rpc_error
 from services.core.logging import get_logger
 
 __all__ = [
@@ -153,6 +153,16 @@ def map_rpc_error(exc: grpc.RpcError) -> ApiError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or ""
     reason, metadata = reason_from_rpc_error(exc)
+    return _mapped(code, reason, details, metadata)
+
+
+def map_domain_error(exc: BerthError) -> ApiError:
+    """Translates a domain error the gateway raised itself (its own
+    database unavailable, say) with the same table."""
+    return _mapped(exc.grpc_code, exc.reason, exc.message, exc.metadata)
+
+
+def _mapped(code: grpc.StatusCode, reason: str, details: str, metadata: Mapping[str, str]) -> ApiError:
     wire = GRPC_ERROR_TABLE.get((code, reason)) or GRPC_ERROR_TABLE.get((code, "")) or _INTERNAL
     if wire is _INTERNAL:
         log.error("upstream_internal_error", grpc_code=code.name, reason=reason, details=details)
@@ -203,6 +213,11 @@ async def _rpc_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(map_rpc_error(exc))
 
 
+async def _domain_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BerthError)
+    return error_response(map_domain_error(exc))
+
+
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     wire = _HTTP_STATUS_CODES.get(exc.status_code)
@@ -237,6 +252,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(grpc.RpcError, _rpc_error)
+    app.add_exception_handler(BerthError, _domain_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,57 @@
+"""The database going away under running services: the four services as
+separate processes on PostgreSQL, and every connection they hold is
+terminated by the server (a restart, a failover). A request that meets a
+dead connection is a 503 in the error envelope, which the SDKs retry,
+never a 500; reads are tried again inside the service; and the services
+serve again at once, on new connections, with nothing restarted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncpg
+import pytest
+from fault_stack import running_processes
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+
+async def _terminate_every_connection(database_url: str) -> int:
+    """Terminates every other backend of the test's database; returns how many."""
+    admin = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"), timeout=5)
+    try:
+        rows = await admin.fetch(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        return len(rows)
+    finally:
+        await admin.close()
+
+
+async def test_connections_the_database_dropped_give_503s_never_500s_and_the_services_recover_at_once(
+    tmp_path: Path, fresh_postgres_database: str, bwrap_available: None
+) -> None:
+    # No ping for a minute: the services use their pooled connections as they are.
+    async with running_processes(tmp_path / "berth", fresh_postgres_database, database_ping_idle_s="60") as stack:
+        async with stack.http() as http:
+            created = await http.post("/agents", json={"model": "scripted", "name": "before"})
+            assert created.status_code == 200
+            assert (await http.get("/agents")).status_code == 200
+
+            assert await _terminate_every_connection(fresh_postgres_database) > 0
+
+            statuses: list[int] = []
+            for attempt in range(6):
+                response = await http.post("/agents", json={"model": "scripted", "name": f"after-{attempt}"})
+                statuses.append(response.status_code)
+                if response.status_code == 200:
+                    break
+                assert response.status_code == 503, response.text
+                error = response.json()["error"]
+                assert (error["type"], error["code"]) == ("server_error", "service_unavailable")
+            # The first request met a dead connection; a later one was served.
+            assert statuses[0] == 503 and statuses[-1] == 200, statuses
+
+            names = {agent["name"] for agent in (await http.get("/agents", params={"limit": 100})).json()["data"]}
+            # Only the request that succeeded wrote an agent.
+            assert names == {"before", f"after-{len(statuses) - 1}"}
