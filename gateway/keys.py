@@ -249,13 +249,17 @@ async def authenticate_key(db: Database, plaintext: str) -> AuthenticatedKey | N
         return None
     digest = hash_key(plaintext)
     now = time.time()
-    async with db.transaction(read_only=True) as s:
-        row = (await s.execute(_KEY_BY_HASH, {"key_hash": digest})).scalar_one_or_none()
-        if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
-            return None
-        key = AuthenticatedKey(key_id=row.id, org_id=row.org_id, scopes=frozenset(json.loads(row.scopes_json)))
-        stale = row.last_used_at is None or row.last_used_at < now - _LAST_USED_RESOLUTION_S
-    if stale:
+
+    async def lookup(s: AsyncSession) -> ApiKeyRow | None:
+        return (await s.execute(_KEY_BY_HASH, {"key_hash": digest})).scalar_one_or_none()
+
+    # A run, not a bare transaction: a lookup that lost its connection (a
+    # database restart) is tried once more instead of failing the request.
+    row = await db.run(lookup, read_only=True)
+    if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
+        return None
+    key = AuthenticatedKey(key_id=row.id, org_id=row.org_id, scopes=frozenset(json.loads(row.scopes_json)))
+    if row.last_used_at is None or row.last_used_at < now - _LAST_USED_RESOLUTION_S:
         async with db.transaction() as s:
             await s.execute(
                 update(ApiKeyRow)

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.app import start_gateway
 from gateway_support import Stack
+from services.core.db import Database, create_engine
 from services.core.settings import Settings
 
 
@@ -37,3 +38,22 @@ async def test_stopping_the_gateway_ends_open_event_streams(stack: Stack) -> Non
         await asyncio.wait_for(stack.gateway.stop(), timeout=5)
         rest = [chunk async for chunk in chunks]
     assert first.startswith("id: 1\n") and "".join(rest) == ""
+
+
+async def test_a_gateway_whose_own_database_is_unreachable_answers_503_in_the_error_envelope_not_500(stack: Stack) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    state = stack.gateway.app.state.berth
+    working = state.db
+    # Nothing listens there: every key lookup finds its connection refused.
+    state.db = Database(create_engine(f"postgresql+asyncpg://postgres@127.0.0.1:{closed}/gone"))
+    try:
+        async with stack.client() as client:
+            response = await client.get("/v1/agents")
+    finally:
+        await state.db.dispose()
+        state.db = working
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "service_unavailable")
