@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -89,6 +90,47 @@ async def test_paused_sandbox_keeps_files_and_freezes_processes_until_resumed(
 
     await wait_until(lambda: _counter(counter) > frozen_at + 5, what="counter advanced after resume")
     assert await sandbox.client.read_file_bytes("before_pause.txt") == b"written just before the pause"
+
+
+def _sectors_written(mount_point: Path) -> int:
+    """Sectors written so far to the block device mounted at ``mount_point``
+    (its most recent mount)."""
+    target = os.path.realpath(mount_point)
+    device = ""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == target:
+            device = fields[2]
+    assert device, f"nothing is mounted at {target}"
+    return int(Path(f"/sys/dev/block/{device}/stat").read_text().split()[6])
+
+
+async def test_pausing_a_sandbox_writes_back_its_own_workspace_and_no_other_filesystem_of_the_host(
+    make_sandbox: SandboxFactory, tmp_path: Path
+) -> None:
+    sandbox = await make_sandbox()
+    # Another tenant's filesystem, as the host has many: an ext4 image of its own.
+    image, other = tmp_path / "other.ext4", tmp_path / "other"
+    other.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(other)], check=True, capture_output=True)
+    try:
+        # 8 MiB in each, left in the page cache (nothing fsyncs them).
+        (other / "unsynced").write_bytes(os.urandom(8 << 20))
+        result = await sandbox.client.run(shell="head -c 8388608 /dev/urandom > /workspace/unsynced")
+        assert result.exit_code == 0
+        own_before, other_before = _sectors_written(sandbox.workspace), _sectors_written(other)
+        await sandbox.backend.pause(sandbox.handle)
+        own_after, other_after = _sectors_written(sandbox.workspace), _sectors_written(other)
+        await sandbox.backend.resume(sandbox.handle)
+    finally:
+        subprocess.run(["umount", str(other)], check=True, capture_output=True)
+    # The sandbox's own writes reached its disk before it froze ...
+    assert own_after - own_before >= (8 << 20) // 512
+    # ... and the pause did not write back the host's other filesystems (sync(2) would have).
+    assert other_after - other_before < (8 << 20) // 512 // 8
 
 
 async def test_sandbox_survives_a_service_restart_and_is_adopted(tmp_path: Path) -> None:

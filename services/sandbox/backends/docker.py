@@ -233,7 +233,7 @@ from services.sandbox.isolation.network import (
     prepare_user_network,
     start_user_network,
 )
-from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_under
+from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, sync_filesystem, unmount_under
 from services.sandbox.isolation.sizes import DEFAULT_SIZE, SIZES, ContainerSize
 
 __all__ = ["DockerBackend", "installation_id"]
@@ -535,8 +535,9 @@ class DockerBackend(SandboxBackend):
             container = await self._live_container(handle)
             if container.status == "paused":
                 return
-            # Written files reach the disk before the processes that wrote them freeze.
-            await asyncio.to_thread(os.sync)
+            # Written files reach the disk before the processes that wrote them
+            # freeze: the workspace's filesystem, not every one of the host's.
+            await asyncio.to_thread(sync_filesystem, Path(str(handle.private["workspace_dir"])))
             await self._toggle_pause(container, pause=True)
 
     async def resume(self, handle: BackendHandle) -> None:

@@ -120,7 +120,14 @@ from services.sandbox.isolation.network import (
     prepare_user_network,
     start_user_network,
 )
-from services.sandbox.isolation.quota import IMAGE_NAME, QuotaError, mount_workspace, unmount_under, unmount_workspace
+from services.sandbox.isolation.quota import (
+    IMAGE_NAME,
+    QuotaError,
+    mount_workspace,
+    sync_filesystem,
+    unmount_under,
+    unmount_workspace,
+)
 from services.sandbox.isolation.seccomp import SeccompUnavailable, write_filter
 from services.sandbox.isolation.sizes import SIZES
 
@@ -459,8 +466,9 @@ class LocalBackend(SandboxBackend):
             if not self._alive(handle):
                 raise SandboxGone(f"sandbox {handle.sandbox_id} is not running")
             # Files the daemon wrote are fsynced already; this covers what the
-            # sandbox's own processes left in the page cache.
-            await asyncio.to_thread(os.sync)
+            # sandbox's own processes left in the page cache of its workspace,
+            # without writing back every other tenant's and the host's (sync(2)).
+            await asyncio.to_thread(sync_filesystem, Path(str(handle.private["workspace_dir"])))
             await self._set_frozen(handle, True)
 
     async def resume(self, handle: BackendHandle) -> None:

@@ -34,7 +34,16 @@ from pathlib import Path
 
 from services.sandbox.isolation.commands import TOOL_PATH, run_tool
 
-__all__ = ["QuotaError", "mount_workspace", "unmount_workspace", "is_mounted", "mounts_under", "unmount_under", "IMAGE_NAME"]
+__all__ = [
+    "QuotaError",
+    "mount_workspace",
+    "unmount_workspace",
+    "sync_filesystem",
+    "is_mounted",
+    "mounts_under",
+    "unmount_under",
+    "IMAGE_NAME",
+]
 
 IMAGE_NAME = "workspace.ext4"
 _TIMEOUT_S = 30.0
@@ -94,7 +103,22 @@ def _libc() -> ctypes.CDLL:
     libc.mount.restype = ctypes.c_int
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     libc.umount2.restype = ctypes.c_int
+    libc.syncfs.argtypes = [ctypes.c_int]
+    libc.syncfs.restype = ctypes.c_int
     return libc
+
+
+def sync_filesystem(path: Path) -> None:
+    """Writes back the dirty pages of the one filesystem that holds ``path``
+    (syncfs(2)), and no other of the host's. For a workspace on its quota's
+    loop-mounted image that ends with a cache flush of the loop device,
+    which the kernel turns into an fsync of the image file."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if _libc().syncfs(fd) != 0:
+            raise _failed(f"syncing {path}", ctypes.get_errno())
+    finally:
+        os.close(fd)
 
 
 def is_mounted(mount_point: Path) -> bool:
