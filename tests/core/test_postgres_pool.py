@@ -6,11 +6,11 @@ away seen as unavailable (UNAVAILABLE, a 503) instead of an internal error."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
-import asyncpg
 import pytest
 import sqlalchemy.exc
+from db_support import terminate_backends
+from hosts_support import free_port
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -43,18 +43,6 @@ async def test_a_busy_service_reuses_its_pooled_connections_instead_of_opening_o
         await db.dispose()
 
 
-async def _terminate(url: str, pids: set[int]) -> None:
-    admin = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"), timeout=5)
-    try:
-        for pid in pids:
-            await admin.execute("SELECT pg_terminate_backend($1)", pid)
-        async with asyncio.timeout(10):
-            while await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = any($1::int[])", list(pids)):
-                await asyncio.sleep(0.02)
-    finally:
-        await admin.close()
-
-
 async def test_a_pooled_connection_that_died_while_idle_is_replaced_before_the_next_transaction_uses_it(
     fresh_postgres_database: str,
 ) -> None:
@@ -62,7 +50,7 @@ async def test_a_pooled_connection_that_died_while_idle_is_replaced_before_the_n
     try:
         pid = await _backend_pid(db)
         # The server goes away under the idle connection (a restart, a failover).
-        await _terminate(fresh_postgres_database, {pid})
+        await terminate_backends(fresh_postgres_database, {pid})
         # Time must pass for this: the connection idles longer than ping_idle_s.
         await asyncio.sleep(0.3)
         # Idle past ping_idle_s: pinged at checkout, found dead, replaced.
@@ -77,7 +65,7 @@ async def test_a_connection_in_steady_use_is_not_pinged_so_one_that_died_fails_o
     db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=2, ping_idle_s=60)))
     try:
         pid = await _backend_pid(db)
-        await _terminate(fresh_postgres_database, {pid})
+        await terminate_backends(fresh_postgres_database, {pid})
         # Returned a moment ago: handed out without a ping, so its first use fails ...
         with pytest.raises(DatabaseUnavailable) as failed:
             await _backend_pid(db)
@@ -118,7 +106,7 @@ async def test_a_read_only_run_whose_connection_died_in_steady_use_is_tried_agai
     db = Database(create_engine(normalize_database_url(fresh_postgres_database), pool=DatabasePool(size=1, ping_idle_s=60)))
     try:
         pid = await db.run(_pid_of, read_only=True)
-        await _terminate(fresh_postgres_database, {pid})
+        await terminate_backends(fresh_postgres_database, {pid})
         attempts = 0
 
         async def counted(s: AsyncSession) -> int:
@@ -139,7 +127,7 @@ async def test_a_writing_run_whose_connection_died_is_unavailable_and_is_not_run
         async with db.transaction() as s:
             await s.execute(text("CREATE TABLE marks (n int)"))
         pid = await db.run(_pid_of)
-        await _terminate(fresh_postgres_database, {pid})
+        await terminate_backends(fresh_postgres_database, {pid})
         attempts = 0
 
         async def write(s: AsyncSession) -> None:
@@ -158,10 +146,8 @@ async def test_a_writing_run_whose_connection_died_is_unavailable_and_is_not_run
 
 
 async def test_a_server_that_refuses_connections_makes_a_unit_unavailable(fresh_postgres_database: str) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
-    # Nothing listens on the port any more: the connect is refused.
+    closed = free_port()
+    # Nothing listens on the port: the connect is refused.
     url = normalize_database_url(fresh_postgres_database).replace("127.0.0.1:5432", f"127.0.0.1:{closed}")
     assert str(closed) in url
     db = Database(create_engine(url))

@@ -8,35 +8,13 @@ restarted."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-import asyncpg
 import pytest
+from db_support import terminate_backends
 from fault_stack import running_processes
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-async def _terminate_every_connection(database_url: str) -> int:
-    """Terminates every other backend of the test's database; returns how many."""
-    admin = await asyncpg.connect(database_url.replace("postgresql+asyncpg://", "postgresql://"), timeout=5)
-    try:
-        pids = [
-            row[0]
-            for row in await admin.fetch(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-        ]
-        for pid in pids:
-            await admin.execute("SELECT pg_terminate_backend($1)", pid)
-        # Terminating only signals a backend: wait until each has exited.
-        async with asyncio.timeout(10):
-            while await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = any($1::int[])", pids):
-                await asyncio.sleep(0.02)
-        return len(pids)
-    finally:
-        await admin.close()
 
 
 async def test_connections_the_database_dropped_are_retried_for_reads_503_for_writes_never_500_and_recover_at_once(
@@ -49,13 +27,13 @@ async def test_connections_the_database_dropped_are_retried_for_reads_503_for_wr
             assert created.status_code == 200
             assert (await http.get("/agents")).status_code == 200
 
-            assert await _terminate_every_connection(fresh_postgres_database) > 0
+            assert await terminate_backends(fresh_postgres_database) > 0
             # A read is tried again on a new connection, in the gateway (its
             # key lookup) and in the Session service: the caller sees nothing.
             listed = await http.get("/agents")
             assert listed.status_code == 200, listed.text
 
-            assert await _terminate_every_connection(fresh_postgres_database) > 0
+            assert await terminate_backends(fresh_postgres_database) > 0
             statuses: list[int] = []
             for attempt in range(6):
                 response = await http.post("/agents", json={"model": "scripted", "name": f"after-{attempt}"})

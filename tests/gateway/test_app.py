@@ -8,6 +8,7 @@ import pytest
 
 from gateway.app import start_gateway
 from gateway_support import Stack
+from hosts_support import free_port
 from services.core.db import Database, create_engine
 from services.core.settings import Settings
 
@@ -41,9 +42,7 @@ async def test_stopping_the_gateway_ends_open_event_streams(stack: Stack) -> Non
 
 
 async def test_a_gateway_whose_own_database_is_unreachable_answers_503_in_the_error_envelope_not_500(stack: Stack) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = free_port()
     state = stack.gateway.app.state.berth
     working = state.db
     # Nothing listens there: every key lookup finds its connection refused.
